@@ -1,0 +1,397 @@
+//! The lifetime manager: frees tensors that cross streams as soon as the schedule proves it safe.
+//!
+//! One [`Manager`] per plan (rule 5). A consumer on stream B *retires* a tensor owned by stream
+//! A; the manager records its plan event on B and parks the tensor in `pending[A]`. The next
+//! *acquire* of A enqueues `A.wait(event)` and only then releases the parked tensors (rule 1),
+//! so the caching allocator can hand the block out again on A with no reuse race and no
+//! `record_stream`. The rules of DESIGN.md §2 are enforced here, each where it is named; their
+//! tests are in `tests/lifetime_rules.rs`.
+
+mod stats;
+
+use std::collections::{HashMap, HashSet};
+use std::hash::{BuildHasherDefault, Hasher};
+
+use smallvec::SmallVec;
+
+pub use stats::Stats;
+
+use crate::error::{Error, Result};
+use crate::runtime::{Action, Runtime, StreamId, TensorKey};
+
+/// Keys are object addresses: already well spread, so a multiplicative mix is enough.
+#[derive(Default)]
+pub struct AddrHasher(u64);
+
+impl Hasher for AddrHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (n ^ (n >> 29)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+type AddrMap<V> = HashMap<u64, V, BuildHasherDefault<AddrHasher>>;
+type AddrSet = HashSet<u64, BuildHasherDefault<AddrHasher>>;
+
+struct Binding<P> {
+    owner: StreamId,
+    nbytes: u64,
+    payload: P,
+}
+
+struct Parked<P> {
+    tensor: u64,
+    consumer: StreamId,
+    action: Action,
+    nbytes: u64,
+    payload: P,
+}
+
+/// Tensors waiting for their owner stream's next acquire.
+struct OwnerQueue<P> {
+    owner: StreamId,
+    entries: Vec<Parked<P>>,
+    /// Consumer streams whose plan-event record covers these entries (the owner waits on each).
+    consumers: SmallVec<[StreamId; 2]>,
+}
+
+/// The per-plan lifetime manager, generic over the [`Runtime`] that executes its decisions.
+pub struct Manager<R: Runtime> {
+    name: String,
+    bindings: AddrMap<Binding<R::Payload>>,
+    /// Tensor keys parked in some owner queue (retiring one again is an error).
+    parked: AddrSet,
+    queues: SmallVec<[OwnerQueue<R::Payload>; 4]>,
+    /// The plan event, one per consumer stream: each record marks that stream's consumes.
+    events: SmallVec<[(StreamId, R::Event); 2]>,
+    stats: Stats,
+    finalized: bool,
+}
+
+impl<R: Runtime> Manager<R> {
+    /// A manager for one plan; `name` appears in every error message.
+    pub fn new(name: impl Into<String>) -> Self {
+        Manager {
+            name: name.into(),
+            bindings: AddrMap::default(),
+            parked: AddrSet::default(),
+            queues: SmallVec::new(),
+            events: SmallVec::new(),
+            stats: Stats::default(),
+            finalized: false,
+        }
+    }
+
+    /// The plan's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> Stats {
+        let mut s = self.stats;
+        s.bound_now = self.bindings.len() as u64;
+        s
+    }
+
+    /// True once `finalize` succeeded.
+    pub fn is_finalized(&self) -> bool {
+        self.finalized
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.finalized {
+            return Err(Error::Protocol(format!(
+                "lifetime manager '{}' was already finalized; create a new manager for the next plan",
+                self.name
+            )));
+        }
+        Ok(())
+    }
+
+    /// Reject duplicates and aliases inside one call (rule 8) before any state changes.
+    fn check_distinct(&self, verb: &str, tensors: &[TensorKey]) -> Result<()> {
+        let mut by_storage: SmallVec<[(u64, usize); 16]> =
+            tensors.iter().enumerate().filter(|(_, t)| t.storage != 0).map(|(i, t)| (t.storage, i)).collect();
+        by_storage.sort_unstable();
+        for w in by_storage.windows(2) {
+            let (a, b) = (w[0].1, w[1].1);
+            if w[0].0 == w[1].0 {
+                return Err(if tensors[a].tensor == tensors[b].tensor {
+                    Error::Protocol(format!(
+                        "plan '{}': tensors {a} and {b} of one {verb} call are the same tensor; {verb} it once",
+                        self.name
+                    ))
+                } else {
+                    Error::Protocol(format!(
+                        "plan '{}': tensors {a} and {b} of one {verb} call alias one storage; \
+                         retiring both would release it twice (rule 8: aliases are rejected)",
+                        self.name
+                    ))
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Record that `tensors` are owned by `owner` (the stream their storage was allocated on).
+    /// `take(i)` yields the runtime's strong reference to tensor `i`.
+    pub fn bind(
+        &mut self,
+        tensors: &[TensorKey],
+        owner: StreamId,
+        mut take: impl FnMut(usize) -> R::Payload,
+    ) -> Result<()> {
+        self.check_open()?;
+        self.check_distinct("bind", tensors)?;
+        for (i, t) in tensors.iter().enumerate() {
+            if t.device != owner.device {
+                return Err(Error::InvalidInput(format!(
+                    "plan '{}': bind: tensor {i} is on {} but the owner stream is {owner}",
+                    self.name, t.device
+                )));
+            }
+            if let Some(b) = self.bindings.get(&t.tensor) {
+                return Err(Error::Protocol(format!(
+                    "plan '{}': bind: tensor {i} is already bound to {}",
+                    self.name, b.owner
+                )));
+            }
+            if self.parked.contains(&t.tensor) {
+                return Err(Error::Protocol(format!(
+                    "plan '{}': bind: tensor {i} was already retired and waits for its owner's acquire",
+                    self.name
+                )));
+            }
+        }
+        for (i, t) in tensors.iter().enumerate() {
+            self.bindings.insert(t.tensor, Binding { owner, nbytes: t.nbytes, payload: take(i) });
+        }
+        self.stats.bound += tensors.len() as u64;
+        Ok(())
+    }
+
+    /// A noop/view node passed these tensors through unchanged (rule 6): the binding stays
+    /// with the object and reaches the next real consumer. Errors if one was already retired.
+    pub fn passthrough(&mut self, tensors: &[TensorKey]) -> Result<()> {
+        self.check_open()?;
+        for (i, t) in tensors.iter().enumerate() {
+            if self.parked.contains(&t.tensor) {
+                return Err(Error::Protocol(format!(
+                    "plan '{}': passthrough: tensor {i} was already retired; a noop after the last \
+                     consumer would read released storage",
+                    self.name
+                )));
+            }
+        }
+        self.stats.passthrough += tensors.len() as u64;
+        Ok(())
+    }
+
+    /// The consumer on `consumer` is done with `tensors` (its work is already queued).
+    ///
+    /// Bound tensors on their owner stream are released at once (rule 2); bound tensors of
+    /// another owner are parked until that owner's acquire (rules 1, 3); unbound tensors take
+    /// the `record_stream(consumer)` fallback (rule 4). Validation runs before any change.
+    pub fn retire(
+        &mut self,
+        rt: &mut R,
+        tensors: &[TensorKey],
+        consumer: StreamId,
+        action: Action,
+        mut take: impl FnMut(usize) -> R::Payload,
+    ) -> Result<()> {
+        self.check_open()?;
+        self.check_distinct("retire", tensors)?;
+        let mut cross = false;
+        for (i, t) in tensors.iter().enumerate() {
+            if t.device != consumer.device {
+                return Err(Error::InvalidInput(format!(
+                    "plan '{}': retire: tensor {i} is on {} but the consumer stream is {consumer}",
+                    self.name, t.device
+                )));
+            }
+            if self.parked.contains(&t.tensor) {
+                return Err(Error::Protocol(format!(
+                    "plan '{}': retire: tensor {i} was already retired and waits for its owner's acquire",
+                    self.name
+                )));
+            }
+            if let Some(b) = self.bindings.get(&t.tensor) {
+                cross |= b.owner != consumer;
+            }
+        }
+        if cross {
+            // Mark the consumer's work before anything is parked, so every parked entry is covered.
+            self.record_plan_event(rt, consumer)?;
+        }
+        for (i, t) in tensors.iter().enumerate() {
+            match self.bindings.remove(&t.tensor) {
+                Some(b) if b.owner == consumer => {
+                    self.stats.count_retired(action);
+                    self.stats.immediate += 1;
+                    rt.release(b.payload, action)?;
+                }
+                Some(b) => {
+                    self.stats.count_retired(action);
+                    self.park(b, t.tensor, consumer, action);
+                }
+                None => {
+                    self.stats.fallback_record_stream += 1;
+                    let payload = take(i);
+                    if consumer.is_host() {
+                        // Host-ordered work is finished when the call returns: nothing to record.
+                        drop(payload);
+                    } else {
+                        rt.record_stream(payload, consumer)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn record_plan_event(&mut self, rt: &mut R, consumer: StreamId) -> Result<()> {
+        let slot = match self.events.iter().position(|(s, _)| *s == consumer) {
+            Some(i) => i,
+            None => {
+                let ev = rt.new_event(consumer)?;
+                self.events.push((consumer, ev));
+                self.events.len() - 1
+            }
+        };
+        rt.record(&mut self.events[slot].1, consumer)?;
+        self.stats.events_recorded += 1;
+        Ok(())
+    }
+
+    fn park(&mut self, b: Binding<R::Payload>, tensor: u64, consumer: StreamId, action: Action) {
+        let qi = match self.queues.iter().position(|q| q.owner == b.owner) {
+            Some(i) => i,
+            None => {
+                self.queues.push(OwnerQueue { owner: b.owner, entries: Vec::new(), consumers: SmallVec::new() });
+                self.queues.len() - 1
+            }
+        };
+        let q = &mut self.queues[qi];
+        if !q.consumers.contains(&consumer) {
+            q.consumers.push(consumer);
+        }
+        q.entries.push(Parked { tensor, consumer, action, nbytes: b.nbytes, payload: b.payload });
+        self.parked.insert(tensor);
+        self.stats.pending_count += 1;
+        self.stats.pending_bytes += b.nbytes;
+        self.stats.pending_peak_count = self.stats.pending_peak_count.max(self.stats.pending_count);
+        self.stats.pending_peak_bytes = self.stats.pending_peak_bytes.max(self.stats.pending_bytes);
+    }
+
+    /// The next node on `stream` is about to run: enqueue `stream.wait(plan event)` for every
+    /// consumer that parked tensors owned by `stream`, then release them (rule 1). Only this
+    /// plan's queue is drained (rule 5). Returns the number of tensors released.
+    pub fn acquire(&mut self, rt: &mut R, stream: StreamId) -> Result<usize> {
+        self.check_open()?;
+        self.drain(rt, stream)
+    }
+
+    fn drain(&mut self, rt: &mut R, stream: StreamId) -> Result<usize> {
+        let Some(qi) = self.queues.iter().position(|q| q.owner == stream && !q.entries.is_empty()) else {
+            return Ok(0);
+        };
+        let _span = tracing::debug_span!("drain", plan = %self.name, stream = %stream).entered();
+        // Rule 1: every wait is enqueued before the first release; a failed wait releases nothing.
+        for c in self.queues[qi].consumers.iter() {
+            let ev = &self.events.iter().find(|(s, _)| s == c).ok_or_else(|| {
+                Error::Runtime(format!("plan '{}': no plan event recorded on consumer {c}", self.name))
+            })?;
+            rt.wait(&ev.1, stream)?;
+            self.stats.waits += 1;
+        }
+        let q = &mut self.queues[qi];
+        q.consumers.clear();
+        let entries = std::mem::take(&mut q.entries);
+        let n = entries.len();
+        let mut first_err = None;
+        for e in entries {
+            self.parked.remove(&e.tensor);
+            self.stats.pending_count -= 1;
+            self.stats.pending_bytes -= e.nbytes;
+            self.stats.drained += 1;
+            if let Err(err) = rt.release(e.payload, e.action) {
+                first_err.get_or_insert(err);
+            }
+        }
+        first_err.map_or(Ok(n), Err)
+    }
+
+    /// Terminal hand-back (rule 7): every owner stream with parked tensors waits on the plan
+    /// event and drains. Tensors bound but never retired are an error (nothing changes, the
+    /// manager stays open so the caller can retire them and finalize again).
+    pub fn finalize(&mut self, rt: &mut R) -> Result<Stats> {
+        self.check_open()?;
+        if !self.bindings.is_empty() {
+            let bytes: u64 = self.bindings.values().map(|b| b.nbytes).sum();
+            let owners: std::collections::BTreeSet<String> =
+                self.bindings.values().map(|b| b.owner.to_string()).collect();
+            return Err(Error::Protocol(format!(
+                "plan '{}': finalize: {} tensor(s) ({bytes} bytes) were bound but never retired \
+                 (owners: {}); retire them before finalize",
+                self.name,
+                self.bindings.len(),
+                owners.into_iter().collect::<Vec<_>>().join(", ")
+            )));
+        }
+        let _span = tracing::debug_span!("finalize", plan = %self.name).entered();
+        let owners: SmallVec<[StreamId; 4]> =
+            self.queues.iter().filter(|q| !q.entries.is_empty()).map(|q| q.owner).collect();
+        for owner in owners {
+            self.drain(rt, owner)?;
+            self.stats.handbacks += 1;
+        }
+        self.finalized = true;
+        Ok(self.stats())
+    }
+
+    /// Tear down without a schedule (the plan was abandoned, e.g. after an exception): parked
+    /// tensors take the `record_stream(consumer)` fallback so no block is reused early, and
+    /// bindings are dropped. Leaves the manager finalized.
+    pub fn abandon(&mut self, rt: &mut R) -> Result<()> {
+        let mut first_err = None;
+        for q in self.queues.iter_mut() {
+            for e in q.entries.drain(..) {
+                self.stats.abandoned += 1;
+                self.stats.pending_count -= 1;
+                self.stats.pending_bytes -= e.nbytes;
+                let r = if e.consumer.is_host() { Ok(()) } else { rt.record_stream(e.payload, e.consumer) };
+                if let Err(err) = r {
+                    first_err.get_or_insert(err);
+                }
+            }
+            q.consumers.clear();
+        }
+        self.parked.clear();
+        self.bindings.clear();
+        self.finalized = true;
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Number of tensors parked, per owner stream (for tests and reports).
+    pub fn parked_on(&self, owner: StreamId) -> usize {
+        self.queues.iter().find(|q| q.owner == owner).map_or(0, |q| q.entries.len())
+    }
+}
+
+impl<R: Runtime> Drop for Manager<R> {
+    fn drop(&mut self) {
+        if self.stats.pending_count > 0 {
+            tracing::warn!(plan = %self.name, pending = self.stats.pending_count,
+                "lifetime manager dropped with parked tensors; call finalize() or abandon()");
+        }
+    }
+}
