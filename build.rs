@@ -3,8 +3,10 @@
 //! `cpp/shim.cc` against torch's headers (C++17 below torch 2.12, C++20 from 2.12, torch's
 //! cxx11 ABI), and links c10 and torch_cpu.
 
+#[cfg(feature = "torch")]
 use std::process::Command;
 
+#[cfg(feature = "torch")]
 const PROBE: &str = "import torch, torch.utils.cpp_extension as ce\n\
 print(torch.__version__)\n\
 print(';'.join(ce.include_paths()))\n\
@@ -14,15 +16,14 @@ print(int(torch._C._GLIBCXX_USE_CXX11_ABI))";
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-env-changed=PYTHON");
-    if std::env::var_os("CARGO_FEATURE_TORCH").is_none() {
-        return;
-    }
+    #[cfg(feature = "torch")]
     if let Err(msg) = build_torch_shim() {
         eprintln!("error: {msg}");
         panic!("sched-lifetime: {msg}");
     }
 }
 
+#[cfg(feature = "torch")]
 struct Torch {
     version: (u32, u32),
     includes: Vec<String>,
@@ -30,6 +31,7 @@ struct Torch {
     cxx11_abi: bool,
 }
 
+#[cfg(feature = "torch")]
 fn probe(python: &str) -> Result<Torch, String> {
     let out = Command::new(python)
         .args(["-c", PROBE])
@@ -62,6 +64,7 @@ fn probe(python: &str) -> Result<Torch, String> {
     })
 }
 
+#[cfg(feature = "torch")]
 fn build_torch_shim() -> Result<(), String> {
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".to_string());
     let torch = probe(&python)?;

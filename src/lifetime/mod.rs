@@ -62,6 +62,12 @@ struct OwnerQueue<P> {
     consumers: SmallVec<[StreamId; 2]>,
 }
 
+/// Work on one stream, or on host-ordered streams, needs no event between producer and
+/// consumer: the consumer's work is queued after (or already done before) the next owner use.
+fn same_queue(owner: StreamId, consumer: StreamId) -> bool {
+    owner == consumer || (owner.is_host() && consumer.is_host())
+}
+
 /// The per-plan lifetime manager, generic over the [`Runtime`] that executes its decisions.
 pub struct Manager<R: Runtime> {
     name: String,
@@ -116,15 +122,19 @@ impl<R: Runtime> Manager<R> {
         Ok(())
     }
 
-    /// Reject duplicates and aliases inside one call (rule 8) before any state changes.
-    fn check_distinct(&self, verb: &str, tensors: &[TensorKey]) -> Result<()> {
-        let mut by_storage: SmallVec<[(u64, usize); 16]> =
-            tensors.iter().enumerate().filter(|(_, t)| t.storage != 0).map(|(i, t)| (t.storage, i)).collect();
+    /// Reject duplicates (and, when retiring, aliases: rule 8) inside one call before any
+    /// state changes. Binding two views of one storage is fine; retiring both is not.
+    fn check_distinct(&self, verb: &str, tensors: &[TensorKey], reject_alias: bool) -> Result<()> {
+        // Sorted by (storage, tensor): copies of one tensor and views of one storage are adjacent.
+        let mut by_storage: SmallVec<[(u64, u64, usize); 16]> =
+            tensors.iter().enumerate().map(|(i, t)| (t.storage, t.tensor, i)).collect();
         by_storage.sort_unstable();
         for w in by_storage.windows(2) {
-            let (a, b) = (w[0].1, w[1].1);
-            if w[0].0 == w[1].0 {
-                return Err(if tensors[a].tensor == tensors[b].tensor {
+            let (a, b) = (w[0].2, w[1].2);
+            let same_tensor = w[0].1 == w[1].1;
+            let alias = w[0].0 == w[1].0 && w[0].0 != 0;
+            if same_tensor || (reject_alias && alias) {
+                return Err(if same_tensor {
                     Error::Protocol(format!(
                         "plan '{}': tensors {a} and {b} of one {verb} call are the same tensor; {verb} it once",
                         self.name
@@ -150,7 +160,7 @@ impl<R: Runtime> Manager<R> {
         mut take: impl FnMut(usize) -> R::Payload,
     ) -> Result<()> {
         self.check_open()?;
-        self.check_distinct("bind", tensors)?;
+        self.check_distinct("bind", tensors, false)?;
         for (i, t) in tensors.iter().enumerate() {
             if t.device != owner.device {
                 return Err(Error::InvalidInput(format!(
@@ -158,11 +168,14 @@ impl<R: Runtime> Manager<R> {
                     self.name, t.device
                 )));
             }
-            if let Some(b) = self.bindings.get(&t.tensor) {
-                return Err(Error::Protocol(format!(
-                    "plan '{}': bind: tensor {i} is already bound to {}",
-                    self.name, b.owner
-                )));
+            match self.bindings.get(&t.tensor) {
+                Some(b) if b.owner != owner => {
+                    return Err(Error::Protocol(format!(
+                        "plan '{}': bind: tensor {i} is already bound to {}, not {owner}",
+                        self.name, b.owner
+                    )))
+                }
+                _ => {}
             }
             if self.parked.contains(&t.tensor) {
                 return Err(Error::Protocol(format!(
@@ -172,9 +185,12 @@ impl<R: Runtime> Manager<R> {
             }
         }
         for (i, t) in tensors.iter().enumerate() {
-            self.bindings.insert(t.tensor, Binding { owner, nbytes: t.nbytes, payload: take(i) });
+            // Binding again to the same owner changes nothing (idempotent).
+            if !self.bindings.contains_key(&t.tensor) {
+                self.bindings.insert(t.tensor, Binding { owner, nbytes: t.nbytes, payload: take(i) });
+                self.stats.bound += 1;
+            }
         }
-        self.stats.bound += tensors.len() as u64;
         Ok(())
     }
 
@@ -209,7 +225,7 @@ impl<R: Runtime> Manager<R> {
         mut take: impl FnMut(usize) -> R::Payload,
     ) -> Result<()> {
         self.check_open()?;
-        self.check_distinct("retire", tensors)?;
+        self.check_distinct("retire", tensors, true)?;
         let mut cross = false;
         for (i, t) in tensors.iter().enumerate() {
             if t.device != consumer.device {
@@ -225,7 +241,7 @@ impl<R: Runtime> Manager<R> {
                 )));
             }
             if let Some(b) = self.bindings.get(&t.tensor) {
-                cross |= b.owner != consumer;
+                cross |= !same_queue(b.owner, consumer);
             }
         }
         if cross {
@@ -234,7 +250,7 @@ impl<R: Runtime> Manager<R> {
         }
         for (i, t) in tensors.iter().enumerate() {
             match self.bindings.remove(&t.tensor) {
-                Some(b) if b.owner == consumer => {
+                Some(b) if same_queue(b.owner, consumer) => {
                     self.stats.count_retired(action);
                     self.stats.immediate += 1;
                     rt.release(b.payload, action)?;

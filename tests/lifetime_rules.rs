@@ -1,0 +1,302 @@
+//! One test per rule of DESIGN.md §2, against the recording runtime, which logs every call in
+//! order. Each test names the rule it holds and fails when the rule is broken.
+
+use sched_lifetime::{Action, Device, Manager, Op, RecordingRuntime, StreamId, TensorKey};
+
+const A: StreamId = StreamId::cuda(0, 1); // owner (compute)
+const B: StreamId = StreamId::cuda(0, 2); // consumer (comm)
+const C: StreamId = StreamId::cuda(0, 3);
+
+fn t(id: u64) -> TensorKey {
+    TensorKey { tensor: id, storage: 1000 + id, nbytes: 64 * id, device: Device { device_type: 1, index: 0 } }
+}
+
+fn mgr() -> (Manager<RecordingRuntime>, RecordingRuntime) {
+    (Manager::new("plan0"), RecordingRuntime::new())
+}
+
+fn bind(m: &mut Manager<RecordingRuntime>, ts: &[TensorKey], owner: StreamId) {
+    m.bind(ts, owner, |i| ts[i].tensor).unwrap();
+}
+
+fn retire(
+    m: &mut Manager<RecordingRuntime>,
+    rt: &mut RecordingRuntime,
+    ts: &[TensorKey],
+    consumer: StreamId,
+    action: Action,
+) -> sched_lifetime::Result<()> {
+    m.retire(rt, ts, consumer, action, |i| ts[i].tensor)
+}
+
+fn pos(ops: &[Op], op: &Op) -> usize {
+    ops.iter().position(|o| o == op).unwrap_or_else(|| panic!("{op:?} not in {ops:?}"))
+}
+
+/// Checks the whole log: every release of a cross-stream entry comes after a wait, on its
+/// owner stream, on the event recorded on its consumer after the consume.
+fn assert_waits_before_releases(ops: &[Op], tensor: u64, owner: StreamId, consumer: StreamId) {
+    let rel = ops.iter().position(|o| matches!(o, Op::Release(p, _) if *p == tensor)).expect("released");
+    let rec = ops[..rel]
+        .iter()
+        .rposition(|o| matches!(o, Op::Record(_, s) if *s == consumer))
+        .expect("plan event recorded on the consumer before release");
+    let Op::Record(ev, _) = ops[rec] else { unreachable!() };
+    assert!(
+        ops[rec..rel].iter().any(|o| *o == Op::Wait(ev, owner)),
+        "rule 1 broken: tensor {tensor} released before {owner} waited on event {ev}: {ops:?}"
+    );
+}
+
+#[test]
+fn rule1_wait_before_free() {
+    let (mut m, mut rt) = mgr();
+    let x = t(1);
+    bind(&mut m, &[x], A);
+    retire(&mut m, &mut rt, &[x], B, Action::EmptyStorage).unwrap();
+    assert!(!rt.ops.iter().any(|o| matches!(o, Op::Release(..))), "released before the owner's acquire");
+    assert_eq!(m.acquire(&mut rt, A).unwrap(), 1);
+    assert_waits_before_releases(&rt.ops, 1, A, B);
+    // The wait is the last thing before the release.
+    let w = pos(&rt.ops, &Op::Wait(1, A));
+    assert_eq!(w + 1, pos(&rt.ops, &Op::Release(1, Action::EmptyStorage)));
+}
+
+#[test]
+fn rule1_failed_wait_releases_nothing() {
+    let (mut m, mut rt) = mgr();
+    bind(&mut m, &[t(1), t(2)], A);
+    retire(&mut m, &mut rt, &[t(1), t(2)], B, Action::EmptyStorage).unwrap();
+    rt.fail_next_wait = true;
+    assert!(m.acquire(&mut rt, A).is_err());
+    assert!(!rt.ops.iter().any(|o| matches!(o, Op::Release(..))), "released after a failed wait: {:?}", rt.ops);
+    assert_eq!(m.parked_on(A), 2);
+    assert_eq!(m.acquire(&mut rt, A).unwrap(), 2);
+}
+
+#[test]
+fn rule1_consumer_on_two_streams_owner_waits_on_both() {
+    let (mut m, mut rt) = mgr();
+    bind(&mut m, &[t(1), t(2)], A);
+    retire(&mut m, &mut rt, &[t(1)], B, Action::EmptyStorage).unwrap();
+    retire(&mut m, &mut rt, &[t(2)], C, Action::EmptyStorage).unwrap();
+    m.acquire(&mut rt, A).unwrap();
+    assert_waits_before_releases(&rt.ops, 1, A, B);
+    assert_waits_before_releases(&rt.ops, 2, A, C);
+}
+
+#[test]
+fn rule2_same_stream_retires_immediately() {
+    let (mut m, mut rt) = mgr();
+    bind(&mut m, &[t(1)], A);
+    retire(&mut m, &mut rt, &[t(1)], A, Action::EmptyStorage).unwrap();
+    assert_eq!(rt.ops, vec![Op::Release(1, Action::EmptyStorage)], "no event, no wait, released at once");
+    assert_eq!(m.stats().immediate, 1);
+    assert_eq!(m.acquire(&mut rt, A).unwrap(), 0);
+    assert_eq!(rt.ops.len(), 1, "nothing left to drain");
+}
+
+#[test]
+fn rule3_actions_reach_the_runtime_unchanged() {
+    let (mut m, mut rt) = mgr();
+    let ts = [t(1), t(2), t(3)];
+    bind(&mut m, &ts, A);
+    for (x, a) in ts.iter().zip(Action::ALL) {
+        retire(&mut m, &mut rt, &[*x], B, a).unwrap();
+    }
+    m.acquire(&mut rt, A).unwrap();
+    let released: Vec<_> = rt.ops.iter().filter_map(|o| if let Op::Release(p, a) = o { Some((*p, *a)) } else { None }).collect();
+    assert_eq!(released, vec![(1, Action::EmptyStorage), (2, Action::DropReference), (3, Action::Preserve)]);
+    let s = m.stats();
+    assert_eq!((s.retired_empty_storage, s.retired_drop_reference, s.retired_preserve), (1, 1, 1));
+}
+
+#[test]
+fn rule4_unknown_owner_takes_record_stream_fallback() {
+    let (mut m, mut rt) = mgr();
+    retire(&mut m, &mut rt, &[t(9)], B, Action::EmptyStorage).unwrap();
+    assert_eq!(rt.ops, vec![Op::RecordStream(9, B)]);
+    assert_eq!(m.stats().fallback_record_stream, 1);
+    assert_eq!(m.stats().pending_count, 0);
+}
+
+#[test]
+fn rule4_fallback_on_host_stream_records_nothing() {
+    let mut m = Manager::<RecordingRuntime>::new("cpu");
+    let mut rt = RecordingRuntime::new();
+    let x = TensorKey { device: StreamId::cpu().device, ..t(1) };
+    m.retire(&mut rt, &[x], StreamId::cpu(), Action::DropReference, |_| 1).unwrap();
+    assert!(rt.ops.is_empty());
+    assert_eq!(m.stats().fallback_record_stream, 1);
+}
+
+#[test]
+fn rule5_one_manager_never_drains_another_plans_queue() {
+    let mut rt = RecordingRuntime::new();
+    let mut f = Manager::<RecordingRuntime>::new("F mb1");
+    let mut b = Manager::<RecordingRuntime>::new("B mb0");
+    bind(&mut f, &[t(1)], A);
+    bind(&mut b, &[t(2)], A);
+    retire(&mut f, &mut rt, &[t(1)], B, Action::EmptyStorage).unwrap();
+    retire(&mut b, &mut rt, &[t(2)], B, Action::DropReference).unwrap();
+    let b_event = match rt.ops.iter().filter(|o| matches!(o, Op::Record(..))).nth(1) {
+        Some(Op::Record(e, _)) => *e,
+        _ => panic!("two records expected"),
+    };
+    let before = rt.ops.len();
+    assert_eq!(f.acquire(&mut rt, A).unwrap(), 1);
+    let new = &rt.ops[before..];
+    assert!(!new.contains(&Op::Wait(b_event, A)), "F waited on B's plan event (adds a B->F dependency): {new:?}");
+    assert!(!new.iter().any(|o| matches!(o, Op::Release(2, _))), "F drained B's tensor");
+    assert_eq!(b.parked_on(A), 1);
+    assert_eq!(b.acquire(&mut rt, A).unwrap(), 1);
+}
+
+#[test]
+fn rule6_noop_passes_binding_to_next_real_consumer() {
+    let (mut m, mut rt) = mgr();
+    bind(&mut m, &[t(1)], A);
+    // A noop node on C hands the same object on; it does not retire it.
+    m.passthrough(&[t(1)]).unwrap();
+    assert!(rt.ops.is_empty());
+    retire(&mut m, &mut rt, &[t(1)], B, Action::EmptyStorage).unwrap();
+    assert_eq!(m.parked_on(A), 1, "binding kept its owner A through the noop");
+    assert_eq!(m.parked_on(C), 0);
+    m.acquire(&mut rt, A).unwrap();
+    assert_waits_before_releases(&rt.ops, 1, A, B);
+    // A noop after the last consumer is a use after retire.
+    let (mut m2, mut rt2) = mgr();
+    bind(&mut m2, &[t(1)], A);
+    retire(&mut m2, &mut rt2, &[t(1)], B, Action::EmptyStorage).unwrap();
+    assert!(m2.passthrough(&[t(1)]).is_err());
+}
+
+#[test]
+fn rule7_terminal_handback_drains_every_owner() {
+    let (mut m, mut rt) = mgr();
+    bind(&mut m, &[t(1)], A);
+    bind(&mut m, &[t(2)], C);
+    retire(&mut m, &mut rt, &[t(1), t(2)], B, Action::EmptyStorage).unwrap();
+    let s = m.finalize(&mut rt).unwrap();
+    assert_waits_before_releases(&rt.ops, 1, A, B);
+    assert_waits_before_releases(&rt.ops, 2, C, B);
+    assert_eq!((s.handbacks, s.drained, s.pending_count), (2, 2, 0));
+    assert!(m.acquire(&mut rt, A).is_err(), "use after finalize is an error");
+}
+
+#[test]
+fn rule7_leftover_bindings_are_an_error_and_change_nothing() {
+    let (mut m, mut rt) = mgr();
+    bind(&mut m, &[t(1), t(2)], A);
+    retire(&mut m, &mut rt, &[t(1)], B, Action::EmptyStorage).unwrap();
+    let n = rt.ops.len();
+    let err = m.finalize(&mut rt).unwrap_err().to_string();
+    assert!(err.contains("1 tensor(s)") && err.contains("never retired"), "{err}");
+    assert_eq!(rt.ops.len(), n, "a failed finalize issued work");
+    assert_eq!(m.parked_on(A), 1);
+    retire(&mut m, &mut rt, &[t(2)], B, Action::EmptyStorage).unwrap();
+    m.finalize(&mut rt).unwrap();
+}
+
+#[test]
+fn rule8_aliases_rejected_before_any_state_change() {
+    let (mut m, mut rt) = mgr();
+    let x = t(1);
+    let view = TensorKey { tensor: 77, ..x }; // another tensor over the same storage
+    bind(&mut m, &[x, view], A);
+    let before = m.stats();
+    let err = retire(&mut m, &mut rt, &[x, view], B, Action::EmptyStorage).unwrap_err().to_string();
+    assert!(err.contains("alias"), "{err}");
+    assert!(rt.ops.is_empty());
+    assert_eq!(m.stats(), before);
+    // The same tensor twice in one call is also refused.
+    assert!(retire(&mut m, &mut rt, &[x, x], B, Action::EmptyStorage).unwrap_err().to_string().contains("same tensor"));
+    assert!(rt.ops.is_empty());
+}
+
+#[test]
+fn rule8_retire_twice_across_calls_is_rejected() {
+    let (mut m, mut rt) = mgr();
+    bind(&mut m, &[t(1)], A);
+    retire(&mut m, &mut rt, &[t(1)], B, Action::EmptyStorage).unwrap();
+    let n = rt.ops.len();
+    assert!(retire(&mut m, &mut rt, &[t(1)], B, Action::EmptyStorage).is_err());
+    assert_eq!(rt.ops.len(), n);
+}
+
+#[test]
+fn rule9_protocol_is_host_side_only_so_capture_records_it() {
+    // Under capture the manager's calls are recorded into the graph; replay runs none of them.
+    // What makes that valid: the whole protocol is record/wait/release with no host query.
+    let (mut m, mut rt) = mgr();
+    bind(&mut m, &[t(1), t(2)], A);
+    retire(&mut m, &mut rt, &[t(1), t(2)], B, Action::EmptyStorage).unwrap();
+    m.finalize(&mut rt).unwrap();
+    assert!(rt.ops.iter().all(|o| matches!(o, Op::NewEvent(..) | Op::Record(..) | Op::Wait(..) | Op::Release(..))));
+}
+
+#[test]
+fn device_mismatch_is_input_error() {
+    let (mut m, mut rt) = mgr();
+    let other = StreamId::cuda(1, 5);
+    let e = m.bind(&[t(1)], other, |_| 1).unwrap_err();
+    assert!(e.is_value_error() && e.to_string().contains("cuda:1"), "{e}");
+    bind(&mut m, &[t(1)], A);
+    let e = retire(&mut m, &mut rt, &[t(1)], other, Action::EmptyStorage).unwrap_err();
+    assert!(e.is_value_error(), "{e}");
+}
+
+#[test]
+fn stats_track_pending_peaks() {
+    let (mut m, mut rt) = mgr();
+    let ts = [t(1), t(2), t(3)];
+    bind(&mut m, &ts, A);
+    retire(&mut m, &mut rt, &ts, B, Action::EmptyStorage).unwrap();
+    let s = m.stats();
+    assert_eq!((s.pending_count, s.pending_bytes), (3, 64 * 6));
+    m.acquire(&mut rt, A).unwrap();
+    let s = m.stats();
+    assert_eq!((s.pending_count, s.pending_peak_count, s.pending_peak_bytes), (0, 3, 384));
+    assert_eq!(s.waits, 1, "one wait covers all three (one consumer)");
+}
+
+#[test]
+fn abandon_falls_back_to_record_stream_for_parked() {
+    let (mut m, mut rt) = mgr();
+    bind(&mut m, &[t(1), t(2)], A);
+    retire(&mut m, &mut rt, &[t(1)], B, Action::EmptyStorage).unwrap();
+    m.abandon(&mut rt).unwrap();
+    assert!(rt.ops.contains(&Op::RecordStream(1, B)));
+    assert!(!rt.ops.iter().any(|o| matches!(o, Op::Release(..))));
+    assert_eq!(m.stats().abandoned, 1);
+}
+
+#[test]
+fn duplicates_found_even_when_not_adjacent() {
+    let (mut m, _) = mgr();
+    let x = t(1);
+    let view = TensorKey { tensor: 77, ..x };
+    let e = m.bind(&[x, view, x], A, |i| i as u64).unwrap_err();
+    assert!(e.to_string().contains("same tensor"), "{e}");
+    assert_eq!(m.stats().bound, 0);
+}
+
+#[test]
+fn rebind_same_owner_is_idempotent_other_owner_is_error() {
+    let (mut m, _) = mgr();
+    bind(&mut m, &[t(1)], A);
+    bind(&mut m, &[t(1)], A);
+    assert_eq!(m.stats().bound, 1);
+    assert!(m.bind(&[t(1)], B, |_| 1).unwrap_err().to_string().contains("already bound"));
+}
+
+#[test]
+fn rule2_host_streams_are_one_queue() {
+    let mut m = Manager::<RecordingRuntime>::new("cpu");
+    let mut rt = RecordingRuntime::new();
+    let other_cpu = StreamId { id: 7, ..StreamId::cpu() };
+    let x = TensorKey { device: StreamId::cpu().device, ..t(1) };
+    m.bind(&[x], StreamId::cpu(), |_| 1).unwrap();
+    m.retire(&mut rt, &[x], other_cpu, Action::EmptyStorage, |_| 1).unwrap();
+    assert_eq!(rt.ops, vec![Op::Release(1, Action::EmptyStorage)]);
+}

@@ -1,0 +1,138 @@
+"""`LifetimeManager`: the Python face of the Rust lifetime manager (DESIGN.md §2).
+
+All decisions (what to park, when to wait, what to release, the fallback) are made in Rust;
+this module checks Python types, picks default streams and calls the ops."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from typing import Optional, Union
+
+import torch
+
+from ._ops import STATS_FIELDS, ops
+
+#: Action names accepted by `retire`, with their integer codes across the FFI.
+ACTIONS = {"empty_storage": 0, "drop_reference": 1, "preserve": 2}
+
+_names = itertools.count()
+_CPU_STREAM: Optional[torch.Stream] = None
+
+Tensors = Union[torch.Tensor, Iterable[torch.Tensor]]
+
+
+def current_stream(device: torch.device) -> torch.Stream:
+    """The stream work on `device` is issued to now (the CPU has exactly one)."""
+    global _CPU_STREAM
+    if device.type == "cpu":
+        if _CPU_STREAM is None:
+            _CPU_STREAM = torch.Stream(device="cpu")
+        return _CPU_STREAM
+    if device.type == "cuda":
+        return torch.cuda.current_stream(device)
+    return torch.accelerator.current_stream(device)
+
+
+def _tensor_list(tensors: Tensors, verb: str) -> list[torch.Tensor]:
+    items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    for i, t in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{verb}: item {i} is a {type(t).__name__}, not a torch.Tensor")
+    return items
+
+
+def _stream(stream: Optional[torch.Stream], tensors: list[torch.Tensor], what: str) -> torch.Stream:
+    if stream is None:
+        return current_stream(tensors[0].device) if tensors else current_stream(torch.device("cpu"))
+    if not isinstance(stream, torch.Stream):
+        raise ValueError(f"{what} must be a torch.Stream (or torch.cuda.Stream), got {type(stream).__name__}")
+    return stream
+
+
+class LifetimeManager:
+    """Frees tensors that cross streams when the schedule proves it safe, for one plan.
+
+    `bind` records a tensor's owner stream (where its storage was allocated); `retire` says a
+    consumer stream is done with it; `acquire(owner)` is called before the owner's next node
+    and enqueues the owner's wait on this plan's event, then releases what it can. The manager
+    records its plan event on the consumer stream at each cross-stream `retire`, so no caller
+    event is needed for safety; an `event` given to `acquire`/`finalize` is waited on as well.
+    """
+
+    def __init__(self, name: Optional[str] = None) -> None:
+        self.name = name if name is not None else f"plan{next(_names)}"
+        self._handle: Optional[int] = ops.create(self.name)
+
+    @property
+    def handle(self) -> int:
+        if self._handle is None:
+            raise RuntimeError(f"lifetime manager '{self.name}' was closed")
+        return self._handle
+
+    def bind(self, tensors: Tensors, owner_stream: Optional[torch.Stream] = None) -> None:
+        """Record that `tensors` were allocated on `owner_stream` (default: the current stream)."""
+        ts = _tensor_list(tensors, "bind")
+        ops.bind(self.handle, ts, _stream(owner_stream, ts, "owner_stream"))
+
+    def passthrough(self, tensors: Tensors) -> None:
+        """A noop/view node handed these same objects on: their bindings stay (rule 6)."""
+        ops.passthrough(self.handle, _tensor_list(tensors, "passthrough"))
+
+    def retire(
+        self,
+        tensors: Tensors,
+        consumer_stream: Optional[torch.Stream] = None,
+        action: str = "empty_storage",
+    ) -> None:
+        """The consumer on `consumer_stream` (default: current) has queued its last use."""
+        code = ACTIONS.get(action)
+        if code is None:
+            raise ValueError(f"retire: unknown action {action!r}; expected one of {sorted(ACTIONS)}")
+        ts = _tensor_list(tensors, "retire")
+        ops.retire(self.handle, ts, _stream(consumer_stream, ts, "consumer_stream"), code)
+
+    def acquire(self, stream: Optional[torch.Stream] = None, event: Optional[torch.Event] = None) -> int:
+        """Before the next node on `stream`: wait on the plan event, then release the tensors
+        this plan parked for `stream`. Returns how many were released."""
+        s = _stream(stream, [], "stream") if stream is not None else current_stream(_default_device())
+        if event is not None:
+            s.wait_event(event)
+        return int(ops.acquire(self.handle, s))
+
+    def finalize(self, event: Optional[torch.Event] = None) -> dict[str, int]:
+        """Terminal hand-back: every owner stream with parked tensors waits and drains.
+        Raises if tensors were bound but never retired. Returns the final stats."""
+        if event is not None:
+            torch.accelerator.current_stream().wait_event(event)
+        return dict(zip(STATS_FIELDS, ops.finalize(self.handle)))
+
+    def stats(self) -> dict[str, int]:
+        """Counters: retired by action, immediate, fallbacks, drains, waits, pending peaks."""
+        return dict(zip(STATS_FIELDS, ops.stats(self.handle)))
+
+    def close(self) -> None:
+        """Drop the manager. Parked tensors of an unfinalized plan take the record_stream
+        fallback, so nothing is reused early."""
+        if self._handle is not None:
+            h, self._handle = self._handle, None
+            ops.destroy(h)
+
+    def __enter__(self) -> "LifetimeManager":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"LifetimeManager(name={self.name!r}, handle={self._handle})"
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
