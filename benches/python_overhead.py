@@ -1,0 +1,126 @@
+"""Per-tensor host overhead of bind + retire + acquire through torch.ops.sched_lifetime vs an
+equivalent pure-Python manager (same checks, same events, same release), side by side.
+
+On CUDA the tensors cross streams (event record, owner wait, resize_(0)); on CPU they retire
+on their owner stream (immediate release). Prints a table; --json writes the figures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_ops"))
+import sched_lifetime as sl  # noqa: E402
+
+
+class PyManager:
+    """The protocol in plain Python: what the ops replace."""
+
+    def __init__(self) -> None:
+        self.bindings: dict[int, tuple[torch.Tensor, torch.Stream]] = {}
+        self.pending: dict[torch.Stream, list[tuple[torch.Tensor, str]]] = {}
+        self.events: dict[torch.Stream, torch.Event] = {}
+        self.parked: set[int] = set()
+
+    def bind(self, tensors, owner) -> None:
+        for t in tensors:
+            b = self.bindings.get(id(t))
+            if b is not None and b[1] != owner:
+                raise RuntimeError("already bound")
+            if id(t) in self.parked:
+                raise RuntimeError("already retired")
+        for t in tensors:
+            self.bindings.setdefault(id(t), (t, owner))
+
+    def retire(self, tensors, consumer, action="empty_storage") -> None:
+        seen = set()
+        cross = False
+        for t in tensors:
+            key = t.untyped_storage()._cdata
+            if key in seen:
+                raise RuntimeError("alias")
+            seen.add(key)
+            if id(t) in self.parked:
+                raise RuntimeError("retired twice")
+            b = self.bindings.get(id(t))
+            cross |= b is not None and b[1] != consumer
+        if cross:
+            ev = self.events.get(consumer)
+            if ev is None:
+                ev = self.events[consumer] = torch.Event(device=consumer.device)
+            ev.record(consumer)
+        for t in tensors:
+            b = self.bindings.pop(id(t), None)
+            if b is None:
+                if consumer.device.type != "cpu":
+                    t.record_stream(consumer)
+            elif b[1] == consumer:
+                self._release(t, action)
+            else:
+                self.pending.setdefault(b[1], []).append((t, action, consumer))
+                self.parked.add(id(t))
+
+    def acquire(self, stream) -> int:
+        q = self.pending.pop(stream, None)
+        if not q:
+            return 0
+        for c in {c for _, _, c in q}:
+            stream.wait_event(self.events[c])
+        for t, action, _ in q:
+            self.parked.discard(id(t))
+            self._release(t, action)
+        return len(q)
+
+    @staticmethod
+    def _release(t: torch.Tensor, action: str) -> None:
+        if action == "empty_storage":
+            t.untyped_storage().resize_(0)
+
+
+def measure(kind: str, batch: int, iters: int, device: torch.device) -> float:
+    owner = sl.current_stream(device)
+    consumer = torch.cuda.Stream(device) if device.type == "cuda" else owner
+    pool = [[torch.empty(16, device=device) for _ in range(batch)] for _ in range(4)]
+    mgr = sl.LifetimeManager("bench") if kind == "ops" else PyManager()
+    for warm in (True, False):
+        n = max(iters // 10, 5) if warm else iters
+        t0 = time.perf_counter()
+        for i in range(n):
+            ts = pool[i % 4]
+            mgr.bind(ts, owner)
+            mgr.retire(ts, consumer)
+            mgr.acquire(owner)
+        dt = time.perf_counter() - t0
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return dt / (iters * batch) * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--iters", type=int, default=2000)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    path = "cross-stream (event, wait, resize_(0))" if device.type == "cuda" else "same-stream (immediate resize_(0))"
+    print(f"per-tensor host overhead of bind+retire+acquire on {device}, {path}")
+    print(f"{'batch':>6}{'ops (us)':>12}{'python (us)':>14}{'ops/python':>12}")
+    rows = []
+    for batch in (1, 8, 64):
+        iters = max(args.iters // batch, 50)
+        ops_us = measure("ops", batch, iters, device)
+        py_us = measure("python", batch, iters, device)
+        rows.append({"batch": batch, "ops_us": ops_us, "python_us": py_us})
+        print(f"{batch:>6}{ops_us:>12.2f}{py_us:>14.2f}{ops_us / py_us:>12.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": str(device), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
