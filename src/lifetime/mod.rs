@@ -331,10 +331,11 @@ impl<R: Runtime> Manager<R> {
         }
         let q = &mut self.queues[qi];
         q.consumers.clear();
-        let entries = std::mem::take(&mut q.entries);
+        // Taken and put back so the queue keeps its capacity (no allocation per drain).
+        let mut entries = std::mem::take(&mut q.entries);
         let n = entries.len();
         let mut first_err = None;
-        for e in entries {
+        for e in entries.drain(..) {
             self.parked.remove(&e.tensor);
             self.stats.pending_count -= 1;
             self.stats.pending_bytes -= e.nbytes;
@@ -343,6 +344,7 @@ impl<R: Runtime> Manager<R> {
                 first_err.get_or_insert(err);
             }
         }
+        self.queues[qi].entries = entries;
         first_err.map_or(Ok(n), Err)
     }
 

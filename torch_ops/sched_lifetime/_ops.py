@@ -16,8 +16,8 @@ def _library_path() -> str:
     if explicit:
         return explicit
     # Built by setuptools-rust as _C.cpython-3XX-...so, or copied as _C.so by `make build`;
-    # the library has no Python ABI, so any of them loads in any Python.
-    found = sorted(glob.glob(os.path.join(_HERE, "_C*.so")))
+    # the library has no Python ABI, so any of them loads in any Python. Newest wins.
+    found = sorted(glob.glob(os.path.join(_HERE, "_C*.so")), key=os.path.getmtime, reverse=True)
     if not found:
         raise ImportError(
             f"sched_lifetime: no compiled library (_C*.so) in {_HERE}; build it with "
