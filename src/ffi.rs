@@ -104,6 +104,8 @@ fn shim_err(e: cxx::Exception) -> Error {
     Error::Runtime(e.what().to_string())
 }
 
+type TorchManager = Manager<UniquePtr<bridge::TensorRef>, UniquePtr<bridge::EventRef>>;
+
 /// Executes the manager's decisions through c10 (events, storage, record_stream).
 pub struct TorchRuntime;
 
@@ -142,14 +144,14 @@ impl Runtime for TorchRuntime {
 /// Live managers, addressed by `generation << 32 | (slot + 1)` so a stale handle is caught.
 #[derive(Default)]
 struct Registry {
-    slots: Vec<(u32, Option<Manager<TorchRuntime>>)>,
+    slots: Vec<(u32, Option<TorchManager>)>,
     free: Vec<usize>,
 }
 
 static REGISTRY: Lazy<Mutex<Registry>> = Lazy::new(|| Mutex::new(Registry::default()));
 
 impl Registry {
-    fn insert(&mut self, m: Manager<TorchRuntime>) -> u64 {
+    fn insert(&mut self, m: TorchManager) -> u64 {
         let slot = match self.free.pop() {
             Some(i) => i,
             None => {
@@ -169,12 +171,12 @@ impl Registry {
         (u64::from(*gen) == h >> 32 && m.is_some()).then_some(slot)
     }
 
-    fn get(&mut self, h: u64) -> Result<&mut Manager<TorchRuntime>> {
+    fn get(&mut self, h: u64) -> Result<&mut TorchManager> {
         let slot = self.slot(h).ok_or(Error::UnknownManager(h))?;
         self.slots[slot].1.as_mut().ok_or(Error::UnknownManager(h))
     }
 
-    fn remove(&mut self, h: u64) -> Result<Manager<TorchRuntime>> {
+    fn remove(&mut self, h: u64) -> Result<TorchManager> {
         let slot = self.slot(h).ok_or(Error::UnknownManager(h))?;
         self.free.push(slot);
         self.slots[slot].1.take().ok_or(Error::UnknownManager(h))

@@ -8,6 +8,7 @@ pub mod cuda;
 pub mod error;
 pub mod lifetime;
 pub mod runtime;
+pub mod sim;
 
 #[cfg(feature = "torch")]
 mod ffi;

@@ -11,16 +11,16 @@ fn t(id: u64) -> TensorKey {
     TensorKey { tensor: id, storage: 1000 + id, nbytes: 64 * id, device: Device { device_type: 1, index: 0 } }
 }
 
-fn mgr() -> (Manager<RecordingRuntime>, RecordingRuntime) {
+fn mgr() -> (Manager<u64, u32>, RecordingRuntime) {
     (Manager::new("plan0"), RecordingRuntime::new())
 }
 
-fn bind(m: &mut Manager<RecordingRuntime>, ts: &[TensorKey], owner: StreamId) {
+fn bind(m: &mut Manager<u64, u32>, ts: &[TensorKey], owner: StreamId) {
     m.bind(ts, owner, |i| ts[i].tensor).unwrap();
 }
 
 fn retire(
-    m: &mut Manager<RecordingRuntime>,
+    m: &mut Manager<u64, u32>,
     rt: &mut RecordingRuntime,
     ts: &[TensorKey],
     consumer: StreamId,

@@ -68,20 +68,21 @@ fn same_queue(owner: StreamId, consumer: StreamId) -> bool {
     owner == consumer || (owner.is_host() && consumer.is_host())
 }
 
-/// The per-plan lifetime manager, generic over the [`Runtime`] that executes its decisions.
-pub struct Manager<R: Runtime> {
+/// The per-plan lifetime manager. It stores payloads `P` (strong references) and events `E`
+/// of the [`Runtime`] that executes its decisions; each call takes that runtime.
+pub struct Manager<P, E> {
     name: String,
-    bindings: AddrMap<Binding<R::Payload>>,
+    bindings: AddrMap<Binding<P>>,
     /// Tensor keys parked in some owner queue (retiring one again is an error).
     parked: AddrSet,
-    queues: SmallVec<[OwnerQueue<R::Payload>; 4]>,
+    queues: SmallVec<[OwnerQueue<P>; 4]>,
     /// The plan event, one per consumer stream: each record marks that stream's consumes.
-    events: SmallVec<[(StreamId, R::Event); 2]>,
+    events: SmallVec<[(StreamId, E); 2]>,
     stats: Stats,
     finalized: bool,
 }
 
-impl<R: Runtime> Manager<R> {
+impl<P, E> Manager<P, E> {
     /// A manager for one plan; `name` appears in every error message.
     pub fn new(name: impl Into<String>) -> Self {
         Manager {
@@ -157,7 +158,7 @@ impl<R: Runtime> Manager<R> {
         &mut self,
         tensors: &[TensorKey],
         owner: StreamId,
-        mut take: impl FnMut(usize) -> R::Payload,
+        mut take: impl FnMut(usize) -> P,
     ) -> Result<()> {
         self.check_open()?;
         self.check_distinct("bind", tensors, false)?;
@@ -216,13 +217,13 @@ impl<R: Runtime> Manager<R> {
     /// Bound tensors on their owner stream are released at once (rule 2); bound tensors of
     /// another owner are parked until that owner's acquire (rules 1, 3); unbound tensors take
     /// the `record_stream(consumer)` fallback (rule 4). Validation runs before any change.
-    pub fn retire(
+    pub fn retire<R: Runtime<Payload = P, Event = E>>(
         &mut self,
         rt: &mut R,
         tensors: &[TensorKey],
         consumer: StreamId,
         action: Action,
-        mut take: impl FnMut(usize) -> R::Payload,
+        mut take: impl FnMut(usize) -> P,
     ) -> Result<()> {
         self.check_open()?;
         self.check_distinct("retire", tensors, true)?;
@@ -274,7 +275,7 @@ impl<R: Runtime> Manager<R> {
         Ok(())
     }
 
-    fn record_plan_event(&mut self, rt: &mut R, consumer: StreamId) -> Result<()> {
+    fn record_plan_event<R: Runtime<Payload = P, Event = E>>(&mut self, rt: &mut R, consumer: StreamId) -> Result<()> {
         let slot = match self.events.iter().position(|(s, _)| *s == consumer) {
             Some(i) => i,
             None => {
@@ -288,7 +289,7 @@ impl<R: Runtime> Manager<R> {
         Ok(())
     }
 
-    fn park(&mut self, b: Binding<R::Payload>, tensor: u64, consumer: StreamId, action: Action) {
+    fn park(&mut self, b: Binding<P>, tensor: u64, consumer: StreamId, action: Action) {
         let qi = match self.queues.iter().position(|q| q.owner == b.owner) {
             Some(i) => i,
             None => {
@@ -311,12 +312,12 @@ impl<R: Runtime> Manager<R> {
     /// The next node on `stream` is about to run: enqueue `stream.wait(plan event)` for every
     /// consumer that parked tensors owned by `stream`, then release them (rule 1). Only this
     /// plan's queue is drained (rule 5). Returns the number of tensors released.
-    pub fn acquire(&mut self, rt: &mut R, stream: StreamId) -> Result<usize> {
+    pub fn acquire<R: Runtime<Payload = P, Event = E>>(&mut self, rt: &mut R, stream: StreamId) -> Result<usize> {
         self.check_open()?;
         self.drain(rt, stream)
     }
 
-    fn drain(&mut self, rt: &mut R, stream: StreamId) -> Result<usize> {
+    fn drain<R: Runtime<Payload = P, Event = E>>(&mut self, rt: &mut R, stream: StreamId) -> Result<usize> {
         let Some(qi) = self.queues.iter().position(|q| q.owner == stream && !q.entries.is_empty()) else {
             return Ok(0);
         };
@@ -351,7 +352,7 @@ impl<R: Runtime> Manager<R> {
     /// Terminal hand-back (rule 7): every owner stream with parked tensors waits on the plan
     /// event and drains. Tensors bound but never retired are an error (nothing changes, the
     /// manager stays open so the caller can retire them and finalize again).
-    pub fn finalize(&mut self, rt: &mut R) -> Result<Stats> {
+    pub fn finalize<R: Runtime<Payload = P, Event = E>>(&mut self, rt: &mut R) -> Result<Stats> {
         self.check_open()?;
         if !self.bindings.is_empty() {
             let bytes: u64 = self.bindings.values().map(|b| b.nbytes).sum();
@@ -379,7 +380,7 @@ impl<R: Runtime> Manager<R> {
     /// Tear down without a schedule (the plan was abandoned, e.g. after an exception): parked
     /// tensors take the `record_stream(consumer)` fallback so no block is reused early, and
     /// bindings are dropped. Leaves the manager finalized.
-    pub fn abandon(&mut self, rt: &mut R) -> Result<()> {
+    pub fn abandon<R: Runtime<Payload = P, Event = E>>(&mut self, rt: &mut R) -> Result<()> {
         let mut first_err = None;
         for q in self.queues.iter_mut() {
             for e in q.entries.drain(..) {
@@ -405,7 +406,7 @@ impl<R: Runtime> Manager<R> {
     }
 }
 
-impl<R: Runtime> Drop for Manager<R> {
+impl<P, E> Drop for Manager<P, E> {
     fn drop(&mut self) {
         if self.stats.pending_count > 0 {
             tracing::warn!(plan = %self.name, pending = self.stats.pending_count,

@@ -1,0 +1,400 @@
+//! The discrete-event machine: a host issuing operations in order (each costs host time), FIFO
+//! streams with virtual time, one compute and one comm engine, events, the allocator model,
+//! and the race checker. Each operation is resolved when it is issued: a kernel starts at
+//! max(host time, its stream's tail, its engine's free time), so the whole run is one pass.
+//!
+//! Race checker: every use of a value's block has a completion time. When a block is freed its
+//! tenancy (address range, last use end) is kept; a later allocation overlapping it whose use
+//! starts before that end is a hazard, reported with both values, nodes and streams.
+
+use smallvec::SmallVec;
+
+use super::alloc::{Allocator, Mode, Placement};
+use crate::error::{Error, Result};
+
+/// Which engine a stream's kernels run on: kernels on one engine run one at a time.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Engine {
+    /// SMs: GEMMs, attention, elementwise.
+    Compute,
+    /// Copy/communication engine: all-to-all, page copies.
+    Comm,
+}
+
+/// A reuse hazard: `new` used the block before `old`'s last use completed.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Hazard {
+    /// Address of the overlap.
+    pub addr: u64,
+    /// Previous tenant value and the node/stream of its last use.
+    pub old_value: u32,
+    pub old_node: u32,
+    pub old_stream: u16,
+    /// When the previous tenant's last use completes.
+    pub old_end_us: f64,
+    /// New tenant value and the node/stream of the offending use.
+    pub new_value: u32,
+    pub new_node: u32,
+    pub new_stream: u16,
+    /// When the offending use starts.
+    pub new_start_us: f64,
+}
+
+#[derive(Copy, Clone, Debug)]
+struct Tenancy {
+    addr: u64,
+    size: u64,
+    end: f64,
+    value: u32,
+    node: u32,
+    stream: u16,
+}
+
+#[derive(Clone, Debug, Default)]
+struct ValueState {
+    bytes: u64,
+    place: Option<Placement>,
+    freed: bool,
+    parked: bool,
+    first_start: f64,
+    last_end: f64,
+    last_node: u32,
+    last_stream: u16,
+    used: bool,
+    rs_streams: SmallVec<[u16; 2]>,
+    candidates: SmallVec<[Tenancy; 1]>,
+}
+
+/// One kernel on the timeline.
+#[derive(Copy, Clone, Debug)]
+pub struct Kernel {
+    /// Node index.
+    pub node: u32,
+    /// Stream index.
+    pub stream: u16,
+    /// Start, end (us).
+    pub start: f64,
+    pub end: f64,
+}
+
+/// A peak and when (host time, us) it was reached.
+#[derive(Copy, Clone, Debug, Default, serde::Serialize)]
+pub struct Peak {
+    pub bytes: u64,
+    pub at_us: f64,
+}
+
+impl Peak {
+    fn update(&mut self, bytes: u64, at: f64) {
+        if bytes > self.bytes {
+            *self = Peak { bytes, at_us: at };
+        }
+    }
+}
+
+/// Machine parameters.
+#[derive(Copy, Clone, Debug)]
+pub struct Config {
+    /// Allocator behaviour.
+    pub mode: Mode,
+    /// Host time per issued operation (us).
+    pub host_us_per_op: f64,
+    /// Extra fraction of duration for compute kernels that start while a comm kernel runs.
+    pub sm_contention: f64,
+    /// Keep a memory-over-time series (for plots and traces).
+    pub timeline: bool,
+}
+
+/// The simulated machine.
+pub struct Machine {
+    cfg: Config,
+    host: f64,
+    engines: Vec<Engine>,
+    tails: Vec<f64>,
+    busy: Vec<f64>,
+    engine_free: [f64; 2],
+    events: Vec<Option<f64>>,
+    values: Vec<ValueState>,
+    tenancies: Vec<Tenancy>,
+    alloc: Allocator,
+    parked_bytes: u64,
+    parked_blocks: u64,
+    /// Kernels in issue order.
+    pub kernels: Vec<Kernel>,
+    /// Hazards found.
+    pub hazards: Vec<Hazard>,
+    /// Peaks.
+    pub allocated_peak: Peak,
+    pub reserved_peak: Peak,
+    pub pending_peak: Peak,
+    /// Most blocks pending (record_stream) or parked (manager) at once.
+    pub pending_blocks_peak: u64,
+    /// (host us, allocated, reserved, pending) after each change, when `timeline` is set.
+    pub timeline: Vec<(f64, u64, u64, u64)>,
+    /// Operations processed.
+    pub ops: u64,
+}
+
+fn engine_slot(e: Engine) -> usize {
+    match e {
+        Engine::Compute => 0,
+        Engine::Comm => 1,
+    }
+}
+
+impl Machine {
+    /// A machine with these streams (by engine) and `n_values` values.
+    pub fn new(cfg: Config, engines: Vec<Engine>, n_values: usize, value_bytes: impl Fn(usize) -> u64) -> Self {
+        let n = engines.len();
+        Machine {
+            cfg,
+            host: 0.0,
+            engines,
+            tails: vec![0.0; n],
+            busy: vec![0.0; n],
+            engine_free: [0.0; 2],
+            events: Vec::new(),
+            values: (0..n_values).map(|i| ValueState { bytes: value_bytes(i), ..Default::default() }).collect(),
+            tenancies: Vec::new(),
+            alloc: Allocator::new(cfg.mode),
+            parked_bytes: 0,
+            parked_blocks: 0,
+            kernels: Vec::new(),
+            hazards: Vec::new(),
+            allocated_peak: Peak::default(),
+            reserved_peak: Peak::default(),
+            pending_peak: Peak::default(),
+            pending_blocks_peak: 0,
+            timeline: Vec::new(),
+            ops: 0,
+        }
+    }
+
+    fn tick(&mut self) {
+        self.host += self.cfg.host_us_per_op;
+        self.ops += 1;
+    }
+
+    fn mem_changed(&mut self) {
+        let pending = self.alloc.pending_bytes + self.parked_bytes;
+        self.allocated_peak.update(self.alloc.allocated, self.host);
+        self.reserved_peak.update(self.alloc.reserved, self.host);
+        self.pending_peak.update(pending, self.host);
+        self.pending_blocks_peak = self.pending_blocks_peak.max(self.alloc.pending_blocks() + self.parked_blocks);
+        if self.cfg.timeline {
+            self.timeline.push((self.host, self.alloc.allocated, self.alloc.reserved, pending));
+        }
+    }
+
+    fn stream(&self, s: u16) -> Result<usize> {
+        let i = s as usize;
+        if i < self.tails.len() {
+            Ok(i)
+        } else {
+            Err(Error::InvalidInput(format!("unknown stream index {s} (the machine has {})", self.tails.len())))
+        }
+    }
+
+    fn value(&mut self, v: u32) -> Result<&mut ValueState> {
+        let n = self.values.len();
+        self.values.get_mut(v as usize).ok_or_else(|| Error::InvalidInput(format!("unknown value index {v} (of {n})")))
+    }
+
+    /// Host time now (us).
+    pub fn host_us(&self) -> f64 {
+        self.host
+    }
+
+    /// Allocate value `v` on stream `s`.
+    pub fn malloc(&mut self, v: u32, s: u16) -> Result<()> {
+        self.stream(s)?;
+        let host = self.host;
+        let bytes = self.value(v)?.bytes;
+        if self.values[v as usize].place.is_some() {
+            return Err(Error::Protocol(format!("value {v} allocated twice")));
+        }
+        let place = self.alloc.malloc(s, bytes, host);
+        // Tenancies that ended before now can never conflict with a use issued from now on.
+        self.tenancies.retain(|t| t.end > host);
+        let cands: SmallVec<[Tenancy; 1]> = self
+            .tenancies
+            .iter()
+            .filter(|t| t.addr < place.addr + place.size && place.addr < t.addr + t.size)
+            .copied()
+            .collect();
+        let val = &mut self.values[v as usize];
+        val.place = Some(place);
+        val.candidates = cands;
+        self.tick();
+        self.mem_changed();
+        Ok(())
+    }
+
+    /// Launch node `node`'s kernel on stream `s` for `us`, using `values` (reads and writes).
+    pub fn launch(&mut self, node: u32, s: u16, us: f64, values: &[u32]) -> Result<()> {
+        let si = self.stream(s)?;
+        let eng = engine_slot(self.engines[si]);
+        let start = self.host.max(self.tails[si]).max(self.engine_free[eng]);
+        let mut dur = us;
+        if eng == 0 && self.cfg.sm_contention > 0.0 && self.engine_free[1] > start {
+            dur *= 1.0 + self.cfg.sm_contention;
+        }
+        let end = start + dur;
+        for &v in values {
+            self.value(v)?;
+            let val = &self.values[v as usize];
+            let Some(p) = val.place.filter(|_| !val.freed) else {
+                return Err(Error::Protocol(format!("node {node} uses value {v}, which is not allocated")));
+            };
+            for c in val.candidates.iter() {
+                if c.end > start {
+                    self.hazards.push(Hazard {
+                        addr: p.addr.max(c.addr),
+                        old_value: c.value,
+                        old_node: c.node,
+                        old_stream: c.stream,
+                        old_end_us: c.end,
+                        new_value: v,
+                        new_node: node,
+                        new_stream: s,
+                        new_start_us: start,
+                    });
+                }
+            }
+            let val = &mut self.values[v as usize];
+            val.candidates.clear();
+            if !val.used || start < val.first_start {
+                val.first_start = start;
+            }
+            if !val.used || end >= val.last_end {
+                val.last_end = end;
+                val.last_node = node;
+                val.last_stream = s;
+            }
+            val.used = true;
+        }
+        self.tails[si] = end;
+        self.busy[si] += dur;
+        self.engine_free[eng] = end;
+        self.kernels.push(Kernel { node, stream: s, start, end });
+        self.tick();
+        Ok(())
+    }
+
+    /// A new, unrecorded event.
+    pub fn new_event(&mut self) -> u32 {
+        self.events.push(None);
+        (self.events.len() - 1) as u32
+    }
+
+    /// Record event `e` on stream `s`.
+    pub fn record(&mut self, e: u32, s: u16) -> Result<()> {
+        let si = self.stream(s)?;
+        let slot = self.events.get_mut(e as usize).ok_or_else(|| Error::InvalidInput(format!("unknown event {e}")))?;
+        *slot = Some(self.tails[si]);
+        self.tick();
+        Ok(())
+    }
+
+    /// Make stream `s` wait for event `e`.
+    pub fn wait(&mut self, e: u32, s: u16) -> Result<()> {
+        let si = self.stream(s)?;
+        let t = self
+            .events
+            .get(e as usize)
+            .copied()
+            .flatten()
+            .ok_or_else(|| Error::InvalidInput(format!("stream {s} waits on event {e}, which was never recorded")))?;
+        self.tails[si] = self.tails[si].max(t);
+        self.tick();
+        Ok(())
+    }
+
+    /// `record_stream(v, s)`: the block's free will be deferred until `s` passes that point.
+    pub fn record_stream(&mut self, v: u32, s: u16) -> Result<()> {
+        self.stream(s)?;
+        let val = self.value(v)?;
+        if !val.rs_streams.contains(&s) {
+            val.rs_streams.push(s);
+        }
+        self.tick();
+        Ok(())
+    }
+
+    /// The lifetime manager parked `v` (logically dead, not yet reusable).
+    pub fn park(&mut self, v: u32) -> Result<()> {
+        let val = self.value(v)?;
+        if !val.parked && !val.freed {
+            val.parked = true;
+            let b = val.place.map_or(0, |p| p.size);
+            self.parked_bytes += b;
+            self.parked_blocks += 1;
+            self.mem_changed();
+        }
+        Ok(())
+    }
+
+    /// True once `v` was freed.
+    pub fn is_freed(&self, v: u32) -> bool {
+        self.values.get(v as usize).is_some_and(|x| x.freed)
+    }
+
+    /// Free `v` (host side). Blocks with record_stream uses stay pending until the events
+    /// recorded now on those streams complete and a later malloc polls.
+    pub fn free(&mut self, v: u32) -> Result<()> {
+        let host = self.host;
+        let val = self.value(v)?;
+        let place = val.place.filter(|_| !val.freed).ok_or_else(|| Error::Protocol(format!("value {v} freed twice or never allocated")))?;
+        val.freed = true;
+        let parked = std::mem::take(&mut val.parked);
+        let rs: SmallVec<[u16; 2]> = std::mem::take(&mut val.rs_streams);
+        let (used, end, node, stream) = (val.used, val.last_end, val.last_node, val.last_stream);
+        if parked {
+            self.parked_bytes -= place.size;
+            self.parked_blocks -= 1;
+        }
+        let ready_at = rs.iter().map(|&s| self.tails[s as usize]).fold(None, |a: Option<f64>, t| Some(a.map_or(t, |a| a.max(t))));
+        let ready_at = ready_at.filter(|&t| t > host);
+        if used && end > host && self.cfg.mode == Mode::Caching {
+            self.tenancies.push(Tenancy { addr: place.addr, size: place.size, end, value: v, node, stream });
+        }
+        self.alloc.free(place, ready_at);
+        self.tick();
+        self.mem_changed();
+        Ok(())
+    }
+
+    /// Per-stream busy time (us).
+    pub fn busy(&self) -> &[f64] {
+        &self.busy
+    }
+
+    /// Latest completion over all streams.
+    pub fn makespan(&self) -> f64 {
+        self.tails.iter().copied().fold(0.0, f64::max)
+    }
+
+    /// Stream engines.
+    pub fn engines(&self) -> &[Engine] {
+        &self.engines
+    }
+
+    /// Peak over time of bytes whose [first use start, last use end] interval is open: no
+    /// allocator can do with less.
+    pub fn liveness_lower_bound(&self) -> u64 {
+        let mut pts: Vec<(f64, i64)> = Vec::with_capacity(self.values.len() * 2);
+        for v in self.values.iter().filter(|v| v.used) {
+            pts.push((v.first_start, v.bytes as i64));
+            pts.push((v.last_end, -(v.bytes as i64)));
+        }
+        // Ends before starts at equal times: a block can be reused the instant its use ends.
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        let (mut cur, mut peak) = (0i64, 0i64);
+        for (_, d) in pts {
+            cur += d;
+            peak = peak.max(cur);
+        }
+        peak as u64
+    }
+}
