@@ -1,5 +1,6 @@
 //! Criterion benches, one file per subject (as candle does).
 
 mod lifetime;
+mod sim;
 
-criterion::criterion_main!(lifetime::benches);
+criterion::criterion_main!(lifetime::benches, sim::benches);

@@ -25,7 +25,7 @@ fn per_tensor(c: &mut Criterion) {
         g.throughput(Throughput::Elements(batch as u64));
         g.bench_with_input(BenchmarkId::new("cross_stream", batch), &ts, |bench, ts| {
             let mut rt = RecordingRuntime::counting();
-            let mut m = Manager::<RecordingRuntime>::new("bench");
+            let mut m = Manager::<u64, u32>::new("bench");
             bench.iter(|| {
                 m.bind(ts, A, |i| ts[i].tensor).unwrap();
                 m.retire(&mut rt, ts, B, Action::EmptyStorage, |i| ts[i].tensor).unwrap();
@@ -34,7 +34,7 @@ fn per_tensor(c: &mut Criterion) {
         });
         g.bench_with_input(BenchmarkId::new("same_stream", batch), &ts, |bench, ts| {
             let mut rt = RecordingRuntime::counting();
-            let mut m = Manager::<RecordingRuntime>::new("bench");
+            let mut m = Manager::<u64, u32>::new("bench");
             bench.iter(|| {
                 m.bind(ts, A, |i| ts[i].tensor).unwrap();
                 m.retire(&mut rt, ts, A, Action::EmptyStorage, |i| ts[i].tensor).unwrap();

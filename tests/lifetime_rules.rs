@@ -122,7 +122,7 @@ fn rule4_unknown_owner_takes_record_stream_fallback() {
 
 #[test]
 fn rule4_fallback_on_host_stream_records_nothing() {
-    let mut m = Manager::<RecordingRuntime>::new("cpu");
+    let mut m = Manager::<u64, u32>::new("cpu");
     let mut rt = RecordingRuntime::new();
     let x = TensorKey { device: StreamId::cpu().device, ..t(1) };
     m.retire(&mut rt, &[x], StreamId::cpu(), Action::DropReference, |_| 1).unwrap();
@@ -133,8 +133,8 @@ fn rule4_fallback_on_host_stream_records_nothing() {
 #[test]
 fn rule5_one_manager_never_drains_another_plans_queue() {
     let mut rt = RecordingRuntime::new();
-    let mut f = Manager::<RecordingRuntime>::new("F mb1");
-    let mut b = Manager::<RecordingRuntime>::new("B mb0");
+    let mut f = Manager::<u64, u32>::new("F mb1");
+    let mut b = Manager::<u64, u32>::new("B mb0");
     bind(&mut f, &[t(1)], A);
     bind(&mut b, &[t(2)], A);
     retire(&mut f, &mut rt, &[t(1)], B, Action::EmptyStorage).unwrap();
@@ -292,7 +292,7 @@ fn rebind_same_owner_is_idempotent_other_owner_is_error() {
 
 #[test]
 fn rule2_host_streams_are_one_queue() {
-    let mut m = Manager::<RecordingRuntime>::new("cpu");
+    let mut m = Manager::<u64, u32>::new("cpu");
     let mut rt = RecordingRuntime::new();
     let other_cpu = StreamId { id: 7, ..StreamId::cpu() };
     let x = TensorKey { device: StreamId::cpu().device, ..t(1) };

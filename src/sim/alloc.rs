@@ -4,7 +4,8 @@
 //! completed *and* a later malloc polls them. `Mode::NoCaching` returns every free at once and
 //! never reuses an address: the liveness lower bound.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 
 /// Allocator behaviour.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
@@ -77,7 +78,8 @@ pub struct Allocator {
     segments: Vec<Segment>,
     /// Free blocks per (stream, small pool): (size, segment, offset), best fit first.
     free: BTreeMap<(u16, bool), BTreeSet<(u64, u32, u64)>>,
-    pending: Vec<(u32, u64)>,
+    /// Pending blocks, earliest `ready_at` first: (ready_at bits, segment, offset).
+    pending: BinaryHeap<Reverse<(u64, u32, u64)>>,
     next_base: u64,
     /// Bytes in allocated blocks.
     pub allocated: u64,
@@ -94,7 +96,7 @@ impl Allocator {
             mode,
             segments: Vec::new(),
             free: BTreeMap::new(),
-            pending: Vec::new(),
+            pending: BinaryHeap::new(),
             next_base: 1 << 32,
             allocated: 0,
             reserved: 0,
@@ -109,19 +111,13 @@ impl Allocator {
 
     /// Return pending blocks whose events completed by `now` to their pools (the malloc poll).
     fn poll(&mut self, now: f64) {
-        let mut i = 0;
-        while i < self.pending.len() {
-            let (seg, off) = self.pending[i];
-            let blk = &self.segments[seg as usize].blocks[&off];
-            if let State::Pending { ready_at } = blk.state {
-                if ready_at <= now {
-                    self.pending.swap_remove(i);
-                    self.pending_bytes -= blk.size;
-                    self.release(seg, off);
-                    continue;
-                }
+        while let Some(&Reverse((t, seg, off))) = self.pending.peek() {
+            if f64::from_bits(t) > now {
+                break;
             }
-            i += 1;
+            self.pending.pop();
+            self.pending_bytes -= self.segments[seg as usize].blocks[&off].size;
+            self.release(seg, off);
         }
     }
 
@@ -180,7 +176,8 @@ impl Allocator {
                 if let Some(b) = self.segments[p.segment as usize].blocks.get_mut(&p.offset) {
                     b.state = State::Pending { ready_at: t };
                 }
-                self.pending.push((p.segment, p.offset));
+                // Non-negative f64s order like their bit patterns.
+                self.pending.push(Reverse((t.max(0.0).to_bits(), p.segment, p.offset)));
                 self.pending_bytes += p.size;
             }
             None => self.release(p.segment, p.offset),

@@ -43,6 +43,7 @@ pub struct Hazard {
 
 #[derive(Copy, Clone, Debug)]
 struct Tenancy {
+    freed_seq: u64,
     addr: u64,
     size: u64,
     end: f64,
@@ -63,7 +64,45 @@ struct ValueState {
     last_stream: u16,
     used: bool,
     rs_streams: SmallVec<[u16; 2]>,
-    candidates: SmallVec<[Tenancy; 1]>,
+    alloc_seq: u64,
+}
+
+/// Tenancies of one segment, by start address; `max_size` bounds how far back an
+/// overlapping tenancy can start. Each address keeps the latest end of its tenancies, so a
+/// use that starts after it skips the whole list.
+#[derive(Default)]
+struct SegmentTenancies {
+    by_addr: std::collections::BTreeMap<u64, (f64, Vec<Tenancy>)>,
+    max_size: u64,
+}
+
+impl SegmentTenancies {
+    /// Tenancies freed before `alloc_seq`, overlapping [addr, addr + size), still in use at
+    /// `start`. Addresses whose tenancies all ended by `now` are dropped: no use issued from
+    /// now on can start before `now`.
+    fn conflicts(&mut self, addr: u64, size: u64, alloc_seq: u64, start: f64, now: f64, out: &mut Vec<Tenancy>) {
+        let lo = addr.saturating_sub(self.max_size.saturating_sub(1));
+        let mut dead: SmallVec<[u64; 4]> = SmallVec::new();
+        for (&a, (max_end, ts)) in self.by_addr.range(lo..addr + size) {
+            if *max_end <= now {
+                dead.push(a);
+            } else if *max_end > start {
+                out.extend(ts.iter().filter(|t| {
+                    t.end > start && t.freed_seq < alloc_seq && t.addr < addr + size && addr < t.addr + t.size
+                }));
+            }
+        }
+        for a in dead {
+            self.by_addr.remove(&a);
+        }
+    }
+
+    fn insert(&mut self, t: Tenancy) {
+        self.max_size = self.max_size.max(t.size);
+        let slot = self.by_addr.entry(t.addr).or_insert((f64::MIN, Vec::new()));
+        slot.0 = slot.0.max(t.end);
+        slot.1.push(t);
+    }
 }
 
 /// One kernel on the timeline.
@@ -104,6 +143,19 @@ pub struct Config {
     pub sm_contention: f64,
     /// Keep a memory-over-time series (for plots and traces).
     pub timeline: bool,
+    /// Keep every allocation and use (for independent checks of the race checker).
+    pub log: bool,
+    /// Kernels a stream holds in flight before a launch blocks the host (CUDA's queue).
+    pub max_queued: usize,
+}
+
+/// Every allocation and use, in issue order (when `Config::log` is set).
+#[derive(Clone, Debug, Default)]
+pub struct Log {
+    /// (value, addr, size, issue index of the malloc, issue index of the free or u64::MAX).
+    pub allocs: Vec<(u32, u64, u64, u64, u64)>,
+    /// (value, node, stream, start, end).
+    pub uses: Vec<(u32, u32, u16, f64, f64)>,
 }
 
 /// The simulated machine.
@@ -116,7 +168,11 @@ pub struct Machine {
     engine_free: [f64; 2],
     events: Vec<Option<f64>>,
     values: Vec<ValueState>,
-    tenancies: Vec<Tenancy>,
+    /// Freed tenancies whose last use may still be running, per segment (only blocks of one
+    /// segment can overlap), by address.
+    tenancies: Vec<SegmentTenancies>,
+    /// Ends of the kernels in flight per stream (bounded by the launch queue depth).
+    queued: Vec<std::collections::VecDeque<f64>>,
     alloc: Allocator,
     parked_bytes: u64,
     parked_blocks: u64,
@@ -127,13 +183,24 @@ pub struct Machine {
     /// Peaks.
     pub allocated_peak: Peak,
     pub reserved_peak: Peak,
+    /// record_stream blocks freed but waiting on events (allocator `active_pending_free`).
     pub pending_peak: Peak,
-    /// Most blocks pending (record_stream) or parked (manager) at once.
+    /// Tensors the lifetime manager parked until their owner's next acquire.
+    pub parked_peak: Peak,
+    /// Bytes not reusable although logically dead: pending + parked.
+    pub unusable_peak: Peak,
+    /// Most record_stream blocks pending at once.
     pub pending_blocks_peak: u64,
-    /// (host us, allocated, reserved, pending) after each change, when `timeline` is set.
+    /// Most tensors parked at once.
+    pub parked_blocks_peak: u64,
+    /// (host us, allocated, reserved, pending + parked) after each change, when `timeline` is set.
     pub timeline: Vec<(f64, u64, u64, u64)>,
     /// Operations processed.
     pub ops: u64,
+    /// Allocation and use log, when `Config::log` is set.
+    pub log: Log,
+    alloc_entry: Vec<usize>,
+    scratch: Vec<Tenancy>,
 }
 
 fn engine_slot(e: Engine) -> usize {
@@ -157,6 +224,7 @@ impl Machine {
             events: Vec::new(),
             values: (0..n_values).map(|i| ValueState { bytes: value_bytes(i), ..Default::default() }).collect(),
             tenancies: Vec::new(),
+            queued: vec![std::collections::VecDeque::new(); n],
             alloc: Allocator::new(cfg.mode),
             parked_bytes: 0,
             parked_blocks: 0,
@@ -165,9 +233,15 @@ impl Machine {
             allocated_peak: Peak::default(),
             reserved_peak: Peak::default(),
             pending_peak: Peak::default(),
+            parked_peak: Peak::default(),
+            unusable_peak: Peak::default(),
             pending_blocks_peak: 0,
+            parked_blocks_peak: 0,
             timeline: Vec::new(),
             ops: 0,
+            log: Log::default(),
+            alloc_entry: Vec::new(),
+            scratch: Vec::new(),
         }
     }
 
@@ -177,13 +251,16 @@ impl Machine {
     }
 
     fn mem_changed(&mut self) {
-        let pending = self.alloc.pending_bytes + self.parked_bytes;
+        let pending = self.alloc.pending_bytes;
         self.allocated_peak.update(self.alloc.allocated, self.host);
         self.reserved_peak.update(self.alloc.reserved, self.host);
         self.pending_peak.update(pending, self.host);
-        self.pending_blocks_peak = self.pending_blocks_peak.max(self.alloc.pending_blocks() + self.parked_blocks);
+        self.parked_peak.update(self.parked_bytes, self.host);
+        self.unusable_peak.update(pending + self.parked_bytes, self.host);
+        self.pending_blocks_peak = self.pending_blocks_peak.max(self.alloc.pending_blocks());
+        self.parked_blocks_peak = self.parked_blocks_peak.max(self.parked_blocks);
         if self.cfg.timeline {
-            self.timeline.push((self.host, self.alloc.allocated, self.alloc.reserved, pending));
+            self.timeline.push((self.host, self.alloc.allocated, self.alloc.reserved, pending + self.parked_bytes));
         }
     }
 
@@ -215,17 +292,15 @@ impl Machine {
             return Err(Error::Protocol(format!("value {v} allocated twice")));
         }
         let place = self.alloc.malloc(s, bytes, host);
-        // Tenancies that ended before now can never conflict with a use issued from now on.
-        self.tenancies.retain(|t| t.end > host);
-        let cands: SmallVec<[Tenancy; 1]> = self
-            .tenancies
-            .iter()
-            .filter(|t| t.addr < place.addr + place.size && place.addr < t.addr + t.size)
-            .copied()
-            .collect();
+        if self.cfg.log {
+            self.alloc_entry.resize(self.values.len(), usize::MAX);
+            self.alloc_entry[v as usize] = self.log.allocs.len();
+            self.log.allocs.push((v, place.addr, place.size, self.ops, u64::MAX));
+        }
+        let seq = self.ops;
         let val = &mut self.values[v as usize];
         val.place = Some(place);
-        val.candidates = cands;
+        val.alloc_seq = seq;
         self.tick();
         self.mem_changed();
         Ok(())
@@ -234,6 +309,16 @@ impl Machine {
     /// Launch node `node`'s kernel on stream `s` for `us`, using `values` (reads and writes).
     pub fn launch(&mut self, node: u32, s: u16, us: f64, values: &[u32]) -> Result<()> {
         let si = self.stream(s)?;
+        // A full launch queue blocks the host until the oldest kernel in it completes.
+        let q = &mut self.queued[si];
+        while q.front().is_some_and(|&e| e <= self.host) {
+            q.pop_front();
+        }
+        if q.len() >= self.cfg.max_queued {
+            let oldest = q.len() - self.cfg.max_queued;
+            self.host = self.host.max(q[oldest]);
+            q.drain(..=oldest);
+        }
         let eng = engine_slot(self.engines[si]);
         let start = self.host.max(self.tails[si]).max(self.engine_free[eng]);
         let mut dur = us;
@@ -247,8 +332,11 @@ impl Machine {
             let Some(p) = val.place.filter(|_| !val.freed) else {
                 return Err(Error::Protocol(format!("node {node} uses value {v}, which is not allocated")));
             };
-            for c in val.candidates.iter() {
-                if c.end > start {
+            let alloc_seq = val.alloc_seq;
+            if let Some(ts) = self.tenancies.get_mut(p.segment as usize) {
+                self.scratch.clear();
+                ts.conflicts(p.addr, p.size, alloc_seq, start, self.host, &mut self.scratch);
+                for c in self.scratch.iter() {
                     self.hazards.push(Hazard {
                         addr: p.addr.max(c.addr),
                         old_value: c.value,
@@ -262,8 +350,10 @@ impl Machine {
                     });
                 }
             }
+            if self.cfg.log {
+                self.log.uses.push((v, node, s, start, end));
+            }
             let val = &mut self.values[v as usize];
-            val.candidates.clear();
             if !val.used || start < val.first_start {
                 val.first_start = start;
             }
@@ -277,7 +367,16 @@ impl Machine {
         self.tails[si] = end;
         self.busy[si] += dur;
         self.engine_free[eng] = end;
+        self.queued[si].push_back(end);
         self.kernels.push(Kernel { node, stream: s, start, end });
+        self.tick();
+        Ok(())
+    }
+
+    /// The host blocks until stream `s` has drained (a `.item()`, a blocking P2P receive).
+    pub fn host_sync(&mut self, s: u16) -> Result<()> {
+        let si = self.stream(s)?;
+        self.host = self.host.max(self.tails[si]);
         self.tick();
         Ok(())
     }
@@ -357,9 +456,19 @@ impl Machine {
         let ready_at = rs.iter().map(|&s| self.tails[s as usize]).fold(None, |a: Option<f64>, t| Some(a.map_or(t, |a| a.max(t))));
         let ready_at = ready_at.filter(|&t| t > host);
         if used && end > host && self.cfg.mode == Mode::Caching {
-            self.tenancies.push(Tenancy { addr: place.addr, size: place.size, end, value: v, node, stream });
+            let seg = place.segment as usize;
+            if self.tenancies.len() <= seg {
+                self.tenancies.resize_with(seg + 1, SegmentTenancies::default);
+            }
+            let freed_seq = self.ops;
+            self.tenancies[seg].insert(Tenancy { freed_seq, addr: place.addr, size: place.size, end, value: v, node, stream });
         }
         self.alloc.free(place, ready_at);
+        if self.cfg.log {
+            if let Some(&i) = self.alloc_entry.get(v as usize) {
+                self.log.allocs[i].4 = self.ops;
+            }
+        }
         self.tick();
         self.mem_changed();
         Ok(())

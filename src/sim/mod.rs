@@ -11,7 +11,9 @@
 pub mod alloc;
 pub mod machine;
 pub mod plan;
+pub mod scenarios;
 
 pub use alloc::Mode;
 pub use machine::{Engine, Hazard};
-pub use plan::{simulate, NamedHazard, Plan, PlanSpec, Policy, Report, SimOptions, SimRuntime};
+pub use machine::{Log, Machine};
+pub use plan::{run, simulate, NamedHazard, Plan, PlanSpec, Policy, Report, SimOptions, SimRuntime};

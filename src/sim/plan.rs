@@ -70,6 +70,9 @@ pub struct NodeSpec {
     /// How inputs whose last consumer this is are retired (default empty_storage).
     #[serde(default)]
     pub action: Option<String>,
+    /// The host waits for this node to finish before issuing more (`.item()`, blocking recv).
+    #[serde(default)]
+    pub host_sync: bool,
 }
 
 /// A whole plan.
@@ -83,6 +86,9 @@ pub struct PlanSpec {
     pub host_us_per_op: Option<f64>,
     #[serde(default)]
     pub sm_contention: Option<f64>,
+    /// Kernels in flight per stream before a launch blocks the host (default 1024).
+    #[serde(default)]
+    pub max_queued: Option<usize>,
 }
 
 /// How cross-stream values are freed.
@@ -336,9 +342,14 @@ pub struct Report {
     pub exposed_comm_us: f64,
     pub allocated_peak: Peak,
     pub reserved_peak: Peak,
-    /// record_stream blocks waiting on events plus tensors parked by the manager.
+    /// record_stream blocks freed but waiting on their events (allocator pending-free).
     pub pending_free_peak: Peak,
     pub pending_free_peak_blocks: u64,
+    /// Tensors parked by the lifetime manager until their owner's next acquire.
+    pub parked_peak: Peak,
+    pub parked_peak_blocks: u64,
+    /// Logically dead but not reusable: pending-free + parked, at once.
+    pub unusable_peak: Peak,
     pub liveness_lower_bound_bytes: u64,
     pub hazards: Vec<NamedHazard>,
     pub fallback_record_stream: u64,
@@ -371,6 +382,15 @@ pub struct SimOptions {
     pub mode: Mode,
     /// Keep the memory timeline and build a Chrome trace.
     pub trace: bool,
+    /// Keep the machine's allocation/use log (tests).
+    pub log: bool,
+}
+
+impl SimOptions {
+    /// A policy with the caching allocator, no trace, no log.
+    pub fn new(policy: Policy) -> Self {
+        SimOptions { policy, mode: Mode::Caching, trace: false, log: false }
+    }
 }
 
 fn key(v: u32, bytes: u64) -> TensorKey {
@@ -384,12 +404,19 @@ fn key(v: u32, bytes: u64) -> TensorKey {
 
 /// Run `plan` under `opts`.
 pub fn simulate(plan: &Plan, opts: SimOptions) -> Result<Report> {
+    run(plan, opts).map(|(r, _)| r)
+}
+
+/// Run `plan` under `opts`, returning the machine too (its log, kernels).
+pub fn run(plan: &Plan, opts: SimOptions) -> Result<(Report, Machine)> {
     let _span = tracing::debug_span!("simulate", nodes = plan.len()).entered();
     let cfg = Config {
         mode: opts.mode,
         host_us_per_op: plan.spec.host_us_per_op.unwrap_or(1.0),
         sm_contention: plan.spec.sm_contention.unwrap_or(0.0),
         timeline: opts.trace,
+        log: opts.log,
+        max_queued: plan.spec.max_queued.unwrap_or(1024).max(1),
     };
     let engines: Vec<Engine> = plan.spec.streams.iter().map(|s| s.engine).collect();
     let mut m = Machine::new(cfg, engines, plan.value_names.len(), |i| plan.value_bytes[i]);
@@ -400,6 +427,11 @@ pub fn simulate(plan: &Plan, opts: SimOptions) -> Result<Report> {
         if let Some(s) = s {
             m.malloc(v as u32, *s)?;
         }
+    }
+    // Terminal hand-back (rule 7) at each plan's end, not at the end of the whole run.
+    let mut plan_last = vec![0usize; plan.plan_names.len()];
+    for (n, &p) in plan.plan_of.iter().enumerate() {
+        plan_last[p as usize] = n;
     }
     let mut node_event: Vec<u32> = Vec::with_capacity(plan.len());
     let mut fallbacks = 0u64;
@@ -441,6 +473,9 @@ pub fn simulate(plan: &Plan, opts: SimOptions) -> Result<Report> {
         let ev = m.new_event();
         m.record(ev, s)?;
         node_event.push(ev);
+        if plan.spec.nodes[n].host_sync {
+            m.host_sync(s)?;
+        }
         for &v in &plan.inputs_of[n] {
             let last = plan.consumers[v as usize].last() == Some(&(n as u32));
             if !managed {
@@ -460,13 +495,12 @@ pub fn simulate(plan: &Plan, opts: SimOptions) -> Result<Report> {
                 }
             }
         }
-    }
-    if managed {
-        for mgr in mgrs.iter_mut() {
+        if managed && plan_last[plan.plan_of[n] as usize] == n {
             mgr.finalize(&mut SimRuntime { machine: &mut m, skip_waits })?;
         }
     }
-    Ok(report(plan, &m, opts, fallbacks))
+    let r = report(plan, &m, opts, fallbacks);
+    Ok((r, m))
 }
 
 fn union_len(mut iv: Vec<(f64, f64)>) -> Vec<(f64, f64)> {
@@ -546,6 +580,9 @@ fn report(plan: &Plan, m: &Machine, opts: SimOptions, fallbacks: u64) -> Report 
         reserved_peak: m.reserved_peak,
         pending_free_peak: m.pending_peak,
         pending_free_peak_blocks: m.pending_blocks_peak,
+        parked_peak: m.parked_peak,
+        parked_peak_blocks: m.parked_blocks_peak,
+        unusable_peak: m.unusable_peak,
         liveness_lower_bound_bytes: m.liveness_lower_bound(),
         hazards,
         fallback_record_stream: fallbacks,

@@ -1,0 +1,91 @@
+//! The simulator on named scenarios and bad input. All figures here are simulated.
+
+use sched_lifetime::sim::{self, scenarios, Mode, Plan, Policy, SimOptions};
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+fn run(spec: sim::PlanSpec, policy: Policy) -> sim::Report {
+    sim::simulate(&Plan::new(spec).unwrap(), SimOptions::new(policy)).unwrap()
+}
+
+#[test]
+fn megatron_hero_record_stream_piles_up_scheduled_does_not() {
+    let rs = run(scenarios::megatron_hero(16), Policy::RecordStream);
+    let sc = run(scenarios::megatron_hero(16), Policy::Scheduled);
+    println!(
+        "hero: rs pending {:.2} GiB ({} blocks), reserved {:.1} GiB | sched pending {:.2} GiB, parked {:.2} GiB ({} blocks), unusable {:.2} GiB, reserved {:.1} GiB",
+        rs.pending_free_peak.bytes as f64 / GIB, rs.pending_free_peak_blocks, rs.reserved_peak.bytes as f64 / GIB,
+        sc.pending_free_peak.bytes as f64 / GIB, sc.parked_peak.bytes as f64 / GIB, sc.parked_peak_blocks,
+        sc.unusable_peak.bytes as f64 / GIB, sc.reserved_peak.bytes as f64 / GIB
+    );
+    assert!(rs.hazards.is_empty() && sc.hazards.is_empty());
+    assert!(rs.pending_free_peak_blocks >= 4, "record_stream: several big blocks pending at once");
+    // Scheduled: nothing pending in the allocator (external inputs aside), and the manager
+    // holds at most one dispatch and one grouped-GEMM output at a time.
+    assert!(sc.parked_peak_blocks <= 2, "{}", sc.parked_peak_blocks);
+    let reduction = 1.0 - sc.unusable_peak.bytes as f64 / rs.unusable_peak.bytes as f64;
+    assert!(reduction >= 0.90, "pending-free peak reduced by {:.1}%", reduction * 100.0);
+    assert!(sc.reserved_peak.bytes < rs.reserved_peak.bytes);
+    assert!((sc.makespan_us - rs.makespan_us).abs() / rs.makespan_us < 0.05, "same schedule, about the same time");
+}
+
+#[test]
+fn lagging_pipeline_matches_the_gpu_ab_shape() {
+    let rs = run(scenarios::lagging_pipeline(16, 64, 1000.0, 5), Policy::RecordStream);
+    let sc = run(scenarios::lagging_pipeline(16, 64, 1000.0, 5), Policy::Scheduled);
+    let mib = (1u64 << 20) as f64;
+    println!(
+        "lagging: reserved rs {:.0} MiB sched {:.0} MiB; pending rs {:.0} MiB",
+        rs.reserved_peak.bytes as f64 / mib, sc.reserved_peak.bytes as f64 / mib, rs.pending_free_peak.bytes as f64 / mib
+    );
+    assert!(sc.reserved_peak.bytes * 3 < rs.reserved_peak.bytes);
+    assert_eq!(sc.pending_free_peak.bytes, 0);
+}
+
+#[test]
+fn no_caching_mode_is_the_liveness_bound_and_never_hazards() {
+    let plan = Plan::new(scenarios::megatron_hero(4)).unwrap();
+    let opts = SimOptions { mode: Mode::NoCaching, ..SimOptions::new(Policy::Scheduled) };
+    let nc = sim::simulate(&plan, opts).unwrap();
+    let c = sim::simulate(&plan, SimOptions::new(Policy::Scheduled)).unwrap();
+    assert!(nc.hazards.is_empty());
+    assert!(nc.liveness_lower_bound_bytes <= c.reserved_peak.bytes);
+    assert!(c.liveness_lower_bound_bytes > 0);
+}
+
+#[test]
+fn trace_is_chrome_json_with_kernels_and_counters() {
+    let plan = Plan::new(scenarios::random_plan(7)).unwrap();
+    let r = sim::simulate(&plan, SimOptions { trace: true, ..SimOptions::new(Policy::Scheduled) }).unwrap();
+    let ev = r.trace.as_ref().unwrap()["traceEvents"].as_array().unwrap().clone();
+    assert_eq!(ev.iter().filter(|e| e["ph"] == "X").count(), plan.len());
+    assert!(ev.iter().any(|e| e["ph"] == "C"));
+    assert!(!r.memory_timeline.is_empty());
+}
+
+fn err(json: &str) -> String {
+    match Plan::from_json(json) {
+        Ok(p) => sim::simulate(&p, SimOptions::new(Policy::Scheduled)).unwrap_err().to_string(),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn bad_input_is_an_error_naming_the_item() {
+    let s = r#""streams": [{"name": "c"}]"#;
+    assert!(err(&format!(r#"{{{s}, "nodes": [{{"name": "a", "stream": "x", "us": 1}}]}}"#)).contains("node 'a': unknown stream 'x'"));
+    assert!(err(&format!(r#"{{{s}, "nodes": [{{"name": "a", "stream": "c", "us": -1}}]}}"#)).contains("node 'a': duration"));
+    assert!(err(&format!(r#"{{{s}, "nodes": [{{"name": "a", "stream": "c", "us": 1, "inputs": ["v"]}}]}}"#))
+        .contains("consumes value 'v', which has no producer"));
+    assert!(err(&format!(r#"{{{s}, "nodes": [{{"name": "a", "stream": "c", "us": 1, "action": "free"}}]}}"#)).contains("unknown action 'free'"));
+    assert!(err(r#"{"streams": [], "nodes": []}"#).contains("no streams"));
+    assert!(err("{not json").contains("plan is not valid"));
+    assert!(err(&format!(r#"{{{s}, "host_us_per_op": -2, "nodes": []}}"#)).contains("host_us_per_op"));
+    // A wait on an event never recorded, at the machine level.
+    let cfg = sim::machine::Config { mode: Mode::Caching, host_us_per_op: 1.0, sm_contention: 0.0, timeline: false, log: false, max_queued: 1024 };
+    let mut m = sim::Machine::new(cfg, vec![sim::Engine::Compute], 1, |_| 8);
+    let e = m.new_event();
+    assert!(m.wait(e, 0).unwrap_err().to_string().contains("never recorded"));
+    assert!(m.malloc(0, 3).unwrap_err().to_string().contains("unknown stream index 3"));
+    assert!(sched_lifetime::sim::scenarios::by_name("nope").is_err());
+}
