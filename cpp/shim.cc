@@ -85,6 +85,17 @@ void op_destroy(int64_t mgr) {
   guarded([&] { sl_destroy(static_cast<uint64_t>(mgr)); });
 }
 
+std::string op_simulate(std::string plan, std::string policy, std::string mode, bool trace) {
+  return guarded([&] {
+    return std::string(sl_simulate(rust::Str(plan.data(), plan.size()), rust::Str(policy.data(), policy.size()),
+                                   rust::Str(mode.data(), mode.size()), trace));
+  });
+}
+
+std::string op_scenario(std::string name) {
+  return guarded([&] { return std::string(sl_scenario(rust::Str(name.data(), name.size()))); });
+}
+
 }  // namespace
 
 size_t list_len(const TensorList& list) { return list.tensors.size(); }
@@ -142,6 +153,9 @@ TORCH_LIBRARY(sched_lifetime, m) {
   m.def("stats(int mgr) -> int[]", &op_stats);
   m.def("stats_fields() -> str", &op_stats_fields);
   m.def("destroy(int mgr) -> ()", &op_destroy);
+  // The simulator: plan JSON in, report JSON out (all figures simulated).
+  m.def("simulate(str plan, str policy, str mode, bool trace) -> str", &op_simulate);
+  m.def("scenario(str name) -> str", &op_scenario);
   // Ops on tensors: a real kernel for every backend, fakes registered from Python.
   m.def("bind(int mgr, Tensor[] tensors, Stream owner) -> ()");
   m.def("retire(int mgr, Tensor(a!)[] tensors, Stream consumer, int action) -> ()");

@@ -22,7 +22,7 @@ python -m pip install -q --disable-pip-version-check --no-build-isolation -e .
 
 case "$job" in
   demo)
-    python -m sched_lifetime ab
+    python -m sched_lifetime demo
     ;;
   test)
     cargo test --all-targets

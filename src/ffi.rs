@@ -68,6 +68,8 @@ mod bridge {
         fn sl_stats(mgr: u64) -> Result<Vec<i64>>;
         fn sl_stats_fields() -> String;
         fn sl_destroy(mgr: u64) -> Result<()>;
+        fn sl_simulate(plan: &str, policy: &str, mode: &str, trace: bool) -> Result<String>;
+        fn sl_scenario(name: &str) -> Result<String>;
     }
 }
 
@@ -250,5 +252,34 @@ fn sl_destroy(mgr: u64) -> std::result::Result<(), String> {
         } else {
             m.abandon(&mut TorchRuntime)
         }
+    })
+}
+
+/// Entry points that need no registry: catch panics and tag value errors like `enter`.
+fn pure<T>(f: impl FnOnce() -> Result<T>) -> std::result::Result<T, String> {
+    enter(|_| f())
+}
+
+fn sl_simulate(plan: &str, policy: &str, mode: &str, trace: bool) -> std::result::Result<String, String> {
+    use crate::sim::{self, Mode, Plan, Policy, SimOptions};
+    pure(|| {
+        let policy = Policy::parse(policy)?;
+        let mode = match mode {
+            "caching" => Mode::Caching,
+            "no_caching" => Mode::NoCaching,
+            other => {
+                return Err(Error::InvalidInput(format!("unknown allocator mode '{other}': expected caching or no_caching")))
+            }
+        };
+        let plan = Plan::from_json(plan)?;
+        let report = sim::simulate(&plan, SimOptions { policy, mode, trace, log: false })?;
+        serde_json::to_string(&report).map_err(|e| Error::Runtime(format!("report serialization: {e}")))
+    })
+}
+
+fn sl_scenario(name: &str) -> std::result::Result<String, String> {
+    pure(|| {
+        let spec = crate::sim::scenarios::by_name(name)?;
+        serde_json::to_string(&spec).map_err(|e| Error::Runtime(format!("plan serialization: {e}")))
     })
 }

@@ -6,6 +6,17 @@
 
 from ._ops import LIBRARY, STATS_FIELDS, ops
 from .lifetime import ACTIONS, LifetimeManager, current_stream
+from .sim import compare, scenario, simulate
 
-__all__ = ["ACTIONS", "LIBRARY", "LifetimeManager", "STATS_FIELDS", "current_stream", "ops"]
+__all__ = [
+    "ACTIONS",
+    "LIBRARY",
+    "LifetimeManager",
+    "STATS_FIELDS",
+    "compare",
+    "current_stream",
+    "ops",
+    "scenario",
+    "simulate",
+]
 __version__ = "0.1.0"

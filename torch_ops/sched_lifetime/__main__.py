@@ -1,5 +1,12 @@
-"""`python -m sched_lifetime ab [--n N --mib M --lag CYCLES --steps S --json FILE]`: the
-lifetime A/B (record_stream vs scheduled release), a table on stdout."""
+"""Command line:
+
+    python -m sched_lifetime demo                 the README's main job: the lifetime A/B
+                                                  (measured on a GPU; numerics on CPU) and the
+                                                  simulated memory of the same pipeline and of
+                                                  the Megatron hero case
+    python -m sched_lifetime ab [--n --mib --lag --steps --json]
+    python -m sched_lifetime simulate FILE|scenario:NAME [--trace OUT.json] [--plot MEM.png] [--json OUT]
+"""
 
 from __future__ import annotations
 
@@ -8,25 +15,9 @@ import json
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sched_lifetime")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    ab = sub.add_parser("ab", help="record_stream vs scheduled release on a lagging two-stream pipeline")
-    ab.add_argument("--n", type=int, default=16, help="tensors per step (default 16)")
-    ab.add_argument("--mib", type=int, default=64, help="MiB per tensor (default 64)")
-    ab.add_argument("--lag", type=int, default=2_000_000, help="consumer delay in GPU cycles (default 2e6, ~1 ms)")
-    ab.add_argument("--steps", type=int, default=5)
-    ab.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    ab.add_argument("--json", default=None, help="also write the figures here")
-    args = p.parse_args(argv)
-
+def _ab(args: argparse.Namespace) -> int:
     from . import ab as ab_mod
 
-    for name in ("n", "mib", "steps"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be at least 1")
-    if args.lag < 0:
-        p.error("--lag must be >= 0")
     res = ab_mod.run_ab(n=args.n, mib=args.mib, lag=args.lag, steps=args.steps, device=args.device)
     print(ab_mod.format_table(res))
     if args.json:
@@ -37,6 +28,82 @@ def main(argv: list[str] | None = None) -> int:
         print("error: the two arms produced different outputs", file=sys.stderr)
         return 1
     return 0
+
+
+def _load_plan(src: str) -> tuple[str, dict]:
+    from .sim import scenario
+
+    if src.startswith("scenario:"):
+        name = src.split(":", 1)[1]
+        return name, scenario(name)
+    try:
+        with open(src) as f:
+            return src, json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"error: cannot read plan {src}: {e}")
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from . import sim
+
+    name, plan = _load_plan(args.plan)
+    want_trace = bool(args.trace or args.plot)
+    res = sim.compare(plan, trace=want_trace)
+    print(sim.format_compare(name, res))
+    if args.trace:
+        with open(args.trace, "w") as f:
+            json.dump(sim.chrome_trace(res), f)
+        print(f"trace (Chrome/Perfetto) written to {args.trace}")
+    if args.plot:
+        sim.plot_memory(res, args.plot, title=f"{name} (simulated)")
+        print(f"memory plot written to {args.plot}")
+    if args.json:
+        for rep in res.values():
+            rep.pop("trace", None)
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from . import sim
+
+    rc = _ab(args)
+    print()
+    for name in ("lagging_pipeline", "megatron_hero"):
+        print(sim.format_compare(name, sim.compare(sim.scenario(name))))
+        print()
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sched_lifetime")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for cmd, helptext in (
+        ("ab", "record_stream vs scheduled release on a lagging two-stream pipeline"),
+        ("demo", "the A/B plus the simulated memory of the same pipeline and the Megatron hero case"),
+    ):
+        ab = sub.add_parser(cmd, help=helptext)
+        ab.add_argument("--n", type=int, default=16, help="tensors per step (default 16)")
+        ab.add_argument("--mib", type=int, default=64, help="MiB per tensor (default 64)")
+        ab.add_argument("--lag", type=int, default=2_000_000, help="consumer delay in GPU cycles (default 2e6, ~1 ms)")
+        ab.add_argument("--steps", type=int, default=5)
+        ab.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+        ab.add_argument("--json", default=None, help="also write the A/B figures here")
+    s = sub.add_parser("simulate", help="simulate a plan (JSON file or scenario:NAME) under both policies")
+    s.add_argument("plan", help="plan JSON file, or scenario:megatron_hero|lagging_pipeline|random:SEED|chain:N")
+    s.add_argument("--trace", default=None, help="write a Chrome trace (open in Perfetto)")
+    s.add_argument("--plot", default=None, help="write a memory-over-time PNG (matplotlib)")
+    s.add_argument("--json", default=None, help="write both reports")
+    args = p.parse_args(argv)
+    if args.cmd in ("ab", "demo"):
+        for name in ("n", "mib", "steps"):
+            if getattr(args, name) < 1:
+                p.error(f"--{name} must be at least 1")
+        if args.lag < 0:
+            p.error("--lag must be >= 0")
+        return _ab(args) if args.cmd == "ab" else _demo(args)
+    return _simulate(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,104 @@
+"""The simulator from Python: a plan (dict or JSON text, format in the README) in, a report
+dict out. Everything it returns is simulated by the Rust model (sched_lifetime::sim), never
+measured; reports say so in their "simulated" key."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Union
+
+from ._ops import ops
+
+POLICIES = ("record_stream", "scheduled")
+Plan = Union[dict, str]
+
+
+def _text(plan: Plan) -> str:
+    if isinstance(plan, str):
+        return plan
+    if isinstance(plan, dict):
+        return json.dumps(plan)
+    raise ValueError(f"plan must be a dict or JSON text, got {type(plan).__name__}")
+
+
+def simulate(plan: Plan, policy: str = "scheduled", mode: str = "caching", trace: bool = False) -> dict[str, Any]:
+    """Simulate `plan` under `policy` (record_stream, scheduled) with the caching allocator
+    (`mode="caching"`) or without it (`"no_caching"`: the liveness lower bound)."""
+    report = json.loads(ops.simulate(_text(plan), policy, mode, trace))
+    report["simulated"] = True
+    return report
+
+
+def compare(plan: Plan, trace: bool = False) -> dict[str, dict[str, Any]]:
+    """Both policies on the same plan."""
+    text = _text(plan)
+    return {p: simulate(text, p, trace=trace) for p in POLICIES}
+
+
+def scenario(name: str) -> dict:
+    """A plan built in Rust: megatron_hero, lagging_pipeline, random:SEED, chain:N."""
+    return json.loads(ops.scenario(name))
+
+
+def format_compare(name: str, res: dict[str, dict[str, Any]]) -> str:
+    gib = float(1 << 30)
+    rs, sc = res["record_stream"], res["scheduled"]
+    lines = [
+        f"SIMULATED (model, not measured): {name}, {rs['nodes']} nodes",
+        f"{'metric':<34}{'record_stream':>15}{'scheduled':>15}{'ratio':>9}",
+    ]
+
+    def row(label: str, a: float, b: float, fmt: str) -> None:
+        ratio = f"{b / a:.3f}" if a else "-"
+        lines.append(f"{label:<34}{fmt.format(a):>15}{fmt.format(b):>15}{ratio:>9}")
+
+    row("max reserved (GiB)", rs["reserved_peak"]["bytes"] / gib, sc["reserved_peak"]["bytes"] / gib, "{:.2f}")
+    row("max allocated (GiB)", rs["allocated_peak"]["bytes"] / gib, sc["allocated_peak"]["bytes"] / gib, "{:.2f}")
+    row("pending-free peak (GiB)", rs["pending_free_peak"]["bytes"] / gib, sc["pending_free_peak"]["bytes"] / gib, "{:.2f}")
+    row("pending-free peak (blocks)", rs["pending_free_peak_blocks"], sc["pending_free_peak_blocks"], "{:.0f}")
+    row("parked by manager, peak (blocks)", rs["parked_peak_blocks"], sc["parked_peak_blocks"], "{:.0f}")
+    row("pending + parked peak (GiB)", rs["unusable_peak"]["bytes"] / gib, sc["unusable_peak"]["bytes"] / gib, "{:.2f}")
+    row("makespan (ms)", rs["makespan_us"] / 1e3, sc["makespan_us"] / 1e3, "{:.2f}")
+    row("exposed comm (ms)", rs["exposed_comm_us"] / 1e3, sc["exposed_comm_us"] / 1e3, "{:.2f}")
+    lines.append(
+        f"liveness lower bound {sc['liveness_lower_bound_bytes'] / gib:.2f} GiB; "
+        f"hazards: record_stream {len(rs['hazards'])}, scheduled {len(sc['hazards'])}"
+    )
+    return "\n".join(lines)
+
+
+def chrome_trace(res: dict[str, dict[str, Any]]) -> dict:
+    """One Chrome/Perfetto trace with a process per policy (needs reports made with trace=True)."""
+    events = []
+    for i, (policy, rep) in enumerate(res.items()):
+        for e in rep["trace"]["traceEvents"]:
+            e = dict(e, pid=e.get("pid", 0) + 10 * i)
+            events.append(e)
+        for pid, what in ((0, "streams"), (1, "memory")):
+            events.append({"ph": "M", "name": "process_name", "pid": pid + 10 * i, "args": {"name": f"{policy}: {what}"}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def plot_memory(res: dict[str, dict[str, Any]], path: str, title: str = "") -> None:
+    """Memory over host time for both policies (needs trace=True reports and matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(res), figsize=(6 * len(res), 4), sharey=True)
+    for ax, (policy, rep) in zip(axes, res.items()):
+        tl = rep["memory_timeline"]
+        t = [p[0] / 1e3 for p in tl]
+        for k, label in ((2, "reserved"), (1, "allocated"), (3, "pending-free + parked")):
+            ax.step(t, [p[k] / (1 << 30) for p in tl], where="post", label=label)
+        ax.set_title(f"{policy} (simulated)")
+        ax.set_xlabel("host time (ms)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("GiB")
+    axes[0].legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
