@@ -72,36 +72,45 @@ struct ValueState {
 /// use that starts after it skips the whole list.
 #[derive(Default)]
 struct SegmentTenancies {
-    by_addr: std::collections::BTreeMap<u64, (f64, Vec<Tenancy>)>,
+    /// Start address -> (latest end, largest size, tenancies starting there).
+    by_addr: std::collections::BTreeMap<u64, (f64, u64, Vec<Tenancy>)>,
     max_size: u64,
 }
 
 impl SegmentTenancies {
     /// Tenancies freed before `alloc_seq`, overlapping [addr, addr + size), still in use at
-    /// `start`. Addresses whose tenancies all ended by `now` are dropped: no use issued from
+    /// `start`. Tenancies that ended by `now` are dropped as they are met: no use issued from
     /// now on can start before `now`.
     fn conflicts(&mut self, addr: u64, size: u64, alloc_seq: u64, start: f64, now: f64, out: &mut Vec<Tenancy>) {
         let lo = addr.saturating_sub(self.max_size.saturating_sub(1));
         let mut dead: SmallVec<[u64; 4]> = SmallVec::new();
-        for (&a, (max_end, ts)) in self.by_addr.range(lo..addr + size) {
+        for (&a, (max_end, max_size, ts)) in self.by_addr.range_mut(lo..addr + size) {
             if *max_end <= now {
                 dead.push(a);
-            } else if *max_end > start {
-                out.extend(ts.iter().filter(|t| {
-                    t.end > start && t.freed_seq < alloc_seq && t.addr < addr + size && addr < t.addr + t.size
-                }));
+                continue;
             }
+            if *max_end <= start || a + *max_size <= addr {
+                continue;
+            }
+            ts.retain(|t| t.end > now);
+            out.extend(ts.iter().filter(|t| {
+                t.end > start && t.freed_seq < alloc_seq && t.addr < addr + size && addr < t.addr + t.size
+            }));
         }
         for a in dead {
             self.by_addr.remove(&a);
         }
     }
 
-    fn insert(&mut self, t: Tenancy) {
+    fn insert(&mut self, t: Tenancy, now: f64) {
         self.max_size = self.max_size.max(t.size);
-        let slot = self.by_addr.entry(t.addr).or_insert((f64::MIN, Vec::new()));
+        let slot = self.by_addr.entry(t.addr).or_insert((f64::MIN, 0, Vec::new()));
+        if slot.2.len() >= 8 {
+            slot.2.retain(|x| x.end > now);
+        }
         slot.0 = slot.0.max(t.end);
-        slot.1.push(t);
+        slot.1 = slot.1.max(t.size);
+        slot.2.push(t);
     }
 }
 
@@ -461,7 +470,7 @@ impl Machine {
                 self.tenancies.resize_with(seg + 1, SegmentTenancies::default);
             }
             let freed_seq = self.ops;
-            self.tenancies[seg].insert(Tenancy { freed_seq, addr: place.addr, size: place.size, end, value: v, node, stream });
+            self.tenancies[seg].insert(Tenancy { freed_seq, addr: place.addr, size: place.size, end, value: v, node, stream }, host);
         }
         self.alloc.free(place, ready_at);
         if self.cfg.log {
