@@ -6,8 +6,10 @@
 
 pub mod cuda;
 pub mod error;
+pub mod ir;
 pub mod lifetime;
 pub mod runtime;
+pub mod sched;
 pub mod sim;
 
 #[cfg(feature = "torch")]

@@ -1,0 +1,393 @@
+//! The schedule IR (DESIGN.md §3): sources (graphs with their microbatch, phase and priority),
+//! nodes (compute with a wgrad flag, comm launch + wait, page-out/in launch + wait, noop),
+//! values (bytes, producer), and the edges between nodes: data, mutation order, control and
+//! static-buffer reuse. Plain indices into vectors; built from Rust or from the JSON table
+//! Python passes (`Graph::from_json`), validated on construction.
+
+use std::collections::HashMap;
+
+use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
+
+use crate::error::{Error, Result};
+
+/// Index of a node.
+pub type NodeId = u32;
+/// Index of a value.
+pub type ValueId = u32;
+/// Index of a source.
+pub type SourceId = u16;
+
+/// Which part of training a source is.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Deserialize, Serialize)]
+pub enum Phase {
+    /// Forward.
+    F,
+    /// Full backward.
+    B,
+    /// Backward, input gradients only.
+    #[serde(rename = "dI")]
+    DI,
+    /// Backward, weight gradients only.
+    #[serde(rename = "dW")]
+    DW,
+}
+
+/// One graph being multiplexed.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+pub struct Source {
+    pub name: String,
+    #[serde(default)]
+    pub microbatch: u32,
+    pub phase: Phase,
+    /// Lower runs first on ties.
+    #[serde(default)]
+    pub priority: i32,
+}
+
+/// What a node is.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    /// Work on the compute stream.
+    Compute,
+    /// An EP dispatch/combine launched on the EP stream.
+    CommLaunch,
+    /// Where the compute stream waits for a comm launch.
+    CommWait,
+    /// Saved activations copied to pinned host memory (page stream).
+    PageOut,
+    /// Saved activations copied back (page stream).
+    PageIn,
+    /// Where the compute stream waits for a page copy.
+    PageWait,
+    /// A view / pass-through: no kernel.
+    Noop,
+}
+
+impl Kind {
+    /// Launches run on a side stream and occupy its budget until their wait.
+    pub fn is_launch(self) -> bool {
+        matches!(self, Kind::CommLaunch | Kind::PageOut | Kind::PageIn)
+    }
+    /// Waits publish a launch's outputs to the compute stream.
+    pub fn is_wait(self) -> bool {
+        matches!(self, Kind::CommWait | Kind::PageWait)
+    }
+}
+
+/// The streams a schedule uses.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stream {
+    /// The caller's current stream.
+    Compute,
+    /// High-priority EP stream (dispatch/combine).
+    Ep,
+    /// High-priority page stream.
+    Page,
+}
+
+impl Stream {
+    /// All streams, by index.
+    pub const ALL: [Stream; 3] = [Stream::Compute, Stream::Ep, Stream::Page];
+    /// Index in `ALL`.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// An output as written in the table: a name, or a name with bytes.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum OutputSpec {
+    Name(String),
+    Sized { value: String, bytes: u64 },
+}
+
+/// A node as written in the table.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+pub struct NodeSpec {
+    pub name: String,
+    pub source: String,
+    pub kind: Kind,
+    #[serde(default)]
+    pub wgrad: bool,
+    #[serde(default)]
+    pub inputs: Vec<String>,
+    #[serde(default)]
+    pub outputs: Vec<OutputSpec>,
+    /// Values this node writes in place (ordered after earlier readers and writers).
+    #[serde(default)]
+    pub mutates: Vec<String>,
+    /// For waits: the launch they wait for.
+    #[serde(default)]
+    pub launch: Option<String>,
+    /// Cost for the simulator and reports (never used by the policy).
+    #[serde(default)]
+    pub cost: f64,
+}
+
+/// The whole table.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+pub struct GraphSpec {
+    pub sources: Vec<Source>,
+    pub nodes: Vec<NodeSpec>,
+    /// Extra ordering: [before, after] node names.
+    #[serde(default)]
+    pub control: Vec<(String, String)>,
+    /// Static-buffer reuse: [last user of the buffer, next writer] node names.
+    #[serde(default)]
+    pub reuse: Vec<(String, String)>,
+    /// Values that exist before any node (graph inputs), with bytes.
+    #[serde(default)]
+    pub inputs: Vec<OutputSpec>,
+}
+
+/// A node.
+#[derive(Clone, Debug)]
+pub struct Node {
+    pub name: String,
+    pub source: SourceId,
+    pub kind: Kind,
+    pub wgrad: bool,
+    pub inputs: SmallVec<[ValueId; 4]>,
+    pub outputs: SmallVec<[ValueId; 2]>,
+    pub cost: f64,
+    /// For waits, the launch; for launches, their wait.
+    pub partner: Option<NodeId>,
+}
+
+/// A value.
+#[derive(Clone, Debug)]
+pub struct Value {
+    pub name: String,
+    pub bytes: u64,
+    pub producer: Option<NodeId>,
+}
+
+/// A validated graph: nodes, values and every dependency edge, deduplicated.
+#[derive(Clone, Debug)]
+pub struct Graph {
+    pub sources: Vec<Source>,
+    pub nodes: Vec<Node>,
+    pub values: Vec<Value>,
+    /// Predecessors of each node (all edge kinds).
+    pub preds: Vec<SmallVec<[NodeId; 4]>>,
+    /// Successors of each node.
+    pub succs: Vec<SmallVec<[NodeId; 4]>>,
+}
+
+impl Node {
+    /// The stream this node's work (or wait) is issued to.
+    pub fn stream(&self) -> Stream {
+        match self.kind {
+            Kind::CommLaunch => Stream::Ep,
+            Kind::PageOut | Kind::PageIn => Stream::Page,
+            _ => Stream::Compute,
+        }
+    }
+}
+
+impl Graph {
+    /// Parse the JSON table.
+    pub fn from_json(text: &str) -> Result<Graph> {
+        let spec: GraphSpec =
+            serde_json::from_str(text).map_err(|e| Error::InvalidInput(format!("graph is not valid: {e}")))?;
+        Graph::new(spec)
+    }
+
+    /// Validate and index a table; errors name the node, value or source.
+    pub fn new(spec: GraphSpec) -> Result<Graph> {
+        let bad = |m: String| Error::InvalidInput(m);
+        let mut src_ix: HashMap<&str, SourceId> = HashMap::new();
+        for (i, s) in spec.sources.iter().enumerate() {
+            if src_ix.insert(&s.name, i as SourceId).is_some() {
+                return Err(bad(format!("source '{}' is declared twice", s.name)));
+            }
+        }
+        let mut node_ix: HashMap<&str, NodeId> = HashMap::new();
+        for (i, n) in spec.nodes.iter().enumerate() {
+            if node_ix.insert(&n.name, i as NodeId).is_some() {
+                return Err(bad(format!("node '{}' is declared twice", n.name)));
+            }
+        }
+        let mut values: Vec<Value> = Vec::new();
+        let mut val_ix: HashMap<String, ValueId> = HashMap::new();
+        let mut add_value = |values: &mut Vec<Value>, o: &OutputSpec, producer: Option<NodeId>, who: &str| -> Result<ValueId> {
+            let (name, bytes) = match o {
+                OutputSpec::Name(n) => (n.clone(), 0),
+                OutputSpec::Sized { value, bytes } => (value.clone(), *bytes),
+            };
+            if val_ix.contains_key(&name) {
+                return Err(bad(format!("{who}: value '{name}' is produced twice")));
+            }
+            let id = values.len() as ValueId;
+            val_ix.insert(name.clone(), id);
+            values.push(Value { name, bytes, producer });
+            Ok(id)
+        };
+        for o in &spec.inputs {
+            add_value(&mut values, o, None, "inputs")?;
+        }
+        let n = spec.nodes.len();
+        let mut nodes: Vec<Node> = Vec::with_capacity(n);
+        for (i, ns) in spec.nodes.iter().enumerate() {
+            let who = format!("node '{}'", ns.name);
+            let source = *src_ix
+                .get(ns.source.as_str())
+                .ok_or_else(|| bad(format!("{who} names source '{}', which is not declared", ns.source)))?;
+            if !ns.cost.is_finite() || ns.cost < 0.0 {
+                return Err(bad(format!("{who}: cost must be a finite number >= 0, got {}", ns.cost)));
+            }
+            if ns.wgrad && ns.kind != Kind::Compute {
+                return Err(bad(format!("{who}: only compute nodes can be weight-gradient work")));
+            }
+            let mut outputs = SmallVec::new();
+            for o in &ns.outputs {
+                outputs.push(add_value(&mut values, o, Some(i as NodeId), &who)?);
+            }
+            nodes.push(Node {
+                name: ns.name.clone(),
+                source,
+                kind: ns.kind,
+                wgrad: ns.wgrad,
+                inputs: SmallVec::new(),
+                outputs,
+                cost: ns.cost,
+                partner: None,
+            });
+        }
+        // Inputs are resolved after all outputs exist, so a use before its producer in the
+        // table is a dependency, not an error; a value no one produces is.
+        for (i, ns) in spec.nodes.iter().enumerate() {
+            for v in ns.inputs.iter().chain(ns.mutates.iter()) {
+                let id = *val_ix.get(v).ok_or_else(|| {
+                    bad(format!("node '{}' uses value '{v}', which no node produces and is not a graph input", ns.name))
+                })?;
+                if !nodes[i].inputs.contains(&id) {
+                    nodes[i].inputs.push(id);
+                }
+            }
+        }
+        // Waits pair with launches.
+        for (i, ns) in spec.nodes.iter().enumerate() {
+            let who = format!("node '{}'", ns.name);
+            if ns.kind.is_wait() {
+                let lname = ns.launch.as_deref().ok_or_else(|| bad(format!("{who} is a wait without a launch")))?;
+                let l = *node_ix.get(lname).ok_or_else(|| bad(format!("{who} waits for '{lname}', which is not a node")))?;
+                let lk = nodes[l as usize].kind;
+                let ok = match ns.kind {
+                    Kind::CommWait => lk == Kind::CommLaunch,
+                    _ => matches!(lk, Kind::PageOut | Kind::PageIn),
+                };
+                if !ok {
+                    return Err(bad(format!("{who} waits for '{lname}', which is a {lk:?}, not a matching launch")));
+                }
+                if let Some(other) = nodes[l as usize].partner {
+                    return Err(bad(format!(
+                        "'{lname}' has two waits: '{}' and '{}'",
+                        nodes[other as usize].name, ns.name
+                    )));
+                }
+                nodes[l as usize].partner = Some(i as NodeId);
+                nodes[i].partner = Some(l);
+            } else if ns.launch.is_some() {
+                return Err(bad(format!("{who} names a launch but is not a wait")));
+            }
+        }
+        for nd in &nodes {
+            if nd.kind.is_launch() && nd.partner.is_none() {
+                return Err(bad(format!("launch '{}' has no wait", nd.name)));
+            }
+        }
+        let mut preds: Vec<SmallVec<[NodeId; 4]>> = vec![SmallVec::new(); n];
+        let add = |preds: &mut Vec<SmallVec<[NodeId; 4]>>, a: NodeId, b: NodeId| {
+            if a != b && !preds[b as usize].contains(&a) {
+                preds[b as usize].push(a);
+            }
+        };
+        // Data: a launch's outputs become usable at its wait.
+        for i in 0..n {
+            for &v in &nodes[i].inputs.clone() {
+                if let Some(p) = values[v as usize].producer {
+                    let p = if nodes[p as usize].kind.is_launch() && nodes[i].kind != Kind::CommWait && nodes[i].kind != Kind::PageWait {
+                        nodes[p as usize].partner.unwrap_or(p)
+                    } else {
+                        p
+                    };
+                    add(&mut preds, p, i as NodeId);
+                }
+            }
+            if let (true, Some(l)) = (nodes[i].kind.is_wait(), nodes[i].partner) {
+                add(&mut preds, l, i as NodeId);
+            }
+        }
+        // Mutation order: a writer comes after earlier (table order) readers and writers.
+        let mut touched: HashMap<ValueId, Vec<NodeId>> = HashMap::new();
+        for (i, ns) in spec.nodes.iter().enumerate() {
+            for v in &ns.mutates {
+                let id = val_ix[v];
+                for &u in touched.get(&id).map(|x| x.as_slice()).unwrap_or(&[]) {
+                    add(&mut preds, u, i as NodeId);
+                }
+            }
+            for &v in &nodes[i].inputs {
+                touched.entry(v).or_default().push(i as NodeId);
+            }
+        }
+        for (kind, edges) in [("control", &spec.control), ("reuse", &spec.reuse)] {
+            for (a, b) in edges {
+                let ia = *node_ix.get(a.as_str()).ok_or_else(|| bad(format!("{kind} edge names unknown node '{a}'")))?;
+                let ib = *node_ix.get(b.as_str()).ok_or_else(|| bad(format!("{kind} edge names unknown node '{b}'")))?;
+                add(&mut preds, ia, ib);
+            }
+        }
+        let mut succs: Vec<SmallVec<[NodeId; 4]>> = vec![SmallVec::new(); n];
+        for (b, ps) in preds.iter().enumerate() {
+            for &a in ps {
+                succs[a as usize].push(b as NodeId);
+            }
+        }
+        let g = Graph { sources: spec.sources, nodes, values, preds, succs };
+        g.check_acyclic()?;
+        Ok(g)
+    }
+
+    /// Kahn's algorithm; a cycle is an error naming a node on it.
+    fn check_acyclic(&self) -> Result<()> {
+        let mut indeg: Vec<u32> = self.preds.iter().map(|p| p.len() as u32).collect();
+        let mut stack: Vec<NodeId> = (0..self.nodes.len() as NodeId).filter(|&i| indeg[i as usize] == 0).collect();
+        let mut seen = 0;
+        while let Some(u) = stack.pop() {
+            seen += 1;
+            for &s in &self.succs[u as usize] {
+                indeg[s as usize] -= 1;
+                if indeg[s as usize] == 0 {
+                    stack.push(s);
+                }
+            }
+        }
+        if seen == self.nodes.len() {
+            return Ok(());
+        }
+        // Walk predecessors inside the cyclic remainder until a node repeats: it is on a cycle.
+        let mut u = indeg.iter().position(|&d| d > 0).unwrap_or(0) as NodeId;
+        let mut visited = vec![false; self.nodes.len()];
+        while !visited[u as usize] {
+            visited[u as usize] = true;
+            u = self.preds[u as usize].iter().copied().find(|&p| indeg[p as usize] > 0).unwrap_or(u);
+        }
+        Err(Error::InvalidInput(format!("the graph has a cycle through node '{}'", self.nodes[u as usize].name)))
+    }
+
+    /// Number of nodes.
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// True when there are no nodes.
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+}
