@@ -1,6 +1,7 @@
 //! Criterion benches, one file per subject (as candle does).
 
 mod lifetime;
+mod sched;
 mod sim;
 
-criterion::criterion_main!(lifetime::benches, sim::benches);
+criterion::criterion_main!(lifetime::benches, sched::benches, sim::benches);

@@ -96,6 +96,17 @@ std::string op_scenario(std::string name) {
   return guarded([&] { return std::string(sl_scenario(rust::Str(name.data(), name.size()))); });
 }
 
+rust::Str str(const std::string& s) { return rust::Str(s.data(), s.size()); }
+
+std::string op_schedule(std::string graph, std::string ep_budget, std::string page_budget, bool explain) {
+  return guarded([&] { return std::string(sl_schedule(str(graph), str(ep_budget), str(page_budget), explain)); });
+}
+
+void op_validate(std::string graph, std::string order, std::string syncs, std::string ep_budget,
+                 std::string page_budget) {
+  guarded([&] { sl_validate(str(graph), str(order), str(syncs), str(ep_budget), str(page_budget)); });
+}
+
 }  // namespace
 
 size_t list_len(const TensorList& list) { return list.tensors.size(); }
@@ -156,6 +167,9 @@ TORCH_LIBRARY(sched_lifetime, m) {
   // The simulator: plan JSON in, report JSON out (all figures simulated).
   m.def("simulate(str plan, str policy, str mode, bool trace) -> str", &op_simulate);
   m.def("scenario(str name) -> str", &op_scenario);
+  // The scheduler: graph table JSON in, schedule JSON out; budgets "" = env or default.
+  m.def("schedule(str graph, str ep_budget, str page_budget, bool explain) -> str", &op_schedule);
+  m.def("validate(str graph, str order, str syncs, str ep_budget, str page_budget) -> ()", &op_validate);
   // Ops on tensors: a real kernel for every backend, fakes registered from Python.
   m.def("bind(int mgr, Tensor[] tensors, Stream owner) -> ()");
   m.def("retire(int mgr, Tensor(a!)[] tensors, Stream consumer, int action) -> ()");

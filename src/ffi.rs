@@ -70,6 +70,8 @@ mod bridge {
         fn sl_destroy(mgr: u64) -> Result<()>;
         fn sl_simulate(plan: &str, policy: &str, mode: &str, trace: bool) -> Result<String>;
         fn sl_scenario(name: &str) -> Result<String>;
+        fn sl_schedule(graph: &str, ep_budget: &str, page_budget: &str, explain: bool) -> Result<String>;
+        fn sl_validate(graph: &str, order: &str, syncs: &str, ep_budget: &str, page_budget: &str) -> Result<()>;
     }
 }
 
@@ -281,5 +283,30 @@ fn sl_scenario(name: &str) -> std::result::Result<String, String> {
     pure(|| {
         let spec = crate::sim::scenarios::by_name(name)?;
         serde_json::to_string(&spec).map_err(|e| Error::Runtime(format!("plan serialization: {e}")))
+    })
+}
+
+fn budgets(ep: &str, page: &str) -> Result<crate::sched::Budgets> {
+    let opt = |s: &str| if s.is_empty() { None } else { Some(s.to_string()) };
+    crate::sched::Budgets::resolve(opt(ep).as_deref(), opt(page).as_deref())
+}
+
+fn sl_schedule(graph: &str, ep_budget: &str, page_budget: &str, explain: bool) -> std::result::Result<String, String> {
+    pure(|| {
+        let g = crate::ir::Graph::from_json(graph)?;
+        let s = crate::sched::schedule(&g, budgets(ep_budget, page_budget)?)?;
+        let ex = explain.then(|| crate::sched::explain(&g, &s));
+        serde_json::to_string(&crate::sched::named(&g, &s, ex)).map_err(|e| Error::Runtime(format!("schedule serialization: {e}")))
+    })
+}
+
+fn sl_validate(graph: &str, order: &str, syncs: &str, ep_budget: &str, page_budget: &str) -> std::result::Result<(), String> {
+    pure(|| {
+        let g = crate::ir::Graph::from_json(graph)?;
+        let order: Vec<String> =
+            serde_json::from_str(order).map_err(|e| Error::InvalidInput(format!("order must be a list of node names: {e}")))?;
+        let syncs: Option<Vec<(String, String)>> = serde_json::from_str(syncs)
+            .map_err(|e| Error::InvalidInput(format!("syncs must be null or a list of [producer, consumer] names: {e}")))?;
+        crate::sched::validate_named(&g, &order, syncs.as_deref(), budgets(ep_budget, page_budget)?)
     })
 }

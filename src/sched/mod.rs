@@ -235,7 +235,10 @@ impl<'g> State<'g> {
         let hard_ready = self.pending[u as usize] == 0;
         match nd.kind {
             k if k.is_launch() => {
-                if hard_ready {
+                // A launch goes only when its wait could follow it at once, so a full budget
+                // can always be freed (no wait stuck behind another launch of its stream).
+                let wait_free = nd.partner.is_none_or(|w| self.pending[w as usize] <= 1);
+                if hard_ready && wait_free {
                     self.queued[u as usize] = true;
                     let k = self.key(u);
                     self.launches[nd.stream().index()].insert(k);
@@ -286,6 +289,11 @@ impl<'g> State<'g> {
             }
             if self.pending[si] == self.soft[si] {
                 self.enqueue(s);
+            }
+            if self.g.nodes[si].kind.is_wait() && self.pending[si] == 1 {
+                if let Some(l) = self.g.nodes[si].partner {
+                    self.enqueue(l);
+                }
             }
             if self.pending[si] == 0 && self.g.nodes[si].kind.is_wait() {
                 // A ready wait: its successors may become candidates (it is issued on demand).
@@ -375,7 +383,10 @@ impl<'g> State<'g> {
                         let nd = &self.g.nodes[f.1 as usize];
                         let s = nd.source as usize;
                         self.compute[s][WGRAD].remove(&f);
+                        // Filling a gap does not use up the yield owed to the other source.
+                        let owed = self.yield_from;
                         self.issue(f.1);
+                        self.yield_from = owed;
                         continue;
                     }
                 }
@@ -391,14 +402,16 @@ impl<'g> State<'g> {
                 }
                 continue;
             }
-            // Nothing else can go: the oldest in-flight launch's wait.
+            // Nothing else can go: the wait of the oldest in-flight launch that can be waited.
             let oldest = [Stream::Ep, Stream::Page]
                 .iter()
-                .filter_map(|s| self.in_flight[s.index()].front().copied())
-                .min_by_key(|&l| self.pos[l as usize]);
-            match oldest.and_then(|l| self.g.nodes[l as usize].partner) {
-                Some(w) if self.pending[w as usize] == 0 => self.issue(w),
-                _ => {
+                .flat_map(|s| self.in_flight[s.index()].iter().copied())
+                .filter_map(|l| self.g.nodes[l as usize].partner.map(|w| (self.pos[l as usize], w)))
+                .filter(|&(_, w)| self.pending[w as usize] == 0)
+                .min();
+            match oldest {
+                Some((_, w)) => self.issue(w),
+                None => {
                     let stuck = (0..n).find(|&i| !self.issued[i]).unwrap_or(0);
                     return Err(Error::InvalidInput(format!(
                         "scheduler cannot make progress at node '{}' (a wait whose launch cannot be issued?)",
@@ -548,4 +561,80 @@ pub fn explain(g: &Graph, s: &Schedule) -> Vec<Explained> {
         out.push(Explained { launch: nd.name.clone(), source: g.sources[nd.source as usize].name.clone(), hidden_under: hidden });
     }
     out
+}
+
+/// A schedule with names, as Python sees it.
+#[derive(Clone, Debug, Serialize)]
+pub struct NamedSchedule {
+    pub order: Vec<String>,
+    pub streams: Vec<(String, Stream)>,
+    pub syncs: Vec<(String, String, Stream, Stream)>,
+    pub retires: Vec<NamedRetire>,
+    pub budgets: Budgets,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub explain: Option<Vec<Explained>>,
+}
+
+/// A retire with names.
+#[derive(Clone, Debug, Serialize)]
+pub struct NamedRetire {
+    pub value: String,
+    pub owner: Stream,
+    pub last_consumer: String,
+    pub consumer_stream: Stream,
+    pub drain_before: Option<String>,
+    pub action: &'static str,
+}
+
+/// Names instead of indices.
+pub fn named(g: &Graph, s: &Schedule, explain: Option<Vec<Explained>>) -> NamedSchedule {
+    let nm = |u: NodeId| g.nodes[u as usize].name.clone();
+    NamedSchedule {
+        order: s.order.iter().map(|&u| nm(u)).collect(),
+        streams: s.order.iter().map(|&u| (nm(u), s.stream[u as usize])).collect(),
+        syncs: s.syncs.iter().map(|e| (nm(e.producer), nm(e.consumer), e.from, e.to)).collect(),
+        retires: s
+            .retires
+            .iter()
+            .map(|r| NamedRetire {
+                value: g.values[r.value as usize].name.clone(),
+                owner: r.owner,
+                last_consumer: nm(r.last_consumer),
+                consumer_stream: r.consumer_stream,
+                drain_before: r.drain_before.map(nm),
+                action: r.action.name(),
+            })
+            .collect(),
+        budgets: s.budgets,
+        explain,
+    }
+}
+
+/// Validate a schedule given by names: the order, and the record/wait pairs (None: the
+/// minimal ones for that order are derived, so only topology and budgets are checked).
+pub fn validate_named(g: &Graph, order: &[String], syncs: Option<&[(String, String)]>, budgets: Budgets) -> Result<()> {
+    let ix: std::collections::HashMap<&str, NodeId> =
+        g.nodes.iter().enumerate().map(|(i, n)| (n.name.as_str(), i as NodeId)).collect();
+    let id = |n: &str| ix.get(n).copied().ok_or_else(|| Error::InvalidInput(format!("schedule names node '{n}', which is not in the graph")));
+    let ids = order.iter().map(|n| id(n)).collect::<Result<Vec<_>>>()?;
+    if ids.len() != g.len() {
+        return Err(Error::InvalidInput(format!("schedule has {} nodes, the graph {}", ids.len(), g.len())));
+    }
+    let mut seen = vec![false; g.len()];
+    for &u in &ids {
+        if std::mem::replace(&mut seen[u as usize], true) {
+            return Err(Error::InvalidInput(format!("node '{}' is issued twice", g.nodes[u as usize].name)));
+        }
+    }
+    let mut s = finish(g, ids, budgets);
+    if let Some(pairs) = syncs {
+        s.syncs = pairs
+            .iter()
+            .map(|(p, c)| {
+                let (p, c) = (id(p)?, id(c)?);
+                Ok(SyncEdge { producer: p, consumer: c, from: s.stream[p as usize], to: s.stream[c as usize] })
+            })
+            .collect::<Result<Vec<_>>>()?;
+    }
+    validate(g, &s)
 }

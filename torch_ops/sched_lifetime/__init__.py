@@ -6,6 +6,7 @@
 
 from ._ops import LIBRARY, STATS_FIELDS, ops
 from .lifetime import ACTIONS, LifetimeManager, current_stream
+from .schedule import schedule, validate
 from .sim import compare, scenario, simulate
 
 __all__ = [
@@ -17,6 +18,8 @@ __all__ = [
     "current_stream",
     "ops",
     "scenario",
+    "schedule",
     "simulate",
+    "validate",
 ]
 __version__ = "0.1.0"

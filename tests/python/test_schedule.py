@@ -1,0 +1,101 @@
+"""The scheduler from Python (CPU, in CI): one MoE layer of a forward and a backward."""
+
+import pytest
+
+import sched_lifetime as sl
+from sched_lifetime.schedule import format_explain
+
+
+def comm(name, source, inp, out):
+    return [
+        {"name": name, "source": source, "kind": "comm_launch", "inputs": [inp], "outputs": [{"value": out, "bytes": 1 << 30}]},
+        {"name": f"{name}.wait", "source": source, "kind": "comm_wait", "launch": name},
+    ]
+
+
+def compute(name, source, inp, out, wgrad=False):
+    return {"name": name, "source": source, "kind": "compute", "wgrad": wgrad, "inputs": [inp], "outputs": [out]}
+
+
+def moe_layer() -> dict:
+    nodes = [compute("F.attn", "F1", "x", "a")]
+    nodes += comm("F.dispatch", "F1", "a", "d")
+    nodes += [compute("F.mlp", "F1", "d", "m")]
+    nodes += comm("F.combine", "F1", "m", "y")
+    nodes += comm("B.combine", "B0", "gy", "gc")
+    nodes += [compute("B.mlp", "B0", "gc", "gm"), compute("B.mlp.dw", "B0", "gc", "wm", wgrad=True)]
+    nodes += comm("B.dispatch", "B0", "gm", "gd")
+    nodes += [compute("B.attn", "B0", "gd", "gx"), compute("B.attn.dw", "B0", "gd", "wa", wgrad=True)]
+    return {
+        "sources": [{"name": "F1", "microbatch": 1, "phase": "F"}, {"name": "B0", "microbatch": 0, "phase": "B"}],
+        "inputs": ["x", "gy"],
+        "nodes": nodes,
+    }
+
+
+def under(order, comm_name, compute_name):
+    p = {n: i for i, n in enumerate(order)}
+    return p[comm_name] < p[compute_name] < p[f"{comm_name}.wait"]
+
+
+@pytest.mark.parametrize("budget", [1, 2])
+def test_moe_layer_gets_megatrons_four_overlaps(budget):
+    s = sl.schedule(moe_layer(), ep_budget=budget, explain=True)
+    o = s["order"]
+    assert under(o, "B.combine", "F.attn")
+    assert under(o, "F.dispatch", "B.mlp")
+    assert under(o, "B.dispatch", "F.mlp")
+    assert under(o, "F.combine", "B.attn")
+    assert s["budgets"]["ep"] == budget
+    text = format_explain(s)
+    assert "F.dispatch [F1] ran under: " in text and "B.mlp" in text
+    streams = dict(s["streams"])
+    assert streams["F.dispatch"] == "ep" and streams["F.dispatch.wait"] == "compute"
+    # Lifetime: the dispatched tokens (owner: ep) retire after their last compute consumer.
+    r = {x["value"]: x for x in s["retires"]}
+    assert r["d"]["owner"] == "ep" and r["d"]["last_consumer"] == "F.mlp" and r["d"]["action"] == "empty_storage"
+    assert r["gc"]["action"] == "drop_reference"
+    sl.validate(moe_layer(), o, [p[:2] for p in s["syncs"]], ep_budget=budget)
+
+
+def test_same_input_same_schedule():
+    assert sl.schedule(moe_layer()) == sl.schedule(moe_layer())
+
+
+def test_validator_rejects_bad_schedules():
+    g = moe_layer()
+    s = sl.schedule(g)
+    o = list(s["order"])
+    i, j = o.index("F.attn"), o.index("F.mlp")
+    bad = o[:]
+    bad[i], bad[j] = bad[j], bad[i]
+    with pytest.raises(ValueError, match="before its predecessor"):
+        sl.validate(g, bad)
+    with pytest.raises(ValueError, match="no wait covering it"):
+        sl.validate(g, o, syncs=[])
+    with pytest.raises(ValueError, match="issued twice"):
+        sl.validate(g, o[:-1] + [o[0]])
+
+
+def test_errors_name_the_node_or_setting(monkeypatch):
+    g = moe_layer()
+    g["nodes"][0]["source"] = "nowhere"
+    with pytest.raises(ValueError, match="node 'F.attn' names source 'nowhere'"):
+        sl.schedule(g)
+    g = moe_layer()
+    g["control"] = [["F.mlp", "F.attn"]]
+    with pytest.raises(ValueError, match="cycle through node"):
+        sl.schedule(g)
+    g = moe_layer()
+    g["nodes"][0]["inputs"] = ["ghost"]
+    with pytest.raises(ValueError, match="value 'ghost', which no node produces"):
+        sl.schedule(g)
+    with pytest.raises(ValueError, match="SCHED_LIFETIME_EP_LAUNCH_BUDGET=0 is out of range|expected an integer in 1..=1024"):
+        sl.schedule(moe_layer(), ep_budget=0)
+    with pytest.raises(ValueError, match="ep_budget must be an int"):
+        sl.schedule(moe_layer(), ep_budget="2")
+    monkeypatch.setenv("SCHED_LIFETIME_PAGE_LAUNCH_BUDGET", "many")
+    with pytest.raises(ValueError, match="SCHED_LIFETIME_PAGE_LAUNCH_BUDGET='many' is not valid"):
+        sl.schedule(moe_layer())
+    monkeypatch.setenv("SCHED_LIFETIME_PAGE_LAUNCH_BUDGET", "3")
+    assert sl.schedule(moe_layer())["budgets"]["page"] == 3

@@ -1,0 +1,300 @@
+//! The scheduler: Megatron's overlap pairs derived with no layer-specific code, dense layers,
+//! an MTP tail, the dI/dW live-in rule, the validator, errors, and properties on random graphs.
+
+use sched_lifetime::ir::{Graph, GraphSpec, Kind, NodeSpec, OutputSpec, Phase, Source};
+use sched_lifetime::sched::{self, moe, validate, Budgets, Schedule};
+use sched_lifetime::sim::scenarios::Rng;
+
+fn pos(g: &Graph, s: &Schedule, name: &str) -> usize {
+    let id = g.nodes.iter().position(|n| n.name == name).unwrap_or_else(|| panic!("no node {name}"));
+    s.order.iter().position(|&u| u as usize == id).expect("scheduled")
+}
+
+/// `comm` runs under `compute`: launched before it, waited after it.
+fn hidden(g: &Graph, s: &Schedule, comm: &str, compute: &str) -> bool {
+    let (l, c, w) = (pos(g, s, comm), pos(g, s, compute), pos(g, s, &format!("{comm}.wait")));
+    l < c && c < w
+}
+
+fn names(g: &Graph, s: &Schedule) -> String {
+    s.order.iter().map(|&u| g.nodes[u as usize].name.as_str()).collect::<Vec<_>>().join(", ")
+}
+
+fn megatron_pairs_hold(shape: moe::Shape, budgets: Budgets) {
+    let g = Graph::new(moe::chunk(shape)).unwrap();
+    let s = sched::schedule(&g, budgets).unwrap();
+    validate(&g, &s).unwrap();
+    let l_n = shape.layers;
+    for i in shape.dense..l_n {
+        // F layer i runs against B layer L-1-i, as in combined 1F1B.
+        let (f, b) = (format!("F.L{i}"), format!("B.L{}", l_n - 1 - i));
+        if l_n - 1 - i < shape.dense {
+            continue;
+        }
+        let order = names(&g, &s);
+        assert!(hidden(&g, &s, &format!("{b}.combine"), &format!("{f}.attn")), "B.combine | F.attn: {order}");
+        assert!(hidden(&g, &s, &format!("{f}.dispatch"), &format!("{b}.mlp")), "F.dispatch | B.mlp: {order}");
+        assert!(hidden(&g, &s, &format!("{b}.dispatch"), &format!("{f}.mlp")), "B.dispatch | F.mlp: {order}");
+        assert!(hidden(&g, &s, &format!("{f}.combine"), &format!("{b}.attn")), "F.combine | B.attn: {order}");
+    }
+}
+
+#[test]
+fn moe_layer_overlaps_the_four_megatron_pairs() {
+    for budgets in [Budgets::new(1, 1).unwrap(), Budgets::default(), Budgets::new(4, 4).unwrap()] {
+        megatron_pairs_hold(moe::Shape::moe(1, 1.0), budgets);
+    }
+}
+
+#[test]
+fn every_layer_of_a_deep_chunk_overlaps_the_four_pairs() {
+    for layers in [2, 4, 8] {
+        megatron_pairs_hold(moe::Shape::moe(layers, 0.5), Budgets::new(1, 1).unwrap());
+        megatron_pairs_hold(moe::Shape::moe(layers, 0.5), Budgets::default());
+        let g = Graph::new(moe::chunk(moe::Shape::moe(layers, 0.5))).unwrap();
+        every_launch_hidden_by_the_other_source(&g, &sched::schedule(&g, Budgets::default()).unwrap());
+    }
+}
+
+/// Every launch runs under compute of the other source, unless that source had no compute
+/// left when it was launched.
+fn every_launch_hidden_by_the_other_source(g: &Graph, s: &Schedule) {
+    let ex = sched::explain(g, s);
+    for e in &ex {
+        let launch_pos = pos(g, s, &e.launch);
+        let other_left = s.order[launch_pos..].iter().any(|&u| {
+            let nd = &g.nodes[u as usize];
+            nd.kind == Kind::Compute && g.sources[nd.source as usize].name != e.source
+        });
+        let by_other = e.hidden_under.iter().any(|c| !c.starts_with(&e.source[..1]));
+        assert!(by_other || !other_left, "{} is not hidden by the other source: {}", e.launch, names(g, s));
+    }
+}
+
+#[test]
+fn dense_layers_and_mtp_tail() {
+    let shape = moe::Shape { dense: 1, mtp: true, ..moe::Shape::moe(3, 1.0) };
+    let g = Graph::new(moe::chunk(shape)).unwrap();
+    let s = sched::schedule(&g, Budgets::default()).unwrap();
+    validate(&g, &s).unwrap();
+    every_launch_hidden_by_the_other_source(&g, &s);
+    // All-dense chunk: no launch at all, a valid interleaving of the two sources.
+    let dense = moe::Shape { dense: 2, ..moe::Shape::moe(2, 1.0) };
+    let gd = Graph::new(moe::chunk(dense)).unwrap();
+    let sd = sched::schedule(&gd, Budgets::default()).unwrap();
+    validate(&gd, &sd).unwrap();
+    assert!(sd.syncs.is_empty() && sd.retires.is_empty());
+    // Dense dispatch/combine are noops: no launch, no sync edge through them.
+    for n in ["F.L0.dispatch", "F.L0.combine", "B.L0.dispatch", "B.L0.combine"] {
+        let id = g.nodes.iter().position(|x| x.name == n).unwrap();
+        assert_eq!(g.nodes[id].kind, Kind::Noop);
+        assert!(!s.syncs.iter().any(|e| e.producer as usize == id || e.consumer as usize == id), "{n} has a sync");
+    }
+    // The MTP tail runs last in F and first in B, and overlaps the other source's comm.
+    assert!(pos(&g, &s, "F.mtp.mlp") > pos(&g, &s, "F.L2.mlp"));
+    assert!(pos(&g, &s, "B.mtp.attn") < pos(&g, &s, "B.L2.mlp"));
+}
+
+#[test]
+fn ours_matches_or_beats_megatron_and_nears_the_bound_in_the_simulator() {
+    for layers in [1, 2, 4, 8] {
+        for ratio in [0.25, 0.5, 1.0, 1.5, 2.0] {
+            let (r, _) = moe::sweep_row(moe::Shape::moe(layers, ratio), Budgets::default()).unwrap();
+            assert!(r.ours.0 <= r.megatron.0 * 1.001, "{layers} layers, ratio {ratio}: ours {:?} megatron {:?}", r.ours, r.megatron);
+            assert!(r.ours.0 <= r.bound_us * 1.05, "{layers} layers, ratio {ratio}: ours {} bound {}", r.ours.0, r.bound_us);
+            assert!(r.ours.0 < r.b_then_f.0 && r.ours.0 < r.serial.0);
+        }
+    }
+}
+
+#[test]
+fn dw_keeps_di_live_ins_until_it_has_run() {
+    let g = Graph::new(moe::chunk(moe::Shape::moe(2, 1.0))).unwrap();
+    let s = sched::schedule(&g, Budgets::default()).unwrap();
+    // B.gc{l} is read by B.L{l}.mlp (dI) and B.L{l}.mlp.dw: it retires at whichever runs last.
+    for l in 0..2 {
+        let v = g.values.iter().position(|v| v.name == format!("B.gc{l}")).unwrap();
+        let r = s.retires.iter().find(|r| r.value as usize == v).expect("B.gc is cross-stream (owner ep)");
+        let last = &g.nodes[r.last_consumer as usize].name;
+        let (di, dw) = (pos(&g, &s, &format!("B.L{l}.mlp")), pos(&g, &s, &format!("B.L{l}.mlp.dw")));
+        assert_eq!(*last, if dw > di { format!("B.L{l}.mlp.dw") } else { format!("B.L{l}.mlp") });
+        assert_eq!(r.action.name(), "drop_reference");
+    }
+    // Forward values retire with empty_storage.
+    assert!(s.retires.iter().any(|r| g.values[r.value as usize].name == "F.a0" && r.action.name() == "empty_storage"));
+}
+
+#[test]
+fn syncs_are_minimal_and_validator_rejects_broken_schedules() {
+    let g = Graph::new(moe::chunk(moe::Shape::moe(2, 1.0))).unwrap();
+    let s = sched::schedule(&g, Budgets::new(1, 1).unwrap()).unwrap();
+    validate(&g, &s).unwrap();
+    // Dropping any sync edge leaves a cross-stream use uncovered: none is redundant.
+    for i in 0..s.syncs.len() {
+        let mut t = s.clone();
+        t.syncs.remove(i);
+        assert!(validate(&g, &t).unwrap_err().to_string().contains("no wait covering it"), "sync {i} was redundant");
+    }
+    // Swapping a wait before its launch breaks topology.
+    let mut t = s.clone();
+    let (l, w) = (pos(&g, &s, "F.L0.dispatch"), pos(&g, &s, "F.L0.dispatch.wait"));
+    t.order.swap(l, w);
+    assert!(validate(&g, &t).is_err());
+    // The same order under a smaller budget than it uses.
+    let wide = sched::schedule(&g, Budgets::new(4, 4).unwrap()).unwrap();
+    let mut t = wide.clone();
+    t.budgets = Budgets::new(1, 1).unwrap();
+    let max_in_flight = {
+        let mut cur = 0i32;
+        let mut m = 0;
+        for &u in &wide.order {
+            let k = g.nodes[u as usize].kind;
+            cur += k.is_launch() as i32 - (k == Kind::CommWait) as i32;
+            m = m.max(cur);
+        }
+        m
+    };
+    if max_in_flight > 1 {
+        assert!(validate(&g, &t).unwrap_err().to_string().contains("launch budget"));
+    }
+    // A drain placed before the retire.
+    let mut t = s.clone();
+    let r = t.retires.iter_mut().find(|r| r.drain_before.is_some()).unwrap();
+    r.drain_before = Some(r.last_consumer);
+    assert!(validate(&g, &t).unwrap_err().to_string().contains("drains before"));
+}
+
+fn spec_err(f: impl FnOnce(&mut GraphSpec)) -> String {
+    let mut spec = moe::chunk(moe::Shape::moe(1, 1.0));
+    f(&mut spec);
+    Graph::new(spec).map(|_| ()).unwrap_err().to_string()
+}
+
+#[test]
+fn errors_name_the_node_or_setting() {
+    assert!(spec_err(|s| s.control.push(("F.L0.mlp".into(), "F.L0.attn".into()))).contains("cycle through node"));
+    assert!(spec_err(|s| s.nodes[0].inputs.push("ghost".into())).contains("uses value 'ghost', which no node produces"));
+    assert!(spec_err(|s| s.nodes[0].source = "Z9".into()).contains("names source 'Z9', which is not declared"));
+    assert!(spec_err(|s| {
+        let w = s.nodes.iter_mut().find(|n| n.kind == Kind::CommWait).unwrap();
+        w.launch = None;
+    })
+    .contains("is a wait without a launch"));
+    assert!(spec_err(|s| {
+        let w = s.nodes.iter_mut().find(|n| n.kind == Kind::CommWait).unwrap();
+        w.launch = Some("F.L0.attn".into());
+    })
+    .contains("not a matching launch"));
+    assert!(spec_err(|s| s.nodes.retain(|n| n.kind != Kind::CommWait)).contains("has no wait"));
+    assert!(Graph::from_json("{").unwrap_err().to_string().contains("graph is not valid"));
+    assert!(Budgets::new(0, 1).unwrap_err().to_string().contains("SCHED_LIFETIME_EP_LAUNCH_BUDGET=0 is out of range"));
+    let e = Budgets::resolve(None, Some("lots")).unwrap_err().to_string();
+    assert!(e.contains("SCHED_LIFETIME_PAGE_LAUNCH_BUDGET='lots' is not valid: expected an integer in 1..=1024"), "{e}");
+    assert_eq!(Budgets::resolve(Some("3"), Some("")).unwrap(), Budgets { ep: 3, page: 2 });
+}
+
+/// A random annotated graph: 2-3 sources, chains of compute / comm pairs / page pairs / noops
+/// / wgrad side nodes, extra data edges to earlier values of the same source, and control
+/// edges across sources. Every edge goes forward in table order, so the graph is acyclic.
+fn random_graph(seed: u64) -> GraphSpec {
+    let mut r = Rng::new(seed);
+    let phases = [Phase::F, Phase::B, Phase::DW];
+    let n_src = 2 + r.below(2) as usize;
+    let sources: Vec<Source> = (0..n_src)
+        .map(|i| Source { name: format!("S{i}"), microbatch: i as u32, phase: phases[i], priority: r.below(3) as i32 })
+        .collect();
+    let mut nodes: Vec<NodeSpec> = Vec::new();
+    let mut last: Vec<Option<String>> = vec![None; n_src];
+    let mut made: Vec<Vec<String>> = vec![Vec::new(); n_src];
+    let mut control = Vec::new();
+    let len = 10 + r.below(40) as usize;
+    for k in 0..len {
+        let s = r.below(n_src as u64) as usize;
+        let src = format!("S{s}");
+        let mut ins: Vec<String> = last[s].iter().cloned().collect();
+        if made[s].len() > 2 && r.below(4) == 0 {
+            let v = made[s][r.below(made[s].len() as u64) as usize].clone();
+            if !ins.contains(&v) {
+                ins.push(v);
+            }
+        }
+        let out = format!("v{k}");
+        let base = NodeSpec {
+            name: format!("n{k}"),
+            source: src.clone(),
+            kind: Kind::Compute,
+            wgrad: false,
+            inputs: ins,
+            outputs: vec![OutputSpec::Sized { value: out.clone(), bytes: 1 << 20 }],
+            mutates: vec![],
+            launch: None,
+            cost: 1.0 + r.below(10) as f64,
+        };
+        match r.below(6) {
+            0 | 1 => {
+                let kind = [Kind::CommLaunch, Kind::PageOut, Kind::PageIn][r.below(3) as usize];
+                nodes.push(NodeSpec { kind, ..base });
+                nodes.push(NodeSpec {
+                    name: format!("n{k}.wait"),
+                    source: src.clone(),
+                    kind: if kind == Kind::CommLaunch { Kind::CommWait } else { Kind::PageWait },
+                    wgrad: false,
+                    inputs: vec![],
+                    outputs: vec![],
+                    mutates: vec![],
+                    launch: Some(format!("n{k}")),
+                    cost: 0.0,
+                });
+            }
+            2 => nodes.push(NodeSpec { kind: Kind::Noop, ..base }),
+            3 if last[s].is_some() => {
+                // A wgrad side node off the chain: the chain continues from the previous value.
+                nodes.push(NodeSpec { wgrad: true, ..base });
+                made[s].push(out);
+                continue;
+            }
+            _ => nodes.push(base),
+        }
+        if k > 3 && r.below(8) == 0 {
+            let from = nodes[r.below(nodes.len() as u64 - 1) as usize].name.clone();
+            let to = nodes.last().unwrap().name.clone();
+            if from != to && !from.ends_with(".wait") {
+                control.push((from, to));
+            }
+        }
+        made[s].push(out.clone());
+        last[s] = Some(out);
+    }
+    GraphSpec { sources, nodes, control, reuse: vec![], inputs: vec![] }
+}
+
+#[test]
+fn random_graphs_give_valid_deterministic_schedules_within_budget() {
+    for seed in 0..2000u64 {
+        let g = Graph::new(random_graph(seed)).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        let budgets = Budgets::new(1 + (seed % 3) as u32, 1 + (seed % 2) as u32).unwrap();
+        let s = sched::schedule(&g, budgets).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        validate(&g, &s).unwrap_or_else(|e| panic!("seed {seed}: {e}\n{}", names(&g, &s)));
+        // Checked here as well, independently of the validator.
+        let mut seen = vec![false; g.len()];
+        let mut in_flight = [0u32; 3];
+        for &u in &s.order {
+            assert!(!std::mem::replace(&mut seen[u as usize], true), "seed {seed}: node issued twice");
+            let nd = &g.nodes[u as usize];
+            if nd.kind.is_launch() {
+                let st = nd.stream().index();
+                in_flight[st] += 1;
+                assert!(in_flight[st] <= if st == 1 { budgets.ep } else { budgets.page }, "seed {seed}: budget");
+            }
+            if nd.kind.is_wait() {
+                let l = nd.partner.unwrap();
+                assert!(seen[l as usize], "seed {seed}: wait before its launch");
+                in_flight[g.nodes[l as usize].stream().index()] -= 1;
+            }
+        }
+        assert!(seen.iter().all(|&x| x));
+        let again = sched::schedule(&g, budgets).unwrap();
+        assert_eq!(serde_json::to_string(&s).unwrap(), serde_json::to_string(&again).unwrap(), "seed {seed}: not deterministic");
+    }
+}
+

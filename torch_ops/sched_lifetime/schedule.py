@@ -1,0 +1,66 @@
+"""The scheduler from Python: multiplex annotated forward/backward graphs (a table: sources,
+nodes, control/reuse edges; format in the README) into one issue order with the streams,
+record/wait edges and lifetime actions. All policy runs in Rust."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional, Sequence, Union
+
+from ._ops import ops
+
+Graph = Union[dict, str]
+
+
+def _text(graph: Graph) -> str:
+    if isinstance(graph, str):
+        return graph
+    if isinstance(graph, dict):
+        return json.dumps(graph)
+    raise ValueError(f"graph must be a dict or JSON text, got {type(graph).__name__}")
+
+
+def _budget(value: Optional[int], name: str) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int in 1..=1024, got {value!r}")
+    return str(value)
+
+
+def schedule(
+    graph: Graph, ep_budget: Optional[int] = None, page_budget: Optional[int] = None, explain: bool = False
+) -> dict[str, Any]:
+    """Schedule `graph`. Budgets default to SCHED_LIFETIME_EP_LAUNCH_BUDGET /
+    SCHED_LIFETIME_PAGE_LAUNCH_BUDGET, else 2. With `explain`, the result lists, per launch,
+    the compute it ran under."""
+    out = json.loads(ops.schedule(_text(graph), _budget(ep_budget, "ep_budget"), _budget(page_budget, "page_budget"), explain))
+    return out
+
+
+def validate(
+    graph: Graph,
+    order: Sequence[str],
+    syncs: Optional[Sequence[Sequence[str]]] = None,
+    ep_budget: Optional[int] = None,
+    page_budget: Optional[int] = None,
+) -> None:
+    """Check any schedule (ours or yours): topological, every cross-stream use covered by the
+    given record/wait pairs (derived minimal ones when `syncs` is None), budgets respected.
+    Raises ValueError naming the node at fault."""
+    ops.validate(
+        _text(graph),
+        json.dumps(list(order)),
+        json.dumps(None if syncs is None else [list(p) for p in syncs]),
+        _budget(ep_budget, "ep_budget"),
+        _budget(page_budget, "page_budget"),
+    )
+
+
+def format_explain(result: dict[str, Any]) -> str:
+    """One line per launch: what compute hid it."""
+    lines = []
+    for e in result.get("explain") or []:
+        under = ", ".join(e["hidden_under"]) or "nothing (exposed)"
+        lines.append(f"{e['launch']} [{e['source']}] ran under: {under}")
+    return "\n".join(lines)
