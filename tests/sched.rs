@@ -103,7 +103,28 @@ fn ours_matches_or_beats_megatron_and_nears_the_bound_in_the_simulator() {
             assert!(r.ours.0 <= r.megatron.0 * 1.001, "{layers} layers, ratio {ratio}: ours {:?} megatron {:?}", r.ours, r.megatron);
             assert!(r.ours.0 <= r.bound_us * 1.05, "{layers} layers, ratio {ratio}: ours {} bound {}", r.ours.0, r.bound_us);
             assert!(r.ours.0 < r.b_then_f.0 && r.ours.0 < r.serial.0);
+            // The whole system (our order, our drain points) against Megatron as shipped
+            // (its order, drains at the owner's next node), at one extra block of memory at most.
+            assert!(r.ours.0 <= r.megatron_next_node.0 * 1.001);
+            assert!(r.ours_reserved.0 <= r.ours_reserved.1 + (64 << 20), "{:?}", r.ours_reserved);
         }
+    }
+}
+
+#[test]
+fn drains_add_no_wait() {
+    for layers in [1, 4] {
+        let g = Graph::new(moe::chunk(moe::Shape::moe(layers, 1.0))).unwrap();
+        let s = sched::schedule(&g, Budgets::default()).unwrap();
+        assert!(s.retires.iter().filter(|r| r.drain_before.is_some()).count() > 4 * layers);
+        assert_eq!(sched::drains_adding_waits(&g, &s), Vec::<String>::new());
+        // Megatron's rule (the owner's next node) on the same order does add waits.
+        let mut next = s.clone();
+        for r in next.retires.iter_mut() {
+            let p = s.order.iter().position(|&u| u == r.last_consumer).unwrap();
+            r.drain_before = s.order[p + 1..].iter().copied().find(|&u| s.stream[u as usize] == r.owner);
+        }
+        assert!(!sched::drains_adding_waits(&g, &next).is_empty());
     }
 }
 
@@ -293,6 +314,7 @@ fn random_graphs_give_valid_deterministic_schedules_within_budget() {
             }
         }
         assert!(seen.iter().all(|&x| x));
+        assert_eq!(sched::drains_adding_waits(&g, &s), Vec::<String>::new(), "seed {seed}");
         let again = sched::schedule(&g, budgets).unwrap();
         assert_eq!(serde_json::to_string(&s).unwrap(), serde_json::to_string(&again).unwrap(), "seed {seed}: not deterministic");
     }

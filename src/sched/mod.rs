@@ -21,7 +21,10 @@
 //! Output: the order, each node's stream, the minimal record/wait edges (vector clocks: a wait
 //! already implied by an earlier one is dropped), and the lifetime actions: where each
 //! cross-stream value retires (its last consumer: so dI's live-ins stay until dW has used
-//! them) and before which node its owner drains (or the terminal hand-back).
+//! them) and before which node its owner drains: the first owner-stream node already ordered
+//! after that consumer, so the manager's owner wait adds no dependency (draining at the
+//! owner's very next node, as Megatron does, makes it wait for the consumer's comm), or the
+//! terminal hand-back.
 
 pub mod moe;
 mod validate;
@@ -34,7 +37,7 @@ use crate::error::{Error, Result};
 use crate::ir::{Graph, Kind, NodeId, Phase, Stream, ValueId};
 use crate::runtime::Action;
 
-pub use validate::validate;
+pub use validate::{drains_adding_waits, validate};
 
 /// Variables that set the launch budgets.
 pub const EP_BUDGET_VAR: &str = "SCHED_LIFETIME_EP_LAUNCH_BUDGET";
@@ -118,7 +121,8 @@ pub struct Retire {
     /// The last consumer in issue order, and its stream.
     pub last_consumer: NodeId,
     pub consumer_stream: Stream,
-    /// The owner's next node after the retire, before which it drains; None: terminal hand-back.
+    /// The first owner-stream node ordered after the last consumer (the drain adds no wait
+    /// there); None: terminal hand-back.
     pub drain_before: Option<NodeId>,
     #[serde(serialize_with = "action_name")]
     pub action: Action,
@@ -373,7 +377,7 @@ impl<'g> State<'g> {
             if let Some(k) = self.next_compute() {
                 let u = k.1;
                 // Late wait: the waits this node needs, just before it; then look again.
-                let waits: Vec<NodeId> =
+                let waits: smallvec::SmallVec<[NodeId; 4]> =
                     self.g.preds[u as usize].iter().copied().filter(|&p| !self.issued[p as usize]).collect();
                 // Weight-gradient work fills the gap before a wait: one wgrad node per wait,
                 // when one is ready without waits of its own.
@@ -424,17 +428,17 @@ impl<'g> State<'g> {
     }
 }
 
-/// A topological order (Kahn, smallest index first); the graph is acyclic by construction.
+/// A topological order (Kahn); the graph is acyclic by construction.
 fn topo_order(g: &Graph) -> Vec<NodeId> {
     let mut indeg: Vec<u32> = g.preds.iter().map(|p| p.len() as u32).collect();
-    let mut ready: BTreeSet<NodeId> = (0..g.len() as NodeId).filter(|&i| indeg[i as usize] == 0).collect();
+    let mut ready: Vec<NodeId> = (0..g.len() as NodeId).filter(|&i| indeg[i as usize] == 0).collect();
     let mut out = Vec::with_capacity(g.len());
-    while let Some(u) = ready.pop_first() {
+    while let Some(u) = ready.pop() {
         out.push(u);
         for &s in &g.succs[u as usize] {
             indeg[s as usize] -= 1;
             if indeg[s as usize] == 0 {
-                ready.insert(s);
+                ready.push(s);
             }
         }
     }
@@ -459,6 +463,8 @@ pub fn finish(g: &Graph, order: Vec<NodeId>, budgets: Budgets) -> Schedule {
     }
     let mut clocks = Clocks::new(n);
     let mut syncs = Vec::new();
+    // Nodes of each stream in issue order (for the drain search below).
+    let mut on_stream: [Vec<NodeId>; 3] = Default::default();
     for &c in &order {
         let x = stream[c as usize];
         for &p in &g.preds[c as usize] {
@@ -468,19 +474,30 @@ pub fn finish(g: &Graph, order: Vec<NodeId>, budgets: Budgets) -> Schedule {
             }
         }
         clocks.step(c, x);
+        on_stream[x.index()].push(c);
     }
-    // Lifetime: values consumed on a stream other than their owner's.
-    let mut consumers: Vec<Vec<NodeId>> = vec![Vec::new(); g.values.len()];
-    for (i, nd) in g.nodes.iter().enumerate() {
-        if nd.kind.is_wait() {
-            continue;
-        }
+    // Lifetime: values consumed on a stream other than their owner's. Consumers of each value
+    // in one flat array (offsets per value), not a Vec each.
+    let mut start = vec![0u32; g.values.len() + 1];
+    for nd in g.nodes.iter().filter(|nd| !nd.kind.is_wait()) {
         for &v in &nd.inputs {
-            consumers[v as usize].push(i as NodeId);
+            start[v as usize + 1] += 1;
+        }
+    }
+    for v in 0..g.values.len() {
+        start[v + 1] += start[v];
+    }
+    let mut fill = start.clone();
+    let mut flat = vec![0 as NodeId; start[g.values.len()] as usize];
+    for (i, nd) in g.nodes.iter().enumerate().filter(|(_, nd)| !nd.kind.is_wait()) {
+        for &v in &nd.inputs {
+            flat[fill[v as usize] as usize] = i as NodeId;
+            fill[v as usize] += 1;
         }
     }
     let mut retires = Vec::new();
-    for (v, cons) in consumers.iter().enumerate() {
+    for v in 0..g.values.len() {
+        let cons = &flat[start[v] as usize..start[v + 1] as usize];
         let Some(p) = g.values[v].producer else { continue };
         let owner = stream[p as usize];
         if cons.iter().all(|&c| stream[c as usize] == owner) || cons.is_empty() {
@@ -488,7 +505,20 @@ pub fn finish(g: &Graph, order: Vec<NodeId>, budgets: Budgets) -> Schedule {
         }
         let last = *cons.iter().max_by_key(|&&c| pos[c as usize]).expect("non-empty");
         let cs = stream[last as usize];
-        let drain_before = order[pos[last as usize] + 1..].iter().copied().find(|&u| stream[u as usize] == owner);
+        // Drain before the first owner-stream node already ordered after the last consumer
+        // (its clock covers it): the manager's wait there adds no dependency. Clocks only grow
+        // along a stream, so a binary search finds it. None: the terminal hand-back.
+        // Every consumer on another stream must be covered, and the drain comes after the last.
+        let list = &on_stream[owner.index()];
+        let mut k = list.partition_point(|&u| pos[u as usize] <= pos[last as usize]);
+        for &c in cons {
+            let c_s = stream[c as usize];
+            if c_s != owner {
+                let need = clocks.seq[c as usize];
+                k = k.max(list.partition_point(|&u| clocks.at[u as usize][c_s.index()] < need));
+            }
+        }
+        let drain_before = list.get(k).copied();
         let phase = g.sources[g.nodes[last as usize].source as usize].phase;
         let action = if phase == Phase::F { Action::EmptyStorage } else { Action::DropReference };
         retires.push(Retire { value: v as ValueId, owner, last_consumer: last, consumer_stream: cs, drain_before, action });

@@ -168,7 +168,15 @@ pub fn backward_then_forward(g: &Graph) -> Vec<u32> {
 
 /// A simulator plan that issues `order`; waits are implied by data (the simulator waits at
 /// the consumer), other edges become zero-byte tokens. `serial` puts everything on one stream.
+/// Lifetime drains go where the schedule puts them (`finish`), with the plan's hand-back last.
 pub fn to_plan(g: &Graph, order: &[u32], serial: bool) -> PlanSpec {
+    to_plan_drained(g, order, serial, !serial)
+}
+
+/// As [`to_plan`]; `scheduled_drains: false` drains at every node of a plan on its stream, as
+/// Megatron-LM's manager does.
+pub fn to_plan_drained(g: &Graph, order: &[u32], serial: bool, scheduled_drains: bool) -> PlanSpec {
+    let drains = finish(g, order.to_vec(), Budgets::default()).retires;
     use crate::sim::plan::{InputSpec, NodeSpec as SimNode, OutputSpec as SimOut, StreamSpec};
     let n = g.len();
     let mut extra_in: Vec<Vec<String>> = vec![Vec::new(); n];
@@ -192,6 +200,32 @@ pub fn to_plan(g: &Graph, order: &[u32], serial: bool) -> PlanSpec {
                 let t = format!("tok:{p}->{c}");
                 extra_out[p as usize].push(t.clone());
                 extra_in[c].push(t);
+            }
+        }
+    }
+    // Waits are not simulator nodes: a drain placed before one moves to the next node of
+    // that stream (the wait itself is implied at the consumer).
+    let mut next_real = vec![None; n];
+    let mut pending_waits: [Vec<u32>; 3] = Default::default();
+    for &u in order {
+        let nd = &g.nodes[u as usize];
+        let si = nd.stream().index();
+        if nd.kind.is_wait() {
+            pending_waits[si].push(u);
+        } else {
+            for w in pending_waits[si].drain(..) {
+                next_real[w as usize] = Some(u);
+            }
+            next_real[u as usize] = Some(u);
+        }
+    }
+    let mut acquire: Vec<Vec<String>> = vec![Vec::new(); n];
+    for r in &drains {
+        let d = r.drain_before.and_then(|d| next_real[d as usize]);
+        if let (Some(d), Some(p)) = (d, g.values[r.value as usize].producer) {
+            let plan = g.sources[g.nodes[p as usize].source as usize].name.clone();
+            if !acquire[d as usize].contains(&plan) {
+                acquire[d as usize].push(plan);
             }
         }
     }
@@ -220,6 +254,7 @@ pub fn to_plan(g: &Graph, order: &[u32], serial: bool) -> PlanSpec {
             outputs,
             action: None,
             host_sync: false,
+            acquire: std::mem::take(&mut acquire[u as usize]),
         });
     }
     let inputs = g
@@ -239,6 +274,7 @@ pub fn to_plan(g: &Graph, order: &[u32], serial: bool) -> PlanSpec {
         host_us_per_op: Some(1.0),
         sm_contention: Some(0.0),
         max_queued: None,
+        explicit_acquire: scheduled_drains,
     }
 }
 
@@ -248,19 +284,24 @@ pub struct SweepRow {
     pub layers: usize,
     pub ratio: f64,
     pub bound_us: f64,
-    /// (makespan, exposed comm) for serial, B-then-F, Megatron's order, ours.
+    /// (makespan, exposed comm) for serial, B-then-F, Megatron's order, ours, all with the
+    /// schedule's drain points.
     pub serial: (f64, f64),
     pub b_then_f: (f64, f64),
     pub megatron: (f64, f64),
     pub ours: (f64, f64),
+    /// Megatron's order and ours with drains at the owner's next node of the plan.
+    pub megatron_next_node: (f64, f64),
+    pub ours_next_node: (f64, f64),
+    /// Max reserved bytes of ours: schedule drains, next-node drains.
+    pub ours_reserved: (u64, u64),
 }
 
-/// Data dependencies only: lifetime drains (which add owner-stream waits in any order) are
-/// left out so the orders are compared on overlap alone.
-fn simulate_order(g: &Graph, order: &[u32], serial: bool) -> Result<(f64, f64)> {
-    let plan = Plan::new(to_plan(g, order, serial))?;
-    let r = sim::simulate(&plan, SimOptions::new(Policy::RecordStream))?;
-    Ok((r.makespan_us, r.exposed_comm_us))
+/// Simulated with the real lifetime manager: (makespan, exposed comm, max reserved).
+fn simulate_order(g: &Graph, order: &[u32], serial: bool, scheduled_drains: bool) -> Result<(f64, f64, u64)> {
+    let plan = Plan::new(to_plan_drained(g, order, serial, scheduled_drains))?;
+    let r = sim::simulate(&plan, SimOptions::new(Policy::Scheduled))?;
+    Ok((r.makespan_us, r.exposed_comm_us, r.reserved_peak.bytes))
 }
 
 /// Simulate the four orders for one shape.
@@ -270,14 +311,20 @@ pub fn sweep_row(shape: Shape, budgets: Budgets) -> Result<(SweepRow, Schedule)>
     let meg = megatron_order(&g, shape);
     let compute: f64 = g.nodes.iter().filter(|n| n.kind == Kind::Compute).map(|n| n.cost).sum();
     let comm: f64 = g.nodes.iter().filter(|n| n.kind.is_launch()).map(|n| n.cost).sum();
+    let two = |x: (f64, f64, u64)| (x.0, x.1);
+    let ours_s = simulate_order(&g, &ours.order, false, true)?;
+    let ours_n = simulate_order(&g, &ours.order, false, false)?;
     let row = SweepRow {
         layers: shape.layers,
         ratio: shape.comm_us / (shape.attn_us + shape.mlp_us) * 2.0,
         bound_us: compute.max(comm),
-        serial: simulate_order(&g, &finish(&g, (0..g.len() as u32).collect(), budgets).order, true)?,
-        b_then_f: simulate_order(&g, &backward_then_forward(&g), false)?,
-        megatron: simulate_order(&g, &meg, false)?,
-        ours: simulate_order(&g, &ours.order, false)?,
+        serial: two(simulate_order(&g, &finish(&g, (0..g.len() as u32).collect(), budgets).order, true, false)?),
+        b_then_f: two(simulate_order(&g, &backward_then_forward(&g), false, true)?),
+        megatron: two(simulate_order(&g, &meg, false, true)?),
+        ours: two(ours_s),
+        megatron_next_node: two(simulate_order(&g, &meg, false, false)?),
+        ours_next_node: two(ours_n),
+        ours_reserved: (ours_s.2, ours_n.2),
     };
     Ok((row, ours))
 }

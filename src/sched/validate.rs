@@ -87,6 +87,38 @@ pub fn validate(g: &Graph, s: &Schedule) -> Result<()> {
             }
         }
     }
-    let _ = Stream::ALL;
     Ok(())
+}
+
+/// Drains whose owner-stream node is not already ordered after the retire's last consumer:
+/// there, the manager's wait adds a dependency (allowed, but ours never does that).
+pub fn drains_adding_waits(g: &Graph, s: &Schedule) -> Vec<String> {
+    let mut syncs_of: Vec<Vec<u32>> = vec![Vec::new(); g.len()];
+    for e in &s.syncs {
+        syncs_of[e.consumer as usize].push(e.producer);
+    }
+    let mut clocks = Clocks::new(g.len());
+    for &c in &s.order {
+        let x: Stream = s.stream[c as usize];
+        for &p in &syncs_of[c as usize] {
+            clocks.join(p, x);
+        }
+        clocks.step(c, x);
+    }
+    s.retires
+        .iter()
+        .filter(|r| {
+            r.drain_before.is_some_and(|d| {
+                let uncovered = |c: u32| {
+                    let cs = s.stream[c as usize];
+                    cs != r.owner && clocks.at[d as usize][cs.index()] < clocks.seq[c as usize]
+                };
+                // Every consumer of the value (waits aside) must be covered at the drain.
+                g.nodes.iter().enumerate().any(|(i, n)| {
+                    !n.kind.is_wait() && n.inputs.contains(&r.value) && uncovered(i as u32)
+                })
+            })
+        })
+        .map(|r| g.values[r.value as usize].name.clone())
+        .collect()
 }

@@ -73,6 +73,10 @@ pub struct NodeSpec {
     /// The host waits for this node to finish before issuing more (`.item()`, blocking recv).
     #[serde(default)]
     pub host_sync: bool,
+    /// With `explicit_acquire`: the plans whose queue for this node's stream is drained
+    /// (`acquire`) just before it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub acquire: Vec<String>,
 }
 
 /// A whole plan.
@@ -89,6 +93,10 @@ pub struct PlanSpec {
     /// Kernels in flight per stream before a launch blocks the host (default 1024).
     #[serde(default)]
     pub max_queued: Option<usize>,
+    /// Drain only where nodes list it (a scheduler's drain points) instead of at every node
+    /// of the plan on its stream (Megatron's rule); each plan still hands back at its end.
+    #[serde(default)]
+    pub explicit_acquire: bool,
 }
 
 /// How cross-stream values are freed.
@@ -132,6 +140,8 @@ pub struct Plan {
     input_stream: Vec<Option<u16>>,
     /// Consumer nodes of each value, in order.
     consumers: Vec<SmallVec<[u32; 2]>>,
+    /// Plans drained before each node (explicit_acquire).
+    acquire_of: Vec<SmallVec<[u32; 1]>>,
 }
 
 fn action_named(node: &str, a: Option<&str>) -> Result<Action> {
@@ -248,7 +258,19 @@ impl Plan {
             inputs_of.push(ins);
             outputs_of.push(outs);
         }
+        let mut acquire_of = Vec::with_capacity(n);
+        for node in &spec.nodes {
+            let mut ps = SmallVec::new();
+            for a in &node.acquire {
+                let p = *plan_ids.get(a).ok_or_else(|| {
+                    Error::InvalidInput(format!("node '{}': acquire names plan '{a}', which has no node", node.name))
+                })?;
+                ps.push(p);
+            }
+            acquire_of.push(ps);
+        }
         Ok(Plan {
+            acquire_of,
             spec,
             stream_of,
             plan_of,
@@ -438,10 +460,16 @@ pub fn run(plan: &Plan, opts: SimOptions) -> Result<(Report, Machine)> {
     for n in 0..plan.len() {
         let s = plan.stream_of[n];
         let sid = sim_stream(s);
-        let mgr = &mut mgrs[plan.plan_of[n] as usize];
         if managed {
-            mgr.acquire(&mut SimRuntime { machine: &mut m, skip_waits }, sid)?;
+            if plan.spec.explicit_acquire {
+                for p in &plan.acquire_of[n] {
+                    mgrs[*p as usize].acquire(&mut SimRuntime { machine: &mut m, skip_waits }, sid)?;
+                }
+            } else {
+                mgrs[plan.plan_of[n] as usize].acquire(&mut SimRuntime { machine: &mut m, skip_waits }, sid)?;
+            }
         }
+        let mgr = &mut mgrs[plan.plan_of[n] as usize];
         // Data dependencies: wait on the producer's event when it ran on another stream.
         for &v in &plan.inputs_of[n] {
             if let Some(p) = plan.producer[v as usize] {
@@ -495,7 +523,14 @@ pub fn run(plan: &Plan, opts: SimOptions) -> Result<(Report, Machine)> {
                 }
             }
         }
-        if managed && plan_last[plan.plan_of[n] as usize] == n {
+        // With explicit drains, a scheduled drain may come after the plan's last node: hand
+        // back at the end of the run instead.
+        if managed && !plan.spec.explicit_acquire && plan_last[plan.plan_of[n] as usize] == n {
+            mgr.finalize(&mut SimRuntime { machine: &mut m, skip_waits })?;
+        }
+    }
+    if managed && plan.spec.explicit_acquire {
+        for mgr in mgrs.iter_mut() {
             mgr.finalize(&mut SimRuntime { machine: &mut m, skip_waits })?;
         }
     }

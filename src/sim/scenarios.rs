@@ -22,6 +22,7 @@ fn node(name: String, plan: &str, stream: &str, us: f64, inputs: Vec<String>, ou
         outputs: outputs.into_iter().map(|(value, bytes)| OutputSpec { value, bytes }).collect(),
         action: None,
         host_sync: false,
+        acquire: Vec::new(),
     }
 }
 
@@ -66,6 +67,7 @@ pub fn megatron_hero(microbatches: usize) -> PlanSpec {
         host_us_per_op: Some(5.0),
         sm_contention: Some(0.0),
         max_queued: None,
+        explicit_acquire: false,
     }
 }
 
@@ -94,6 +96,7 @@ pub fn lagging_pipeline(n: usize, mib: u64, lag_us: f64, steps: usize) -> PlanSp
         host_us_per_op: Some(5.0),
         sm_contention: None,
         max_queued: None,
+        explicit_acquire: false,
     }
 }
 
@@ -177,6 +180,7 @@ pub fn random_plan(seed: u64) -> PlanSpec {
         host_us_per_op: Some([0.5, 2.0, 5.0][r.below(3) as usize]),
         sm_contention: Some(0.0),
         max_queued: Some([4, 1024][r.below(2) as usize]),
+        explicit_acquire: false,
     }
 }
 
@@ -201,6 +205,7 @@ pub fn chain(nodes: usize) -> PlanSpec {
         host_us_per_op: Some(1.0),
         sm_contention: Some(0.1),
         max_queued: None,
+        explicit_acquire: false,
     }
 }
 
