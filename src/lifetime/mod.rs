@@ -152,6 +152,23 @@ impl<P, E> Manager<P, E> {
         Ok(())
     }
 
+    /// Per-tensor checks of bind and retire: on the stream's device, not already parked.
+    fn check_tensor(&self, verb: &str, role: &str, i: usize, t: &TensorKey, stream: StreamId) -> Result<()> {
+        if t.device != stream.device {
+            return Err(Error::InvalidInput(format!(
+                "plan '{}': {verb}: tensor {i} is on {} but the {role} stream is {stream}",
+                self.name, t.device
+            )));
+        }
+        if self.parked.contains(&t.tensor) {
+            return Err(Error::Protocol(format!(
+                "plan '{}': {verb}: tensor {i} was already retired and waits for its owner's acquire",
+                self.name
+            )));
+        }
+        Ok(())
+    }
+
     /// Record that `tensors` are owned by `owner` (the stream their storage was allocated on).
     /// `take(i)` yields the runtime's strong reference to tensor `i`.
     pub fn bind(
@@ -163,12 +180,7 @@ impl<P, E> Manager<P, E> {
         self.check_open()?;
         self.check_distinct("bind", tensors, false)?;
         for (i, t) in tensors.iter().enumerate() {
-            if t.device != owner.device {
-                return Err(Error::InvalidInput(format!(
-                    "plan '{}': bind: tensor {i} is on {} but the owner stream is {owner}",
-                    self.name, t.device
-                )));
-            }
+            self.check_tensor("bind", "owner", i, t, owner)?;
             match self.bindings.get(&t.tensor) {
                 Some(b) if b.owner != owner => {
                     return Err(Error::Protocol(format!(
@@ -177,12 +189,6 @@ impl<P, E> Manager<P, E> {
                     )))
                 }
                 _ => {}
-            }
-            if self.parked.contains(&t.tensor) {
-                return Err(Error::Protocol(format!(
-                    "plan '{}': bind: tensor {i} was already retired and waits for its owner's acquire",
-                    self.name
-                )));
             }
         }
         for (i, t) in tensors.iter().enumerate() {
@@ -229,18 +235,7 @@ impl<P, E> Manager<P, E> {
         self.check_distinct("retire", tensors, true)?;
         let mut cross = false;
         for (i, t) in tensors.iter().enumerate() {
-            if t.device != consumer.device {
-                return Err(Error::InvalidInput(format!(
-                    "plan '{}': retire: tensor {i} is on {} but the consumer stream is {consumer}",
-                    self.name, t.device
-                )));
-            }
-            if self.parked.contains(&t.tensor) {
-                return Err(Error::Protocol(format!(
-                    "plan '{}': retire: tensor {i} was already retired and waits for its owner's acquire",
-                    self.name
-                )));
-            }
+            self.check_tensor("retire", "consumer", i, t, consumer)?;
             if let Some(b) = self.bindings.get(&t.tensor) {
                 cross |= !same_queue(b.owner, consumer);
             }

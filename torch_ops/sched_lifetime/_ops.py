@@ -4,6 +4,7 @@ effects). The ops themselves are registered from C++ (cpp/shim.cc) as torch.ops.
 from __future__ import annotations
 
 import glob
+import json
 import os
 
 import torch
@@ -54,3 +55,12 @@ try:
     _fx_schemas._type_eval_globals.setdefault("Stream", torch.Stream)
 except (ImportError, AttributeError):  # a torch without the table needs no fix
     pass
+
+
+def json_text(value: object, what: str) -> str:
+    """A dict as JSON text for the ops that take JSON; text passes through."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return json.dumps(value)
+    raise ValueError(f"{what} must be a dict or JSON text, got {type(value).__name__}")

@@ -7,17 +7,13 @@ from __future__ import annotations
 import json
 from typing import Any, Optional, Sequence, Union
 
-from ._ops import ops
+from ._ops import json_text, ops
 
 Graph = Union[dict, str]
 
 
 def _text(graph: Graph) -> str:
-    if isinstance(graph, str):
-        return graph
-    if isinstance(graph, dict):
-        return json.dumps(graph)
-    raise ValueError(f"graph must be a dict or JSON text, got {type(graph).__name__}")
+    return json_text(graph, "graph")
 
 
 def _budget(value: Optional[int], name: str) -> str:

@@ -7,18 +7,14 @@ from __future__ import annotations
 import json
 from typing import Any, Union
 
-from ._ops import ops
+from ._ops import json_text, ops
 
 POLICIES = ("record_stream", "scheduled")
 Plan = Union[dict, str]
 
 
 def _text(plan: Plan) -> str:
-    if isinstance(plan, str):
-        return plan
-    if isinstance(plan, dict):
-        return json.dumps(plan)
-    raise ValueError(f"plan must be a dict or JSON text, got {type(plan).__name__}")
+    return json_text(plan, "plan")
 
 
 def simulate(plan: Plan, policy: str = "scheduled", mode: str = "caching", trace: bool = False) -> dict[str, Any]:
