@@ -320,3 +320,60 @@ fn random_graphs_give_valid_deterministic_schedules_within_budget() {
     }
 }
 
+
+#[test]
+fn page_outs_and_page_ins_of_two_sources_interleave() {
+    // F pages out four saved activations, B pages four back in; all ready at once.
+    let mut nodes = Vec::new();
+    let page = |name: &str, src: &str, kind: Kind, input: &str| {
+        vec![
+            NodeSpec {
+                name: name.into(),
+                source: src.into(),
+                kind,
+                wgrad: false,
+                inputs: vec![input.into()],
+                outputs: vec![OutputSpec::Name(format!("{name}.out"))],
+                mutates: vec![],
+                launch: None,
+                cost: 1.0,
+            },
+            NodeSpec {
+                name: format!("{name}.wait"),
+                source: src.into(),
+                kind: Kind::PageWait,
+                wgrad: false,
+                inputs: vec![],
+                outputs: vec![],
+                mutates: vec![],
+                launch: Some(name.into()),
+                cost: 0.0,
+            },
+        ]
+    };
+    for i in 0..4 {
+        nodes.extend(page(&format!("F.out{i}"), "F1", Kind::PageOut, &format!("act{i}")));
+    }
+    for i in 0..4 {
+        nodes.extend(page(&format!("B.in{i}"), "B0", Kind::PageIn, &format!("host{i}")));
+    }
+    let inputs = (0..4).flat_map(|i| [OutputSpec::Name(format!("act{i}")), OutputSpec::Name(format!("host{i}"))]).collect();
+    let spec = GraphSpec {
+        sources: vec![
+            Source { name: "F1".into(), microbatch: 1, phase: Phase::F, priority: 0 },
+            Source { name: "B0".into(), microbatch: 0, phase: Phase::B, priority: 0 },
+        ],
+        nodes,
+        control: vec![],
+        reuse: vec![],
+        inputs,
+    };
+    let g = Graph::new(spec).unwrap();
+    for budget in [1, 2] {
+        let s = sched::schedule(&g, Budgets::new(2, budget).unwrap()).unwrap();
+        validate(&g, &s).unwrap();
+        let launches: Vec<&str> =
+            s.order.iter().map(|&u| &g.nodes[u as usize]).filter(|n| n.kind.is_launch()).map(|n| &n.name[..1]).collect();
+        assert_eq!(launches.join(""), "FBFBFBFB", "page budget {budget}: {}", names(&g, &s));
+    }
+}
