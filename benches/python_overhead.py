@@ -82,23 +82,29 @@ class PyManager:
             t.untyped_storage().resize_(0)
 
 
-def measure(kind: str, batch: int, iters: int, device: torch.device) -> float:
+def measure(kind: str, batch: int, iters: int, device: torch.device) -> tuple[float, float]:
+    """Microseconds per tensor: (bind + retire + acquire, retire + acquire alone)."""
     owner = sl.current_stream(device)
     consumer = torch.cuda.Stream(device) if device.type == "cuda" else owner
     pool = [[torch.empty(16, device=device) for _ in range(batch)] for _ in range(4)]
     mgr = sl.LifetimeManager("bench") if kind == "ops" else PyManager()
+    clock = time.perf_counter
     for warm in (True, False):
         n = max(iters // 10, 5) if warm else iters
-        t0 = time.perf_counter()
+        t0 = clock()
+        part = 0.0
         for i in range(n):
             ts = pool[i % 4]
             mgr.bind(ts, owner)
+            t1 = clock()
             mgr.retire(ts, consumer)
             mgr.acquire(owner)
-        dt = time.perf_counter() - t0
+            part += clock() - t1
+        dt = clock() - t0
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return dt / (iters * batch) * 1e6
+    per = 1e6 / (iters * batch)
+    return dt * per, part * per
 
 
 def main() -> None:
@@ -109,14 +115,16 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     path = "cross-stream (event, wait, resize_(0))" if device.type == "cuda" else "same-stream (immediate resize_(0))"
     print(f"per-tensor host overhead of bind+retire+acquire on {device}, {path}")
-    print(f"{'batch':>6}{'ops (us)':>12}{'python (us)':>14}{'ops/python':>12}")
+    print(f"{'':>6}{'bind+retire+acquire':^38}{'retire+acquire':^38}")
+    print(f"{'batch':>6}" + f"{'ops (us)':>12}{'python (us)':>14}{'ops/python':>12}" * 2)
     rows = []
     for batch in (1, 8, 64):
         iters = max(args.iters // batch, 50)
-        ops_us = measure("ops", batch, iters, device)
-        py_us = measure("python", batch, iters, device)
-        rows.append({"batch": batch, "ops_us": ops_us, "python_us": py_us})
-        print(f"{batch:>6}{ops_us:>12.2f}{py_us:>14.2f}{ops_us / py_us:>12.2f}")
+        ops_us, ops_ra = measure("ops", batch, iters, device)
+        py_us, py_ra = measure("python", batch, iters, device)
+        rows.append({"batch": batch, "ops_us": ops_us, "python_us": py_us, "ops_retire_acquire_us": ops_ra,
+                     "python_retire_acquire_us": py_ra})
+        print(f"{batch:>6}{ops_us:>12.2f}{py_us:>14.2f}{ops_us / py_us:>12.2f}{ops_ra:>12.2f}{py_ra:>14.2f}{ops_ra / py_ra:>12.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": str(device), "rows": rows}, f, indent=1)
