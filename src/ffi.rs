@@ -210,6 +210,7 @@ fn keys(list: &TensorList) -> Vec<TensorKey> {
 
 fn sl_create(name: &str) -> std::result::Result<u64, String> {
     let _ = bridge::registration_anchor();
+    crate::init_logging();
     enter(|reg| Ok(reg.insert(Manager::new(name))))
 }
 
@@ -264,6 +265,7 @@ fn pure<T>(f: impl FnOnce() -> Result<T>) -> std::result::Result<T, String> {
 
 fn sl_simulate(plan: &str, policy: &str, mode: &str, trace: bool) -> std::result::Result<String, String> {
     use crate::sim::{self, Mode, Plan, Policy, SimOptions};
+    crate::init_logging();
     pure(|| {
         let policy = Policy::parse(policy)?;
         let mode = match mode {
@@ -292,6 +294,7 @@ fn budgets(ep: &str, page: &str) -> Result<crate::sched::Budgets> {
 }
 
 fn sl_schedule(graph: &str, ep_budget: &str, page_budget: &str, explain: bool) -> std::result::Result<String, String> {
+    crate::init_logging();
     pure(|| {
         let g = crate::ir::Graph::from_json(graph)?;
         let s = crate::sched::schedule(&g, budgets(ep_budget, page_budget)?)?;

@@ -18,3 +18,19 @@ mod ffi;
 pub use error::{Error, Result};
 pub use lifetime::{Manager, Stats};
 pub use runtime::{Action, Device, Op, RecordingRuntime, Runtime, StreamId, TensorKey};
+
+/// Turn on `tracing` output (plan / drain / schedule spans) to stderr when the environment
+/// variable `SCHED_LIFETIME_LOG` holds a filter (e.g. `debug`, `sched_lifetime=trace`).
+/// Off otherwise; calling it again does nothing.
+pub fn init_logging() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if let Ok(filter) = std::env::var("SCHED_LIFETIME_LOG") {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+                .with_writer(std::io::stderr)
+                .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
+                .try_init();
+        }
+    });
+}
