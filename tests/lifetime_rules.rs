@@ -43,7 +43,7 @@ fn assert_waits_before_releases(ops: &[Op], tensor: u64, owner: StreamId, consum
         .expect("plan event recorded on the consumer before release");
     let Op::Record(ev, _) = ops[rec] else { unreachable!() };
     assert!(
-        ops[rec..rel].iter().any(|o| *o == Op::Wait(ev, owner)),
+        ops[rec..rel].contains(&Op::Wait(ev, owner)),
         "rule 1 broken: tensor {tensor} released before {owner} waited on event {ev}: {ops:?}"
     );
 }

@@ -193,8 +193,8 @@ impl<P, E> Manager<P, E> {
         }
         for (i, t) in tensors.iter().enumerate() {
             // Binding again to the same owner changes nothing (idempotent).
-            if !self.bindings.contains_key(&t.tensor) {
-                self.bindings.insert(t.tensor, Binding { owner, nbytes: t.nbytes, payload: take(i) });
+            if let std::collections::hash_map::Entry::Vacant(e) = self.bindings.entry(t.tensor) {
+                e.insert(Binding { owner, nbytes: t.nbytes, payload: take(i) });
                 self.stats.bound += 1;
             }
         }

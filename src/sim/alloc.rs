@@ -59,6 +59,9 @@ struct Segment {
     blocks: BTreeMap<u64, Block>,
 }
 
+/// Free blocks of one pool, best fit first: (size, segment, offset).
+type FreeList = BTreeSet<(u64, u32, u64)>;
+
 /// Where an allocation landed.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct Placement {
@@ -77,7 +80,7 @@ pub struct Allocator {
     mode: Mode,
     segments: Vec<Segment>,
     /// Free blocks per (stream, small pool): (size, segment, offset), best fit first.
-    free: BTreeMap<(u16, bool), BTreeSet<(u64, u32, u64)>>,
+    free: BTreeMap<(u16, bool), FreeList>,
     /// Pending blocks, earliest `ready_at` first: (ready_at bits, segment, offset).
     pending: BinaryHeap<Reverse<(u64, u32, u64)>>,
     next_base: u64,
