@@ -92,3 +92,10 @@ def test_cli_writes_trace_and_plot(tmp_path):
     assert sum(e["ph"] == "X" for e in events) == 2 * len(TINY["nodes"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(json.loads(out.read_text())) == set(sim.POLICIES)
+
+
+def test_durations_override_by_name():
+    slow = sl.simulate(TINY, durations={"dispatch": 5000, "dispatch2": 5000})
+    assert slow["makespan_us"] > sl.simulate(TINY)["makespan_us"] + 8000
+    with pytest.raises(ValueError, match="not in the plan: \\['ghost'\\]"):
+        sl.simulate(TINY, durations={"ghost": 1})

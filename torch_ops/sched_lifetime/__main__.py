@@ -6,6 +6,7 @@
                                                   the Megatron hero case
     python -m sched_lifetime ab [--n --mib --lag --steps --json]
     python -m sched_lifetime simulate FILE|scenario:NAME [--trace OUT.json] [--plot MEM.png] [--json OUT]
+                                                  [--durations US.json]
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ def _simulate(args: argparse.Namespace) -> int:
     from . import sim
 
     name, plan = _load_plan(args.plan)
+    if args.durations:
+        try:
+            with open(args.durations) as f:
+                plan = sim.with_durations(plan, json.load(f))
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"error: cannot read durations {args.durations}: {e}")
     want_trace = bool(args.trace or args.plot)
     res = sim.compare(plan, trace=want_trace)
     print(sim.format_compare(name, res))
@@ -95,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--trace", default=None, help="write a Chrome trace (open in Perfetto)")
     s.add_argument("--plot", default=None, help="write a memory-over-time PNG (matplotlib)")
     s.add_argument("--json", default=None, help="write both reports")
+    s.add_argument("--durations", default=None, help='JSON {"node": us} overriding node durations (e.g. measured on a GPU)')
     args = p.parse_args(argv)
     if args.cmd in ("ab", "demo"):
         for name in ("n", "mib", "steps"):

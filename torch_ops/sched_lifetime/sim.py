@@ -5,7 +5,7 @@ measured; reports say so in their "simulated" key."""
 from __future__ import annotations
 
 import json
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from ._ops import json_text, ops
 
@@ -17,9 +17,31 @@ def _text(plan: Plan) -> str:
     return json_text(plan, "plan")
 
 
-def simulate(plan: Plan, policy: str = "scheduled", mode: str = "caching", trace: bool = False) -> dict[str, Any]:
+def with_durations(plan: Plan, durations: dict[str, float]) -> dict:
+    """The plan with node durations (us) replaced, e.g. by ones measured on a GPU and saved as
+    JSON `{"node name": us}`. A name that is not a node is an error."""
+    p = json.loads(_text(plan))
+    names = {n["name"]: n for n in p.get("nodes", [])}
+    unknown = sorted(set(durations) - set(names))
+    if unknown:
+        raise ValueError(f"durations name nodes that are not in the plan: {unknown[:5]}")
+    for name, us in durations.items():
+        names[name]["us"] = us
+    return p
+
+
+def simulate(
+    plan: Plan,
+    policy: str = "scheduled",
+    mode: str = "caching",
+    trace: bool = False,
+    durations: Optional[dict[str, float]] = None,
+) -> dict[str, Any]:
     """Simulate `plan` under `policy` (record_stream, scheduled) with the caching allocator
-    (`mode="caching"`) or without it (`"no_caching"`: the liveness lower bound)."""
+    (`mode="caching"`) or without it (`"no_caching"`: the liveness lower bound). `durations`
+    overrides node durations (us) by name."""
+    if durations:
+        plan = with_durations(plan, durations)
     report = json.loads(ops.simulate(_text(plan), policy, mode, trace))
     report["simulated"] = True
     return report
