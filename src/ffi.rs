@@ -283,8 +283,13 @@ fn sl_simulate(plan: &str, policy: &str, mode: &str, trace: bool) -> std::result
 
 fn sl_scenario(name: &str) -> std::result::Result<String, String> {
     pure(|| {
-        let spec = crate::sim::scenarios::by_name(name)?;
-        serde_json::to_string(&spec).map_err(|e| Error::Runtime(format!("plan serialization: {e}")))
+        let value = if name.starts_with("moe_chunk:") {
+            crate::sched::moe::chunk_scenario(name)?
+        } else {
+            serde_json::to_value(crate::sim::scenarios::by_name(name)?)
+                .map_err(|e| Error::Runtime(format!("plan serialization: {e}")))?
+        };
+        Ok(value.to_string())
     })
 }
 

@@ -328,3 +328,24 @@ pub fn sweep_row(shape: Shape, budgets: Budgets) -> Result<(SweepRow, Schedule)>
     };
     Ok((row, ours))
 }
+
+/// `moe_chunk:LAYERS:RATIO` for Python: the graph table, and for the baselines (Megatron's
+/// order, B-then-F) their orders with the minimal record/wait edges, by name, so a GPU script
+/// can run each order on real streams next to ours.
+pub fn chunk_scenario(name: &str) -> Result<serde_json::Value> {
+    let bad = || crate::Error::InvalidInput(format!("'{name}': expected moe_chunk:LAYERS:RATIO, e.g. moe_chunk:4:1.0"));
+    let mut parts = name.split(':').skip(1);
+    let layers: usize = parts.next().and_then(|x| x.parse().ok()).filter(|&l| l > 0).ok_or_else(bad)?;
+    let ratio: f64 = parts.next().and_then(|x| x.parse().ok()).filter(|r: &f64| r.is_finite() && *r > 0.0).ok_or_else(bad)?;
+    let shape = Shape::moe(layers, ratio);
+    let spec = chunk(shape);
+    let g = Graph::new(spec.clone())?;
+    let named = |order: Vec<u32>| super::named(&g, &finish(&g, order, Budgets::default()), None);
+    Ok(serde_json::json!({
+        "graph": spec,
+        "orders": {
+            "megatron": named(megatron_order(&g, shape)),
+            "b_then_f": named(backward_then_forward(&g)),
+        },
+    }))
+}

@@ -1,0 +1,146 @@
+"""GPU A/B of issue orders for one MoE chunk (forward of one microbatch + backward of another)
+on real streams: our schedule vs Megatron-LM's fixed combined-1F1B order vs backward-then-
+forward (torchtitan's multiplexed graph today) vs everything on one stream, same process.
+
+Compute nodes are bf16 matmuls on the current stream, sized to the graph's costs; each EP
+dispatch/combine is a device-to-pinned-host copy on a high-priority side stream, sized the same
+way: on one GPU the copy engine stands in for the all-to-all (a device-to-device copy would be
+an SM kernel and could not run beside the matmuls). Each order runs with the
+record/wait edges its schedule lists. Prints a table; --json writes the figures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_ops"))
+import sched_lifetime as sl  # noqa: E402
+
+MM = 4096
+
+
+def calibrate() -> tuple[float, float]:
+    """(us per 4096^3 bf16 matmul, us per MiB of device-to-host copy)."""
+    a = torch.randn(MM, MM, device="cuda", dtype=torch.bfloat16)
+    src = torch.empty(512 << 20, device="cuda", dtype=torch.uint8)
+    dst = torch.empty(512 << 20, dtype=torch.uint8, pin_memory=True)
+
+    def timed(fn, n: int) -> float:
+        for _ in range(3):
+            fn()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(n):
+            fn()
+        e.record()
+        torch.cuda.synchronize()
+        return s.elapsed_time(e) * 1e3 / n
+
+    mm_us = timed(lambda: a @ a, 50)
+    copy_us_per_mib = timed(lambda: dst.copy_(src, non_blocking=True), 5) / 512
+    return mm_us, copy_us_per_mib
+
+
+class Runner:
+    def __init__(self, graph: dict, mm_us: float, copy_us_per_mib: float) -> None:
+        self.nodes = {n["name"]: n for n in graph["nodes"]}
+        self.mm_us, self.copy_us_per_mib = mm_us, copy_us_per_mib
+        self.a = torch.randn(MM, MM, device="cuda", dtype=torch.bfloat16)
+        self.out = torch.empty(MM, MM, device="cuda", dtype=torch.bfloat16)
+        big = max((n.get("cost", 0) for n in graph["nodes"] if n["kind"] == "comm_launch"), default=0)
+        self.max_bytes = int(big / copy_us_per_mib * (1 << 20)) + (1 << 20)
+        self.src = torch.empty(self.max_bytes, device="cuda", dtype=torch.uint8)
+        self.dst = torch.empty(self.max_bytes, dtype=torch.uint8, pin_memory=True)
+        self.ep = torch.cuda.Stream(priority=-1)
+
+    def work(self, name: str, skip: str = "") -> None:
+        n = self.nodes[name]
+        if n["kind"] == "compute" and skip != "compute":
+            for _ in range(max(1, round(n["cost"] / self.mm_us))):
+                torch.matmul(self.a, self.a, out=self.out)
+        elif n["kind"] == "comm_launch" and skip != "comm":
+            nbytes = int(n["cost"] / self.copy_us_per_mib * (1 << 20))
+            self.dst[:nbytes].copy_(self.src[:nbytes], non_blocking=True)
+
+    def run(self, order: list[str], syncs: list, one_stream: bool = False, skip: str = "") -> float:
+        """Milliseconds from the first issue to the last completion on either stream."""
+        comp = torch.cuda.current_stream()
+        stream = {"compute": comp, "ep": self.ep, "page": self.ep}
+        where = {n: ("compute" if one_stream else self.nodes[n]["kind"] == "comm_launch" and "ep" or "compute") for n in order}
+        waits = defaultdict(list)
+        producers = set()
+        if not one_stream:
+            for p, c, *_ in syncs:
+                waits[c].append(p)
+                producers.add(p)
+        events = {}
+        self.ep.wait_stream(comp)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(comp)
+        for name in order:
+            s = stream[where[name]]
+            for p in waits[name]:
+                s.wait_event(events[p])
+            with torch.cuda.stream(s):
+                self.work(name, skip)
+            if name in producers:
+                ev = torch.cuda.Event()
+                ev.record(s)
+                events[name] = ev
+        comp.wait_stream(self.ep)
+        end.record(comp)
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--ratios", default="0.5,1.0,2.0")
+    p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    mm_us, copy_us = calibrate()
+    print(f"calibration: 4096^3 bf16 matmul {mm_us:.1f} us, device-to-host copy {copy_us:.2f} us/MiB")
+    print(f"{'layers':>6}{'ratio':>7}{'compute':>9}{'comm':>8}{'one stream':>12}{'B-then-F':>10}{'Megatron':>10}{'ours':>8}{'ours/Meg':>10}{'ours/bound':>12}   (ms, median of {args.iters})")
+    rows = []
+    for ratio in [float(r) for r in args.ratios.split(",")]:
+        sc = sl.scenario(f"moe_chunk:{args.layers}:{ratio}")
+        graph = sc["graph"]
+        ours = sl.schedule(graph)
+        r = Runner(graph, mm_us, copy_us)
+        arms = {
+            "one_stream": (ours["order"], ours["syncs"], True, ""),
+            "b_then_f": (sc["orders"]["b_then_f"]["order"], sc["orders"]["b_then_f"]["syncs"], False, ""),
+            "megatron": (sc["orders"]["megatron"]["order"], sc["orders"]["megatron"]["syncs"], False, ""),
+            "ours": (ours["order"], ours["syncs"], False, ""),
+            "compute_only": (ours["order"], ours["syncs"], True, "comm"),
+            "comm_only": (ours["order"], ours["syncs"], False, "compute"),
+        }
+        times = {k: [] for k in arms}
+        for _ in range(2):
+            for k, a in arms.items():
+                r.run(*a)
+        for _ in range(args.iters):
+            for k, a in arms.items():  # interleaved, so drift hits every arm alike
+                times[k].append(r.run(*a))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        bound = max(med["compute_only"], med["comm_only"])
+        rows.append({"layers": args.layers, "ratio": ratio, **med, "bound": bound})
+        print(
+            f"{args.layers:>6}{ratio:>7.2f}{med['compute_only']:>9.2f}{med['comm_only']:>8.2f}{med['one_stream']:>12.2f}"
+            f"{med['b_then_f']:>10.2f}{med['megatron']:>10.2f}{med['ours']:>8.2f}{med['ours'] / med['megatron']:>10.3f}{med['ours'] / bound:>12.3f}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"mm_us": mm_us, "copy_us_per_mib": copy_us, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
