@@ -99,3 +99,15 @@ def test_errors_name_the_node_or_setting(monkeypatch):
         sl.schedule(moe_layer())
     monkeypatch.setenv("SCHED_LIFETIME_PAGE_LAUNCH_BUDGET", "3")
     assert sl.schedule(moe_layer())["budgets"]["page"] == 3
+
+
+def test_moe_chunk_scenario_gives_graph_and_baseline_orders():
+    sc = sl.scenario("moe_chunk:2:1.0")
+    g = sc["graph"]
+    ours = sl.schedule(g)
+    for name in ("megatron", "b_then_f"):
+        o = sc["orders"][name]
+        assert sorted(o["order"]) == sorted(ours["order"])
+        sl.validate(g, o["order"], [p[:2] for p in o["syncs"]])
+    with pytest.raises(ValueError, match="expected moe_chunk:LAYERS:RATIO"):
+        sl.scenario("moe_chunk:0:x")
