@@ -187,8 +187,10 @@ impl Registry {
     }
 }
 
-/// Run an entry point: lock the registry, catch panics, tag value errors for the shim.
+/// Run an entry point: turn on logging if asked (once), lock the registry, catch panics, tag
+/// value errors for the shim.
 fn enter<T>(f: impl FnOnce(&mut Registry) -> Result<T>) -> std::result::Result<T, String> {
+    crate::init_logging();
     let r = catch_unwind(AssertUnwindSafe(|| {
         let mut reg = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
         f(&mut reg)
@@ -210,7 +212,6 @@ fn keys(list: &TensorList) -> Vec<TensorKey> {
 
 fn sl_create(name: &str) -> std::result::Result<u64, String> {
     let _ = bridge::registration_anchor();
-    crate::init_logging();
     enter(|reg| Ok(reg.insert(Manager::new(name))))
 }
 
@@ -265,16 +266,8 @@ fn pure<T>(f: impl FnOnce() -> Result<T>) -> std::result::Result<T, String> {
 
 fn sl_simulate(plan: &str, policy: &str, mode: &str, trace: bool) -> std::result::Result<String, String> {
     use crate::sim::{self, Mode, Plan, Policy, SimOptions};
-    crate::init_logging();
     pure(|| {
-        let policy = Policy::parse(policy)?;
-        let mode = match mode {
-            "caching" => Mode::Caching,
-            "no_caching" => Mode::NoCaching,
-            other => {
-                return Err(Error::InvalidInput(format!("unknown allocator mode '{other}': expected caching or no_caching")))
-            }
-        };
+        let (policy, mode) = (Policy::parse(policy)?, Mode::parse(mode)?);
         let plan = Plan::from_json(plan)?;
         let report = sim::simulate(&plan, SimOptions { policy, mode, trace, log: false })?;
         serde_json::to_string(&report).map_err(|e| Error::Runtime(format!("report serialization: {e}")))
@@ -293,13 +286,15 @@ fn sl_scenario(name: &str) -> std::result::Result<String, String> {
     })
 }
 
+/// "" means "from the environment, else the default".
 fn budgets(ep: &str, page: &str) -> Result<crate::sched::Budgets> {
-    let opt = |s: &str| if s.is_empty() { None } else { Some(s.to_string()) };
-    crate::sched::Budgets::resolve(opt(ep).as_deref(), opt(page).as_deref())
+    fn opt(s: &str) -> Option<&str> {
+        (!s.is_empty()).then_some(s)
+    }
+    crate::sched::Budgets::resolve(opt(ep), opt(page))
 }
 
 fn sl_schedule(graph: &str, ep_budget: &str, page_budget: &str, explain: bool) -> std::result::Result<String, String> {
-    crate::init_logging();
     pure(|| {
         let g = crate::ir::Graph::from_json(graph)?;
         let s = crate::sched::schedule(&g, budgets(ep_budget, page_budget)?)?;

@@ -176,6 +176,8 @@ pub struct Graph {
     pub preds: Vec<SmallVec<[NodeId; 4]>>,
     /// Successors of each node.
     pub succs: Vec<SmallVec<[NodeId; 4]>>,
+    /// A topological order, found while checking the graph is acyclic.
+    pub topo: Vec<NodeId>,
 }
 
 impl Node {
@@ -349,18 +351,18 @@ impl Graph {
                 succs[a as usize].push(b as NodeId);
             }
         }
-        let g = Graph { sources: spec.sources, nodes, values, preds, succs };
-        g.check_acyclic()?;
+        let mut g = Graph { sources: spec.sources, nodes, values, preds, succs, topo: Vec::new() };
+        g.topo = g.topo_order()?;
         Ok(g)
     }
 
     /// Kahn's algorithm; a cycle is an error naming a node on it.
-    fn check_acyclic(&self) -> Result<()> {
+    fn topo_order(&self) -> Result<Vec<NodeId>> {
         let mut indeg: Vec<u32> = self.preds.iter().map(|p| p.len() as u32).collect();
         let mut stack: Vec<NodeId> = (0..self.nodes.len() as NodeId).filter(|&i| indeg[i as usize] == 0).collect();
-        let mut seen = 0;
+        let mut order = Vec::with_capacity(self.nodes.len());
         while let Some(u) = stack.pop() {
-            seen += 1;
+            order.push(u);
             for &s in &self.succs[u as usize] {
                 indeg[s as usize] -= 1;
                 if indeg[s as usize] == 0 {
@@ -368,8 +370,8 @@ impl Graph {
                 }
             }
         }
-        if seen == self.nodes.len() {
-            return Ok(());
+        if order.len() == self.nodes.len() {
+            return Ok(order);
         }
         // Walk predecessors inside the cyclic remainder until a node repeats: it is on a cycle.
         let mut u = indeg.iter().position(|&d| d > 0).unwrap_or(0) as NodeId;

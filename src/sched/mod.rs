@@ -182,8 +182,7 @@ impl<'g> State<'g> {
         // Launch-enabling: ancestors of a launch (every launch is pending while its ancestor
         // is ready, so the static answer is the dynamic one).
         let mut enabling = vec![false; n];
-        let topo = topo_order(g);
-        for &u in topo.iter().rev() {
+        for &u in g.topo.iter().rev() {
             enabling[u as usize] = g.succs[u as usize].iter().any(|&s| g.nodes[s as usize].kind.is_launch() || enabling[s as usize]);
         }
         let class = (0..n)
@@ -426,23 +425,6 @@ impl<'g> State<'g> {
         }
         Ok(self.order)
     }
-}
-
-/// A topological order (Kahn); the graph is acyclic by construction.
-fn topo_order(g: &Graph) -> Vec<NodeId> {
-    let mut indeg: Vec<u32> = g.preds.iter().map(|p| p.len() as u32).collect();
-    let mut ready: Vec<NodeId> = (0..g.len() as NodeId).filter(|&i| indeg[i as usize] == 0).collect();
-    let mut out = Vec::with_capacity(g.len());
-    while let Some(u) = ready.pop() {
-        out.push(u);
-        for &s in &g.succs[u as usize] {
-            indeg[s as usize] -= 1;
-            if indeg[s as usize] == 0 {
-                ready.push(s);
-            }
-        }
-    }
-    out
 }
 
 /// Schedule `g` under `budgets`.

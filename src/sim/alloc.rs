@@ -17,6 +17,19 @@ pub enum Mode {
     NoCaching,
 }
 
+impl Mode {
+    /// Parse a mode name.
+    pub fn parse(s: &str) -> crate::Result<Mode> {
+        match s {
+            "caching" => Ok(Mode::Caching),
+            "no_caching" => Ok(Mode::NoCaching),
+            other => Err(crate::Error::InvalidInput(format!(
+                "unknown allocator mode '{other}': expected caching or no_caching"
+            ))),
+        }
+    }
+}
+
 const SMALL: u64 = 1 << 20;
 const SMALL_SEGMENT: u64 = 2 << 20;
 const MID_SEGMENT: u64 = 20 << 20;

@@ -375,7 +375,7 @@ pub struct Report {
     pub liveness_lower_bound_bytes: u64,
     pub hazards: Vec<NamedHazard>,
     pub fallback_record_stream: u64,
-    /// (host us, allocated, reserved, pending) when asked for.
+    /// (host us, allocated, reserved, pending-free + parked) when asked for.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub memory_timeline: Vec<(f64, u64, u64, u64)>,
     /// Chrome trace events when asked for.
@@ -456,7 +456,6 @@ pub fn run(plan: &Plan, opts: SimOptions) -> Result<(Report, Machine)> {
         plan_last[p as usize] = n;
     }
     let mut node_event: Vec<u32> = Vec::with_capacity(plan.len());
-    let mut fallbacks = 0u64;
     for n in 0..plan.len() {
         let s = plan.stream_of[n];
         let sid = sim_stream(s);
@@ -495,8 +494,7 @@ pub fn run(plan: &Plan, opts: SimOptions) -> Result<(Report, Machine)> {
                 mgr.bind(&[k], sid, |_| o)?;
             }
         }
-        let mut used: SmallVec<[u32; 8]> = plan.inputs_of[n].clone().into_iter().collect();
-        used.extend(plan.outputs_of[n].iter().copied());
+        let used: SmallVec<[u32; 8]> = plan.inputs_of[n].iter().chain(&plan.outputs_of[n]).copied().collect();
         m.launch(n as u32, s, plan.spec.nodes[n].us, &used)?;
         let ev = m.new_event();
         m.record(ev, s)?;
@@ -515,9 +513,7 @@ pub fn run(plan: &Plan, opts: SimOptions) -> Result<(Report, Machine)> {
                 }
             } else if last {
                 let k = key(v, plan.value_bytes[v as usize]);
-                let before = mgr.stats().fallback_record_stream;
                 mgr.retire(&mut SimRuntime { machine: &mut m, skip_waits }, &[k], sid, plan.action_of[n], |_| v)?;
-                fallbacks += mgr.stats().fallback_record_stream - before;
                 if !m.is_freed(v) && plan.action_of[n] != Action::Preserve {
                     m.park(v)?;
                 }
@@ -534,6 +530,7 @@ pub fn run(plan: &Plan, opts: SimOptions) -> Result<(Report, Machine)> {
             mgr.finalize(&mut SimRuntime { machine: &mut m, skip_waits })?;
         }
     }
+    let fallbacks = mgrs.iter().map(|mgr| mgr.stats().fallback_record_stream).sum();
     let r = report(plan, &m, opts, fallbacks);
     Ok((r, m))
 }
