@@ -29,6 +29,34 @@ def _pending_free_bytes() -> int:
     )
 
 
+def _hand_over(
+    x: torch.Tensor,
+    i: int,
+    outs: torch.Tensor,
+    mgr: Optional[LifetimeManager],
+    a: Optional[torch.Stream],
+    b: Optional[torch.Stream],
+    lag: int,
+) -> None:
+    """`x`, made on `a`, is read into `outs[i]` by a consumer on `b` that first sleeps `lag`
+    GPU cycles; then it is handed back through the manager (scheduled arm) or with
+    `record_stream` (baseline). On CPU there is no `b`: the read is in host order."""
+    if mgr is not None:
+        mgr.bind(x, a)
+    if b is None:
+        outs[i] = x.sum(dtype=torch.float64)
+    else:
+        b.wait_stream(a)
+        with torch.cuda.stream(b):
+            if lag:
+                torch.cuda._sleep(lag)
+            outs[i] = x.sum(dtype=torch.float64)
+    if mgr is not None:
+        mgr.retire(x, b)
+    elif b is not None:
+        x.record_stream(b)
+
+
 def pipeline_step(arm: str, outs: torch.Tensor, numel: int, lag: int, b: Optional[torch.Stream], addrs: set) -> int:
     """One step of n nodes; returns the pending-free bytes seen when the host finished enqueueing."""
     cuda = outs.is_cuda
@@ -39,19 +67,7 @@ def pipeline_step(arm: str, outs: torch.Tensor, numel: int, lag: int, b: Optiona
             mgr.acquire(a)  # before A's next node: wait on the plan event, then free
         x = torch.full((numel,), float(i + 1), device=outs.device)
         addrs.add(x.data_ptr())
-        if mgr is not None:
-            mgr.bind(x, a)
-        if cuda:
-            b.wait_stream(a)
-            with torch.cuda.stream(b):
-                torch.cuda._sleep(lag)
-                outs[i] = x.sum(dtype=torch.float64)
-        else:
-            outs[i] = x.sum(dtype=torch.float64)
-        if mgr is not None:
-            mgr.retire(x, b)
-        elif cuda:
-            x.record_stream(b)
+        _hand_over(x, i, outs, mgr, a, b, lag)
         del x
     pending = _pending_free_bytes() if cuda else 0
     if mgr is not None:
@@ -112,15 +128,7 @@ def captured_pool(arm: str, n: int, numel: int, replays: int = 3) -> tuple[int, 
             if mgr is not None:
                 mgr.acquire(a)
             x = static_in * float(i + 1)
-            if mgr is not None:
-                mgr.bind(x, a)
-            b.wait_stream(a)
-            with torch.cuda.stream(b):
-                outs[i] = x.sum(dtype=torch.float64)
-            if mgr is not None:
-                mgr.retire(x, b)
-            else:
-                x.record_stream(b)
+            _hand_over(x, i, outs, mgr, a, b, 0)
             del x
         if mgr is not None:
             mgr.finalize()

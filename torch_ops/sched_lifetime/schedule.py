@@ -12,10 +12,6 @@ from ._ops import json_text, ops
 Graph = Union[dict, str]
 
 
-def _text(graph: Graph) -> str:
-    return json_text(graph, "graph")
-
-
 def _budget(value: Optional[int], name: str) -> str:
     if value is None:
         return ""
@@ -30,7 +26,7 @@ def schedule(
     """Schedule `graph`. Budgets default to SCHED_LIFETIME_EP_LAUNCH_BUDGET /
     SCHED_LIFETIME_PAGE_LAUNCH_BUDGET, else 2. With `explain`, the result lists, per launch,
     the compute it ran under."""
-    out = json.loads(ops.schedule(_text(graph), _budget(ep_budget, "ep_budget"), _budget(page_budget, "page_budget"), explain))
+    out = json.loads(ops.schedule(json_text(graph, "graph"), _budget(ep_budget, "ep_budget"), _budget(page_budget, "page_budget"), explain))
     return out
 
 
@@ -45,7 +41,7 @@ def validate(
     given record/wait pairs (derived minimal ones when `syncs` is None), budgets respected.
     Raises ValueError naming the node at fault."""
     ops.validate(
-        _text(graph),
+        json_text(graph, "graph"),
         json.dumps(list(order)),
         json.dumps(None if syncs is None else [list(p) for p in syncs]),
         _budget(ep_budget, "ep_budget"),

@@ -13,14 +13,10 @@ POLICIES = ("record_stream", "scheduled")
 Plan = Union[dict, str]
 
 
-def _text(plan: Plan) -> str:
-    return json_text(plan, "plan")
-
-
 def with_durations(plan: Plan, durations: dict[str, float]) -> dict:
     """The plan with node durations (us) replaced, e.g. by ones measured on a GPU and saved as
     JSON `{"node name": us}`. A name that is not a node is an error."""
-    p = json.loads(_text(plan))
+    p = json.loads(json_text(plan, "plan"))
     names = {n["name"]: n for n in p.get("nodes", [])}
     unknown = sorted(set(durations) - set(names))
     if unknown:
@@ -42,14 +38,14 @@ def simulate(
     overrides node durations (us) by name."""
     if durations:
         plan = with_durations(plan, durations)
-    report = json.loads(ops.simulate(_text(plan), policy, mode, trace))
+    report = json.loads(ops.simulate(json_text(plan, "plan"), policy, mode, trace))
     report["simulated"] = True
     return report
 
 
 def compare(plan: Plan, trace: bool = False) -> dict[str, dict[str, Any]]:
     """Both policies on the same plan."""
-    text = _text(plan)
+    text = json_text(plan, "plan")
     return {p: simulate(text, p, trace=trace) for p in POLICIES}
 
 
