@@ -69,7 +69,7 @@ fn build_torch_shim() -> Result<(), String> {
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".to_string());
     let torch = probe(&python)?;
     let std = if torch.version >= (2, 12) { "c++20" } else { "c++17" };
-    let mut build = cxx_build::bridge("src/ffi.rs");
+    let mut build = cxx_build::bridge("src/ffi/bridge.rs");
     build
         .file("cpp/shim.cc")
         .std(std)
@@ -81,7 +81,7 @@ fn build_torch_shim() -> Result<(), String> {
         build.include(inc);
     }
     build.compile("sched_lifetime_shim");
-    for f in ["cpp/shim.cc", "cpp/shim.h", "src/ffi.rs"] {
+    for f in ["cpp/shim.cc", "cpp/shim.h", "src/ffi/bridge.rs"] {
         println!("cargo:rerun-if-changed={f}");
     }
     println!("cargo:rustc-link-search=native={}", torch.libdir);

@@ -1,6 +1,7 @@
 """GPU A/B of issue orders for one MoE chunk (forward of one microbatch + backward of another)
-on real streams: our schedule vs Megatron-LM's fixed combined-1F1B order vs backward-then-
-forward (torchtitan's multiplexed graph today) vs everything on one stream, same process.
+on real streams, run by the package's executor (each node on the stream its schedule names): our
+schedule vs Megatron-LM's fixed combined-1F1B order vs backward-then-forward (torchtitan's
+multiplexed graph today) vs everything on one stream, same process.
 
 Compute nodes are bf16 matmuls on the current stream, sized to the graph's costs; each EP
 dispatch/combine is a device-to-pinned-host copy on a high-priority side stream, sized the same
@@ -15,7 +16,6 @@ import json
 import os
 import statistics
 import sys
-from collections import defaultdict
 
 import torch
 
@@ -48,7 +48,12 @@ def calibrate() -> tuple[float, float]:
 
 
 class Runner:
+    """Each arm is an `sl.Executor` over the same graph: compute nodes are matmuls sized to their
+    cost, launches are device-to-host copies sized to theirs; every node runs on the stream its
+    schedule names, with that schedule's record/wait edges."""
+
     def __init__(self, graph: dict, mm_us: float, copy_us_per_mib: float) -> None:
+        self.graph = graph
         self.nodes = {n["name"]: n for n in graph["nodes"]}
         self.mm_us, self.copy_us_per_mib = mm_us, copy_us_per_mib
         self.a = torch.randn(MM, MM, device="cuda", dtype=torch.bfloat16)
@@ -57,43 +62,37 @@ class Runner:
         self.max_bytes = int(big / copy_us_per_mib * (1 << 20)) + (1 << 20)
         self.src = torch.empty(self.max_bytes, device="cuda", dtype=torch.uint8)
         self.dst = torch.empty(self.max_bytes, dtype=torch.uint8, pin_memory=True)
-        self.ep = torch.cuda.Stream(priority=-1)
+        self.executors: dict = {}
 
-    def work(self, name: str, skip: str = "") -> None:
-        n = self.nodes[name]
-        if n["kind"] == "compute" and skip != "compute":
-            for _ in range(max(1, round(n["cost"] / self.mm_us))):
-                torch.matmul(self.a, self.a, out=self.out)
-        elif n["kind"] == "comm_launch" and skip != "comm":
-            nbytes = int(n["cost"] / self.copy_us_per_mib * (1 << 20))
-            self.dst[:nbytes].copy_(self.src[:nbytes], non_blocking=True)
+    def callables(self, skip: str) -> dict:
+        def node_fn(name: str):
+            n = self.nodes[name]
+            outs = (None,) * len(n.get("outputs", []))
 
-    def run(self, order: list[str], syncs: list, one_stream: bool = False, skip: str = "") -> float:
-        """Milliseconds from the first issue to the last completion on either stream."""
+            def fn(*_args):
+                if n["kind"] == "compute" and skip != "compute":
+                    for _ in range(max(1, round(n["cost"] / self.mm_us))):
+                        torch.matmul(self.a, self.a, out=self.out)
+                elif n["kind"] == "comm_launch" and skip != "comm":
+                    nbytes = int(n["cost"] / self.copy_us_per_mib * (1 << 20))
+                    self.dst[:nbytes].copy_(self.src[:nbytes], non_blocking=True)
+                return outs
+
+            return fn
+
+        return {name: node_fn(name) for name, n in self.nodes.items() if n["kind"] in ("compute", "comm_launch")}
+
+    def run(self, arm: str, schedule: dict, one_stream: bool = False, skip: str = "") -> float:
+        """Milliseconds from the first issue to the last completion on any stream."""
+        ex = self.executors.get(arm)
+        if ex is None:
+            ex = self.executors[arm] = sl.Executor(
+                self.graph, schedule, self.callables(skip), device="cuda", lifetime="none", single_stream=one_stream
+            )
         comp = torch.cuda.current_stream()
-        stream = {"compute": comp, "ep": self.ep, "page": self.ep}
-        where = {n: ("compute" if one_stream else self.nodes[n]["kind"] == "comm_launch" and "ep" or "compute") for n in order}
-        waits = defaultdict(list)
-        producers = set()
-        if not one_stream:
-            for p, c, *_ in syncs:
-                waits[c].append(p)
-                producers.add(p)
-        events = {}
-        self.ep.wait_stream(comp)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(comp)
-        for name in order:
-            s = stream[where[name]]
-            for p in waits[name]:
-                s.wait_event(events[p])
-            with torch.cuda.stream(s):
-                self.work(name, skip)
-            if name in producers:
-                ev = torch.cuda.Event()
-                ev.record(s)
-                events[name] = ev
-        comp.wait_stream(self.ep)
+        ex.run({v if isinstance(v, str) else v["value"]: None for v in self.graph.get("inputs", [])})
         end.record(comp)
         torch.cuda.synchronize()
         return start.elapsed_time(end)
@@ -111,25 +110,25 @@ def main() -> None:
     print(f"{'layers':>6}{'ratio':>7}{'compute':>9}{'comm':>8}{'one stream':>12}{'B-then-F':>10}{'Megatron':>10}{'ours':>8}{'ours/Meg':>10}{'ours/bound':>12}   (ms, median of {args.iters})")
     rows = []
     for ratio in [float(r) for r in args.ratios.split(",")]:
-        sc = sl.scenario(f"moe_chunk:{args.layers}:{ratio}")
+        sc = sl.scenario_graph(f"moe_chunk:{args.layers}:{ratio}")
         graph = sc["graph"]
         ours = sl.schedule(graph)
         r = Runner(graph, mm_us, copy_us)
         arms = {
-            "one_stream": (ours["order"], ours["syncs"], True, ""),
-            "b_then_f": (sc["orders"]["b_then_f"]["order"], sc["orders"]["b_then_f"]["syncs"], False, ""),
-            "megatron": (sc["orders"]["megatron"]["order"], sc["orders"]["megatron"]["syncs"], False, ""),
-            "ours": (ours["order"], ours["syncs"], False, ""),
-            "compute_only": (ours["order"], ours["syncs"], True, "comm"),
-            "comm_only": (ours["order"], ours["syncs"], False, "compute"),
+            "one_stream": (ours, True, ""),
+            "b_then_f": (sc["orders"]["b_then_f"], False, ""),
+            "megatron": (sc["orders"]["megatron"], False, ""),
+            "ours": (ours, False, ""),
+            "compute_only": (ours, True, "comm"),
+            "comm_only": (ours, False, "compute"),
         }
         times = {k: [] for k in arms}
         for _ in range(2):
             for k, a in arms.items():
-                r.run(*a)
+                r.run(k, *a)
         for _ in range(args.iters):
             for k, a in arms.items():  # interleaved, so drift hits every arm alike
-                times[k].append(r.run(*a))
+                times[k].append(r.run(k, *a))
         med = {k: statistics.median(v) for k, v in times.items()}
         bound = max(med["compute_only"], med["comm_only"])
         rows.append({"layers": args.layers, "ratio": ratio, **med, "bound": bound})

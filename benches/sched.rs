@@ -3,7 +3,9 @@
 
 use criterion::{criterion_group, Criterion};
 use sched_lifetime::ir::Graph;
-use sched_lifetime::sched::{moe, schedule, Budgets};
+use sched_lifetime::ep::Budgets;
+use sched_lifetime::scenarios::moe;
+use sched_lifetime::sched::schedule;
 
 fn plan_100k(c: &mut Criterion) {
     // 14 nodes per layer pair (F: attn, 2x launch+wait, mlp; B: 2x launch+wait, mlp, dw, attn, dw).

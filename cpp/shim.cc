@@ -4,13 +4,17 @@
 
 #include "sched-lifetime/cpp/shim.h"
 
+#include <cstdio>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include <c10/core/Stream.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/library.h>
 
-#include "sched-lifetime/src/ffi.rs.h"
+#include "sched-lifetime/src/ffi/bridge.rs.h"
 
 namespace sched_lifetime {
 
@@ -79,33 +83,67 @@ std::vector<int64_t> op_stats(int64_t mgr) {
   return guarded([&] { return to_vector(sl_stats(static_cast<uint64_t>(mgr))); });
 }
 
-std::string op_stats_fields() { return std::string(sl_stats_fields()); }
-
 void op_destroy(int64_t mgr) {
   guarded([&] { sl_destroy(static_cast<uint64_t>(mgr)); });
 }
 
-std::string op_simulate(std::string plan, std::string policy, std::string mode, bool trace) {
-  return guarded([&] {
-    return std::string(sl_simulate(rust::Str(plan.data(), plan.size()), rust::Str(policy.data(), policy.size()),
-                                   rust::Str(mode.data(), mode.size()), trace));
-  });
-}
-
-std::string op_scenario(std::string name) {
-  return guarded([&] { return std::string(sl_scenario(rust::Str(name.data(), name.size()))); });
-}
-
 rust::Str str(const std::string& s) { return rust::Str(s.data(), s.size()); }
 
-std::string op_schedule(std::string graph, std::string ep_budget, std::string page_budget, bool explain) {
-  return guarded([&] { return std::string(sl_schedule(str(graph), str(ep_budget), str(page_budget), explain)); });
+std::string json_quote(const std::string& s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += static_cast<char>(c);
+    } else if (c < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+      out += buf;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out + "\"";
 }
 
-void op_validate(std::string graph, std::string order, std::string syncs, std::string ep_budget,
-                 std::string page_budget) {
-  guarded([&] { sl_validate(str(graph), str(order), str(syncs), str(ep_budget), str(page_budget)); });
+std::string json_value(const c10::IValue& v, const std::string& name) {
+  if (v.isString()) return json_quote(v.toStringRef());
+  if (v.isBool()) return v.toBool() ? "true" : "false";
+  if (v.isInt()) return std::to_string(v.toInt());
+  if (v.isDouble()) {
+    std::ostringstream os;
+    os.precision(17);
+    os << v.toDouble();
+    return os.str();
+  }
+  if (v.isNone()) return "null";
+  TORCH_CHECK(false, "sched_lifetime: argument '", name, "' has a type JSON ops do not take (", v.tagKind(), ")");
 }
+
+// One boxed kernel for every JSON op (the table in src/ffi/json_ops.rs): the arguments as a
+// JSON object keyed by the schema's names, the result as the op's str (or nothing).
+class JsonKernel final : public c10::OperatorKernel {
+ public:
+  explicit JsonKernel(std::string name) : name_(std::move(name)) {}
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    const auto& schema = op.schema();
+    const size_t n = schema.arguments().size();
+    std::string args = "{";
+    for (size_t i = 0; i < n; ++i) {
+      const std::string& arg = schema.arguments()[i].name();
+      if (i) args += ",";
+      args += json_quote(arg) + ":" + json_value((*stack)[stack->size() - n + i], arg);
+    }
+    args += "}";
+    torch::jit::drop(*stack, n);
+    std::string out = guarded([&] { return std::string(sl_json_call(str(name_), str(args))); });
+    if (!schema.returns().empty()) stack->emplace_back(std::move(out));
+  }
+
+ private:
+  std::string name_;
+};
 
 }  // namespace
 
@@ -162,14 +200,14 @@ TORCH_LIBRARY(sched_lifetime, m) {
   m.def("acquire(int mgr, Stream stream) -> int", &op_acquire);
   m.def("finalize(int mgr) -> int[]", &op_finalize);
   m.def("stats(int mgr) -> int[]", &op_stats);
-  m.def("stats_fields() -> str", &op_stats_fields);
   m.def("destroy(int mgr) -> ()", &op_destroy);
-  // The simulator: plan JSON in, report JSON out (all figures simulated).
-  m.def("simulate(str plan, str policy, str mode, bool trace) -> str", &op_simulate);
-  m.def("scenario(str name) -> str", &op_scenario);
-  // The scheduler: graph table JSON in, schedule JSON out; budgets "" = env or default.
-  m.def("schedule(str graph, str ep_budget, str page_budget, bool explain) -> str", &op_schedule);
-  m.def("validate(str graph, str order, str syncs, str ep_budget, str page_budget) -> ()", &op_validate);
+  // JSON ops (scheduler, simulator, scenarios, info): registered from Rust's table.
+  for (const auto& schema : sl_json_schemas()) {
+    std::string text(schema);
+    std::string name = text.substr(0, text.find('('));
+    m.def(torch::schema(text.c_str(), c10::AliasAnalysisKind::FROM_SCHEMA),
+          torch::CppFunction::makeFromBoxedFunctor(std::make_unique<JsonKernel>(name)));
+  }
   // Ops on tensors: a real kernel for every backend, fakes registered from Python.
   m.def("bind(int mgr, Tensor[] tensors, Stream owner) -> ()");
   m.def("retire(int mgr, Tensor(a!)[] tensors, Stream consumer, int action) -> ()");

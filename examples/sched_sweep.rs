@@ -1,6 +1,7 @@
 //! Prints the simulated sweep table of the README: exposed comm and makespan of four orders
 //! over MoE chunk shapes. `cargo run --release --example sched_sweep`
-use sched_lifetime::sched::{moe, Budgets};
+use sched_lifetime::ep::Budgets;
+use sched_lifetime::scenarios::{moe, sweep};
 
 fn main() {
     println!("SIMULATED. makespan ms (exposed comm ms); bound = max(total compute, total comm).");
@@ -12,7 +13,7 @@ fn main() {
     let mut rows = Vec::new();
     for layers in [1, 2, 4, 8] {
         for ratio in [0.25, 0.5, 1.0, 1.5, 2.0] {
-            let (r, _) = moe::sweep_row(moe::Shape::moe(layers, ratio), Budgets::default()).expect("sweep");
+            let (r, _) = sweep::sweep_row(moe::Shape::moe(layers, ratio), Budgets::default()).expect("sweep");
             let f = |x: (f64, f64)| format!("{:.2} ({:.2})", x.0 / 1e3, x.1 / 1e3);
             println!(
                 "{:>6} {:>6.2} {:>8.2} {:>14} {:>14} {:>14} {:>14} {:>8.3} {:>15} {:>15}",

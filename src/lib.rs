@@ -1,14 +1,24 @@
 //! `sched_lifetime`: schedule-aware cross-stream tensor lifetime for PyTorch MoE training.
 //!
-//! The core (`lifetime`, `runtime`) is plain Rust with no torch or CUDA linkage; feature
-//! `torch` adds the cxx shim (`ffi`) that registers `torch.ops.sched_lifetime.*`, feature
-//! `cuda` adds a cudarc runtime. See DESIGN.md for the protocol and its rules.
+//! The core is plain Rust with no torch or CUDA linkage; feature `torch` adds the cxx shim
+//! (`ffi`) that registers `torch.ops.sched_lifetime.*`, feature `cuda` adds a cudarc runtime.
+//! See DESIGN.md for the protocol and its rules.
+//!
+//! Layers, each importing only those below it: `ir` (the one graph format) -> `ep` (stream
+//! roles, launch budgets) -> `sched` (the scheduler); `runtime` (the `Runtime` trait) ->
+//! `lifetime` (the manager); `sim` (allocator and stream model, programs lowered from graphs)
+//! above both; `scenarios` (generated graphs, programs, baseline orders, sweeps) on top;
+//! `cuda` and `ffi` are backends of `runtime`.
+
+#![warn(missing_docs)]
 
 pub mod cuda;
+pub mod ep;
 pub mod error;
 pub mod ir;
 pub mod lifetime;
 pub mod runtime;
+pub mod scenarios;
 pub mod sched;
 pub mod sim;
 

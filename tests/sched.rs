@@ -2,12 +2,13 @@
 //! an MTP tail, the dI/dW live-in rule, the validator, errors, and properties on random graphs.
 
 use sched_lifetime::ir::{Graph, GraphSpec, Kind, NodeSpec, OutputSpec, Phase, Source};
-use sched_lifetime::sched::{self, moe, validate, Budgets, Schedule};
-use sched_lifetime::sim::scenarios::Rng;
+use sched_lifetime::ep::Budgets;
+use sched_lifetime::scenarios::{moe, sweep, Rng};
+use sched_lifetime::sched::{self, validate, Schedule};
 
 fn pos(g: &Graph, s: &Schedule, name: &str) -> usize {
     let id = g.nodes.iter().position(|n| n.name == name).unwrap_or_else(|| panic!("no node {name}"));
-    s.order.iter().position(|&u| u as usize == id).expect("scheduled")
+    s.order.iter().position(|&u| u.ix() == id).expect("scheduled")
 }
 
 /// `comm` runs under `compute`: launched before it, waited after it.
@@ -17,7 +18,7 @@ fn hidden(g: &Graph, s: &Schedule, comm: &str, compute: &str) -> bool {
 }
 
 fn names(g: &Graph, s: &Schedule) -> String {
-    s.order.iter().map(|&u| g.nodes[u as usize].name.as_str()).collect::<Vec<_>>().join(", ")
+    s.order.iter().map(|&u| g.nodes[u.ix()].name.as_str()).collect::<Vec<_>>().join(", ")
 }
 
 fn megatron_pairs_hold(shape: moe::Shape, budgets: Budgets) {
@@ -63,8 +64,8 @@ fn every_launch_hidden_by_the_other_source(g: &Graph, s: &Schedule) {
     for e in &ex {
         let launch_pos = pos(g, s, &e.launch);
         let other_left = s.order[launch_pos..].iter().any(|&u| {
-            let nd = &g.nodes[u as usize];
-            nd.kind == Kind::Compute && g.sources[nd.source as usize].name != e.source
+            let nd = &g.nodes[u.ix()];
+            nd.kind == Kind::Compute && g.sources[nd.source.ix()].name != e.source
         });
         let by_other = e.hidden_under.iter().any(|c| !c.starts_with(&e.source[..1]));
         assert!(by_other || !other_left, "{} is not hidden by the other source: {}", e.launch, names(g, s));
@@ -88,7 +89,7 @@ fn dense_layers_and_mtp_tail() {
     for n in ["F.L0.dispatch", "F.L0.combine", "B.L0.dispatch", "B.L0.combine"] {
         let id = g.nodes.iter().position(|x| x.name == n).unwrap();
         assert_eq!(g.nodes[id].kind, Kind::Noop);
-        assert!(!s.syncs.iter().any(|e| e.producer as usize == id || e.consumer as usize == id), "{n} has a sync");
+        assert!(!s.syncs.iter().any(|e| e.producer.ix() == id || e.consumer.ix() == id), "{n} has a sync");
     }
     // The MTP tail runs last in F and first in B, and overlaps the other source's comm.
     assert!(pos(&g, &s, "F.mtp.mlp") > pos(&g, &s, "F.L2.mlp"));
@@ -99,7 +100,7 @@ fn dense_layers_and_mtp_tail() {
 fn ours_matches_or_beats_megatron_and_nears_the_bound_in_the_simulator() {
     for layers in [1, 2, 4, 8] {
         for ratio in [0.25, 0.5, 1.0, 1.5, 2.0] {
-            let (r, _) = moe::sweep_row(moe::Shape::moe(layers, ratio), Budgets::default()).unwrap();
+            let (r, _) = sweep::sweep_row(moe::Shape::moe(layers, ratio), Budgets::default()).unwrap();
             assert!(r.ours.0 <= r.megatron.0 * 1.001, "{layers} layers, ratio {ratio}: ours {:?} megatron {:?}", r.ours, r.megatron);
             assert!(r.ours.0 <= r.bound_us * 1.05, "{layers} layers, ratio {ratio}: ours {} bound {}", r.ours.0, r.bound_us);
             assert!(r.ours.0 < r.b_then_f.0 && r.ours.0 < r.serial.0);
@@ -122,7 +123,7 @@ fn drains_add_no_wait() {
         let mut next = s.clone();
         for r in next.retires.iter_mut() {
             let p = s.order.iter().position(|&u| u == r.last_consumer).unwrap();
-            r.drain_before = s.order[p + 1..].iter().copied().find(|&u| s.stream[u as usize] == r.owner);
+            r.drain_before = s.order[p + 1..].iter().copied().find(|&u| s.stream[u.ix()] == r.owner);
         }
         assert!(!sched::drains_adding_waits(&g, &next).is_empty());
     }
@@ -135,14 +136,14 @@ fn dw_keeps_di_live_ins_until_it_has_run() {
     // B.gc{l} is read by B.L{l}.mlp (dI) and B.L{l}.mlp.dw: it retires at whichever runs last.
     for l in 0..2 {
         let v = g.values.iter().position(|v| v.name == format!("B.gc{l}")).unwrap();
-        let r = s.retires.iter().find(|r| r.value as usize == v).expect("B.gc is cross-stream (owner ep)");
-        let last = &g.nodes[r.last_consumer as usize].name;
+        let r = s.retires.iter().find(|r| r.value.ix() == v).expect("B.gc is cross-stream (owner ep)");
+        let last = &g.nodes[r.last_consumer.ix()].name;
         let (di, dw) = (pos(&g, &s, &format!("B.L{l}.mlp")), pos(&g, &s, &format!("B.L{l}.mlp.dw")));
         assert_eq!(*last, if dw > di { format!("B.L{l}.mlp.dw") } else { format!("B.L{l}.mlp") });
         assert_eq!(r.action.name(), "drop_reference");
     }
     // Forward values retire with empty_storage.
-    assert!(s.retires.iter().any(|r| g.values[r.value as usize].name == "F.a0" && r.action.name() == "empty_storage"));
+    assert!(s.retires.iter().any(|r| g.values[r.value.ix()].name == "F.a0" && r.action.name() == "empty_storage"));
 }
 
 #[test]
@@ -169,7 +170,7 @@ fn syncs_are_minimal_and_validator_rejects_broken_schedules() {
         let mut cur = 0i32;
         let mut m = 0;
         for &u in &wide.order {
-            let k = g.nodes[u as usize].kind;
+            let k = g.nodes[u.ix()].kind;
             cur += k.is_launch() as i32 - (k == Kind::CommWait) as i32;
             m = m.max(cur);
         }
@@ -300,17 +301,17 @@ fn random_graphs_give_valid_deterministic_schedules_within_budget() {
         let mut seen = vec![false; g.len()];
         let mut in_flight = [0u32; 3];
         for &u in &s.order {
-            assert!(!std::mem::replace(&mut seen[u as usize], true), "seed {seed}: node issued twice");
-            let nd = &g.nodes[u as usize];
+            assert!(!std::mem::replace(&mut seen[u.ix()], true), "seed {seed}: node issued twice");
+            let nd = &g.nodes[u.ix()];
             if nd.kind.is_launch() {
-                let st = nd.stream().index();
+                let st = if nd.kind == Kind::CommLaunch { 1 } else { 2 };
                 in_flight[st] += 1;
                 assert!(in_flight[st] <= if st == 1 { budgets.ep } else { budgets.page }, "seed {seed}: budget");
             }
             if nd.kind.is_wait() {
                 let l = nd.partner.unwrap();
-                assert!(seen[l as usize], "seed {seed}: wait before its launch");
-                in_flight[g.nodes[l as usize].stream().index()] -= 1;
+                assert!(seen[l.ix()], "seed {seed}: wait before its launch");
+                in_flight[if g.nodes[l.ix()].kind == Kind::CommLaunch { 1 } else { 2 }] -= 1;
             }
         }
         assert!(seen.iter().all(|&x| x));
@@ -373,7 +374,7 @@ fn page_outs_and_page_ins_of_two_sources_interleave() {
         let s = sched::schedule(&g, Budgets::new(2, budget).unwrap()).unwrap();
         validate(&g, &s).unwrap();
         let launches: Vec<&str> =
-            s.order.iter().map(|&u| &g.nodes[u as usize]).filter(|n| n.kind.is_launch()).map(|n| &n.name[..1]).collect();
+            s.order.iter().map(|&u| &g.nodes[u.ix()]).filter(|n| n.kind.is_launch()).map(|n| &n.name[..1]).collect();
         assert_eq!(launches.join(""), "FBFBFBFB", "page budget {budget}: {}", names(&g, &s));
     }
 }

@@ -4,7 +4,8 @@
 
 use std::collections::BTreeSet;
 
-use sched_lifetime::sim::{self, scenarios, Machine, Plan, Policy, SimOptions};
+use sched_lifetime::scenarios;
+use sched_lifetime::sim::{self, Machine, Program, Policy, SimOptions};
 
 const SEEDS: u64 = 10_000;
 
@@ -32,7 +33,7 @@ fn oracle(m: &Machine) -> BTreeSet<(u32, u32)> {
 }
 
 fn run(seed: u64, policy: Policy) -> (sim::Report, Machine) {
-    let plan = Plan::new(scenarios::random_plan(seed)).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+    let plan = Program::new(scenarios::random_program(seed)).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
     sim::run(&plan, SimOptions { log: true, ..SimOptions::new(policy) }).unwrap_or_else(|e| panic!("seed {seed} {policy:?}: {e}"))
 }
 

@@ -1,11 +1,12 @@
 //! The simulator on named scenarios and bad input. All figures here are simulated.
 
-use sched_lifetime::sim::{self, scenarios, Mode, Plan, Policy, SimOptions};
+use sched_lifetime::scenarios;
+use sched_lifetime::sim::{self, Mode, Program, Policy, SimOptions};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
-fn run(spec: sim::PlanSpec, policy: Policy) -> sim::Report {
-    sim::simulate(&Plan::new(spec).unwrap(), SimOptions::new(policy)).unwrap()
+fn run(spec: sim::ProgramSpec, policy: Policy) -> sim::Report {
+    sim::simulate(&Program::new(spec).unwrap(), SimOptions::new(policy)).unwrap()
 }
 
 #[test]
@@ -44,7 +45,7 @@ fn lagging_pipeline_matches_the_gpu_ab_shape() {
 
 #[test]
 fn no_caching_mode_is_the_liveness_bound_and_never_hazards() {
-    let plan = Plan::new(scenarios::megatron_hero(4)).unwrap();
+    let plan = Program::new(scenarios::megatron_hero(4)).unwrap();
     let opts = SimOptions { mode: Mode::NoCaching, ..SimOptions::new(Policy::Scheduled) };
     let nc = sim::simulate(&plan, opts).unwrap();
     let c = sim::simulate(&plan, SimOptions::new(Policy::Scheduled)).unwrap();
@@ -55,7 +56,7 @@ fn no_caching_mode_is_the_liveness_bound_and_never_hazards() {
 
 #[test]
 fn trace_is_chrome_json_with_kernels_and_counters() {
-    let plan = Plan::new(scenarios::random_plan(7)).unwrap();
+    let plan = Program::new(scenarios::random_program(7)).unwrap();
     let r = sim::simulate(&plan, SimOptions { trace: true, ..SimOptions::new(Policy::Scheduled) }).unwrap();
     let ev = r.trace.as_ref().unwrap()["traceEvents"].as_array().unwrap().clone();
     assert_eq!(ev.iter().filter(|e| e["ph"] == "X").count(), plan.len());
@@ -64,7 +65,7 @@ fn trace_is_chrome_json_with_kernels_and_counters() {
 }
 
 fn err(json: &str) -> String {
-    match Plan::from_json(json) {
+    match Program::from_json(json) {
         Ok(p) => sim::simulate(&p, SimOptions::new(Policy::Scheduled)).unwrap_err().to_string(),
         Err(e) => e.to_string(),
     }
@@ -87,5 +88,5 @@ fn bad_input_is_an_error_naming_the_item() {
     let e = m.new_event();
     assert!(m.wait(e, 0).unwrap_err().to_string().contains("never recorded"));
     assert!(m.malloc(0, 3).unwrap_err().to_string().contains("unknown stream index 3"));
-    assert!(sched_lifetime::sim::scenarios::by_name("nope").is_err());
+    assert!(sched_lifetime::scenarios::by_name("nope").is_err());
 }

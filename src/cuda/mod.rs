@@ -78,6 +78,20 @@ mod imp {
         }
     }
 
+    impl Drop for CudaRuntime {
+        /// Deferred payloads wait for their consumer's event (a host sync, at teardown only),
+        /// then are released and their events destroyed: nothing is reused early, nothing leaks.
+        fn drop(&mut self) {
+            for (ev, release) in self.deferred.drain(..) {
+                // SAFETY: the event is alive and owned by this entry.
+                let _ = unsafe { result::event::synchronize(ev) };
+                release(Action::DropReference);
+                // SAFETY: completed and no longer referenced.
+                let _ = unsafe { result::event::destroy(ev) };
+            }
+        }
+    }
+
     impl Runtime for CudaRuntime {
         type Payload = Release;
         type Event = CudaEvent;
@@ -112,14 +126,55 @@ mod imp {
 #[cfg(not(feature = "cuda"))]
 mod imp {
     use crate::error::{Error, Result};
+    use crate::runtime::{Action, Runtime, StreamId};
 
-    /// Stub: the crate was built without the `cuda` feature.
-    pub struct CudaRuntime;
+    /// What the caller does when the manager releases a tensor.
+    pub type Release = Box<dyn FnOnce(Action) + Send>;
+
+    /// Stub event (never created: [`CudaRuntime::new`] fails first).
+    pub struct CudaEvent(());
+
+    /// Stub: the crate was built without the `cuda` feature. Same API as the real runtime;
+    /// every call is [`Error::CudaUnavailable`].
+    pub struct CudaRuntime(());
+
+    fn unavailable<T>() -> Result<T> {
+        Err(Error::CudaUnavailable("sched_lifetime was built without the `cuda` feature".into()))
+    }
 
     impl CudaRuntime {
         /// Always `CudaUnavailable` without the `cuda` feature.
         pub fn new() -> Result<Self> {
-            Err(Error::CudaUnavailable("sched_lifetime was built without the `cuda` feature".into()))
+            unavailable()
+        }
+        /// Always `CudaUnavailable` without the `cuda` feature.
+        pub fn poll(&mut self) -> Result<usize> {
+            unavailable()
+        }
+        /// No payload is ever deferred here.
+        pub fn deferred(&self) -> usize {
+            0
+        }
+    }
+
+    impl Runtime for CudaRuntime {
+        type Payload = Release;
+        type Event = CudaEvent;
+
+        fn new_event(&mut self, _stream: StreamId) -> Result<CudaEvent> {
+            unavailable()
+        }
+        fn record(&mut self, _event: &mut CudaEvent, _stream: StreamId) -> Result<()> {
+            unavailable()
+        }
+        fn wait(&mut self, _event: &CudaEvent, _stream: StreamId) -> Result<()> {
+            unavailable()
+        }
+        fn release(&mut self, _payload: Release, _action: Action) -> Result<()> {
+            unavailable()
+        }
+        fn record_stream(&mut self, _payload: Release, _stream: StreamId) -> Result<()> {
+            unavailable()
         }
     }
 }

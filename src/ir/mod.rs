@@ -11,12 +11,62 @@ use smallvec::SmallVec;
 
 use crate::error::{Error, Result};
 
-/// Index of a node.
-pub type NodeId = u32;
-/// Index of a value.
-pub type ValueId = u32;
-/// Index of a source.
-pub type SourceId = u16;
+macro_rules! id_type {
+    ($(#[$doc:meta])* $name:ident($int:ty)) => {
+        $(#[$doc])*
+        #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+        #[serde(transparent)]
+        pub struct $name(pub $int);
+
+        impl $name {
+            /// The id of the `i`-th item.
+            pub fn new(i: usize) -> Self {
+                $name(i as $int)
+            }
+            /// Position in the graph's vector.
+            pub fn ix(self) -> usize {
+                self.0 as usize
+            }
+        }
+
+        impl<T> std::ops::Index<$name> for Vec<T> {
+            type Output = T;
+            fn index(&self, i: $name) -> &T {
+                &self[i.ix()]
+            }
+        }
+
+        impl<T> std::ops::IndexMut<$name> for Vec<T> {
+            fn index_mut(&mut self, i: $name) -> &mut T {
+                &mut self[i.ix()]
+            }
+        }
+    };
+}
+
+id_type!(
+    /// Index of a node in [`Graph::nodes`].
+    NodeId(u32)
+);
+id_type!(
+    /// Index of a value in [`Graph::values`].
+    ValueId(u32)
+);
+id_type!(
+    /// Index of a source in [`Graph::sources`].
+    SourceId(u16)
+);
+
+impl Graph {
+    /// Ids of all nodes, in table order.
+    pub fn node_ids(&self) -> impl DoubleEndedIterator<Item = NodeId> + ExactSizeIterator {
+        (0..self.nodes.len()).map(NodeId::new)
+    }
+    /// The source a node belongs to.
+    pub fn source_of(&self, u: NodeId) -> &Source {
+        &self.sources[self.nodes[u].source]
+    }
+}
 
 /// Which part of training a source is.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Deserialize, Serialize)]
@@ -36,9 +86,12 @@ pub enum Phase {
 /// One graph being multiplexed.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 pub struct Source {
+    /// Unique name.
     pub name: String,
     #[serde(default)]
+    /// Microbatch index.
     pub microbatch: u32,
+    /// Forward, backward, dI or dW.
     pub phase: Phase,
     /// Lower runs first on ties.
     #[serde(default)]
@@ -76,46 +129,38 @@ impl Kind {
     }
 }
 
-/// The streams a schedule uses.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Stream {
-    /// The caller's current stream.
-    Compute,
-    /// High-priority EP stream (dispatch/combine).
-    Ep,
-    /// High-priority page stream.
-    Page,
-}
-
-impl Stream {
-    /// All streams, by index.
-    pub const ALL: [Stream; 3] = [Stream::Compute, Stream::Ep, Stream::Page];
-    /// Index in `ALL`.
-    pub fn index(self) -> usize {
-        self as usize
-    }
-}
-
 /// An output as written in the table: a name, or a name with bytes.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(untagged)]
 pub enum OutputSpec {
+    /// Just a name (0 bytes).
     Name(String),
-    Sized { value: String, bytes: u64 },
+    /// A name with its size in bytes.
+    Sized {
+        /// The value name.
+        value: String,
+        /// Size in bytes.
+        bytes: u64,
+    },
 }
 
 /// A node as written in the table.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 pub struct NodeSpec {
+    /// Unique name.
     pub name: String,
+    /// The source (graph) it belongs to.
     pub source: String,
+    /// What the node is.
     pub kind: Kind,
     #[serde(default)]
+    /// Weight-gradient work (fills gaps, never on the critical path).
     pub wgrad: bool,
     #[serde(default)]
+    /// Values it reads.
     pub inputs: Vec<String>,
     #[serde(default)]
+    /// Values it produces.
     pub outputs: Vec<OutputSpec>,
     /// Values this node writes in place (ordered after earlier readers and writers).
     #[serde(default)]
@@ -131,7 +176,9 @@ pub struct NodeSpec {
 /// The whole table.
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
 pub struct GraphSpec {
+    /// The sources being multiplexed.
     pub sources: Vec<Source>,
+    /// Nodes, in table order.
     pub nodes: Vec<NodeSpec>,
     /// Extra ordering: [before, after] node names.
     #[serde(default)]
@@ -147,12 +194,19 @@ pub struct GraphSpec {
 /// A node.
 #[derive(Clone, Debug)]
 pub struct Node {
+    /// Unique name.
     pub name: String,
+    /// The source (graph) it belongs to.
     pub source: SourceId,
+    /// What the node is.
     pub kind: Kind,
+    /// Weight-gradient work (fills gaps, never on the critical path).
     pub wgrad: bool,
+    /// Values it reads.
     pub inputs: SmallVec<[ValueId; 4]>,
+    /// Values it produces.
     pub outputs: SmallVec<[ValueId; 2]>,
+    /// Cost in microseconds (simulator and reports only).
     pub cost: f64,
     /// For waits, the launch; for launches, their wait.
     pub partner: Option<NodeId>,
@@ -161,16 +215,22 @@ pub struct Node {
 /// A value.
 #[derive(Clone, Debug)]
 pub struct Value {
+    /// Unique name.
     pub name: String,
+    /// Size in bytes.
     pub bytes: u64,
+    /// The node producing it (None: a graph input).
     pub producer: Option<NodeId>,
 }
 
 /// A validated graph: nodes, values and every dependency edge, deduplicated.
 #[derive(Clone, Debug)]
 pub struct Graph {
+    /// The sources being multiplexed.
     pub sources: Vec<Source>,
+    /// Nodes, in table order.
     pub nodes: Vec<Node>,
+    /// Values, indexed by `ValueId`.
     pub values: Vec<Value>,
     /// Predecessors of each node (all edge kinds).
     pub preds: Vec<SmallVec<[NodeId; 4]>>,
@@ -178,17 +238,6 @@ pub struct Graph {
     pub succs: Vec<SmallVec<[NodeId; 4]>>,
     /// A topological order, found while checking the graph is acyclic.
     pub topo: Vec<NodeId>,
-}
-
-impl Node {
-    /// The stream this node's work (or wait) is issued to.
-    pub fn stream(&self) -> Stream {
-        match self.kind {
-            Kind::CommLaunch => Stream::Ep,
-            Kind::PageOut | Kind::PageIn => Stream::Page,
-            _ => Stream::Compute,
-        }
-    }
 }
 
 impl Graph {
@@ -204,13 +253,13 @@ impl Graph {
         let bad = |m: String| Error::InvalidInput(m);
         let mut src_ix: HashMap<&str, SourceId> = HashMap::new();
         for (i, s) in spec.sources.iter().enumerate() {
-            if src_ix.insert(&s.name, i as SourceId).is_some() {
+            if src_ix.insert(&s.name, SourceId::new(i)).is_some() {
                 return Err(bad(format!("source '{}' is declared twice", s.name)));
             }
         }
         let mut node_ix: HashMap<&str, NodeId> = HashMap::new();
         for (i, n) in spec.nodes.iter().enumerate() {
-            if node_ix.insert(&n.name, i as NodeId).is_some() {
+            if node_ix.insert(&n.name, NodeId::new(i)).is_some() {
                 return Err(bad(format!("node '{}' is declared twice", n.name)));
             }
         }
@@ -224,7 +273,7 @@ impl Graph {
             if val_ix.contains_key(&name) {
                 return Err(bad(format!("{who}: value '{name}' is produced twice")));
             }
-            let id = values.len() as ValueId;
+            let id = ValueId::new(values.len());
             val_ix.insert(name.clone(), id);
             values.push(Value { name, bytes, producer });
             Ok(id)
@@ -247,7 +296,7 @@ impl Graph {
             }
             let mut outputs = SmallVec::new();
             for o in &ns.outputs {
-                outputs.push(add_value(&mut values, o, Some(i as NodeId), &who)?);
+                outputs.push(add_value(&mut values, o, Some(NodeId::new(i)), &who)?);
             }
             nodes.push(Node {
                 name: ns.name.clone(),
@@ -278,7 +327,7 @@ impl Graph {
             if ns.kind.is_wait() {
                 let lname = ns.launch.as_deref().ok_or_else(|| bad(format!("{who} is a wait without a launch")))?;
                 let l = *node_ix.get(lname).ok_or_else(|| bad(format!("{who} waits for '{lname}', which is not a node")))?;
-                let lk = nodes[l as usize].kind;
+                let lk = nodes[l].kind;
                 let ok = match ns.kind {
                     Kind::CommWait => lk == Kind::CommLaunch,
                     _ => matches!(lk, Kind::PageOut | Kind::PageIn),
@@ -286,13 +335,13 @@ impl Graph {
                 if !ok {
                     return Err(bad(format!("{who} waits for '{lname}', which is a {lk:?}, not a matching launch")));
                 }
-                if let Some(other) = nodes[l as usize].partner {
+                if let Some(other) = nodes[l].partner {
                     return Err(bad(format!(
                         "'{lname}' has two waits: '{}' and '{}'",
-                        nodes[other as usize].name, ns.name
+                        nodes[other].name, ns.name
                     )));
                 }
-                nodes[l as usize].partner = Some(i as NodeId);
+                nodes[l].partner = Some(NodeId::new(i));
                 nodes[i].partner = Some(l);
             } else if ns.launch.is_some() {
                 return Err(bad(format!("{who} names a launch but is not a wait")));
@@ -305,24 +354,24 @@ impl Graph {
         }
         let mut preds: Vec<SmallVec<[NodeId; 4]>> = vec![SmallVec::new(); n];
         let add = |preds: &mut Vec<SmallVec<[NodeId; 4]>>, a: NodeId, b: NodeId| {
-            if a != b && !preds[b as usize].contains(&a) {
-                preds[b as usize].push(a);
+            if a != b && !preds[b].contains(&a) {
+                preds[b].push(a);
             }
         };
         // Data: a launch's outputs become usable at its wait.
         for i in 0..n {
             for &v in &nodes[i].inputs.clone() {
-                if let Some(p) = values[v as usize].producer {
-                    let p = if nodes[p as usize].kind.is_launch() && nodes[i].kind != Kind::CommWait && nodes[i].kind != Kind::PageWait {
-                        nodes[p as usize].partner.unwrap_or(p)
+                if let Some(p) = values[v].producer {
+                    let p = if nodes[p].kind.is_launch() && nodes[i].kind != Kind::CommWait && nodes[i].kind != Kind::PageWait {
+                        nodes[p].partner.unwrap_or(p)
                     } else {
                         p
                     };
-                    add(&mut preds, p, i as NodeId);
+                    add(&mut preds, p, NodeId::new(i));
                 }
             }
             if let (true, Some(l)) = (nodes[i].kind.is_wait(), nodes[i].partner) {
-                add(&mut preds, l, i as NodeId);
+                add(&mut preds, l, NodeId::new(i));
             }
         }
         // Mutation order: a writer comes after earlier (table order) readers and writers.
@@ -331,11 +380,11 @@ impl Graph {
             for v in &ns.mutates {
                 let id = val_ix[v];
                 for &u in touched.get(&id).map(|x| x.as_slice()).unwrap_or(&[]) {
-                    add(&mut preds, u, i as NodeId);
+                    add(&mut preds, u, NodeId::new(i));
                 }
             }
             for &v in &nodes[i].inputs {
-                touched.entry(v).or_default().push(i as NodeId);
+                touched.entry(v).or_default().push(NodeId::new(i));
             }
         }
         for (kind, edges) in [("control", &spec.control), ("reuse", &spec.reuse)] {
@@ -348,7 +397,7 @@ impl Graph {
         let mut succs: Vec<SmallVec<[NodeId; 4]>> = vec![SmallVec::new(); n];
         for (b, ps) in preds.iter().enumerate() {
             for &a in ps {
-                succs[a as usize].push(b as NodeId);
+                succs[a].push(NodeId::new(b));
             }
         }
         let mut g = Graph { sources: spec.sources, nodes, values, preds, succs, topo: Vec::new() };
@@ -359,13 +408,13 @@ impl Graph {
     /// Kahn's algorithm; a cycle is an error naming a node on it.
     fn topo_order(&self) -> Result<Vec<NodeId>> {
         let mut indeg: Vec<u32> = self.preds.iter().map(|p| p.len() as u32).collect();
-        let mut stack: Vec<NodeId> = (0..self.nodes.len() as NodeId).filter(|&i| indeg[i as usize] == 0).collect();
+        let mut stack: Vec<NodeId> = self.node_ids().filter(|&i| indeg[i.ix()] == 0).collect();
         let mut order = Vec::with_capacity(self.nodes.len());
         while let Some(u) = stack.pop() {
             order.push(u);
-            for &s in &self.succs[u as usize] {
-                indeg[s as usize] -= 1;
-                if indeg[s as usize] == 0 {
+            for &s in &self.succs[u] {
+                indeg[s.ix()] -= 1;
+                if indeg[s.ix()] == 0 {
                     stack.push(s);
                 }
             }
@@ -374,13 +423,13 @@ impl Graph {
             return Ok(order);
         }
         // Walk predecessors inside the cyclic remainder until a node repeats: it is on a cycle.
-        let mut u = indeg.iter().position(|&d| d > 0).unwrap_or(0) as NodeId;
+        let mut u = NodeId::new(indeg.iter().position(|&d| d > 0).unwrap_or(0));
         let mut visited = vec![false; self.nodes.len()];
-        while !visited[u as usize] {
-            visited[u as usize] = true;
-            u = self.preds[u as usize].iter().copied().find(|&p| indeg[p as usize] > 0).unwrap_or(u);
+        while !visited[u.ix()] {
+            visited[u.ix()] = true;
+            u = self.preds[u].iter().copied().find(|&p| indeg[p.ix()] > 0).unwrap_or(u);
         }
-        Err(Error::InvalidInput(format!("the graph has a cycle through node '{}'", self.nodes[u as usize].name)))
+        Err(Error::InvalidInput(format!("the graph has a cycle through node '{}'", self.nodes[u].name)))
     }
 
     /// Number of nodes.

@@ -1,9 +1,10 @@
 //! The validator: checks any schedule (ours or a user's) against its graph. Errors name the
 //! node at fault.
 
-use super::{Clocks, Schedule};
+use super::{finish, Clocks, Schedule, SyncEdge};
+use crate::ep::{Budgets, PerRole, Role};
 use crate::error::{Error, Result};
-use crate::ir::{Graph, Stream};
+use crate::ir::{Graph, NodeId};
 
 fn bad(m: String) -> Error {
     Error::InvalidInput(m)
@@ -13,43 +14,43 @@ fn bad(m: String) -> Error {
 /// ones), budgets respected, every retire drained after it on the owner's stream.
 pub fn validate(g: &Graph, s: &Schedule) -> Result<()> {
     let n = g.len();
-    let name = |u: u32| g.nodes[u as usize].name.as_str();
+    let name = |u: NodeId| g.nodes[u].name.as_str();
     if s.order.len() != n || s.stream.len() != n {
         return Err(bad(format!("schedule has {} nodes, the graph {n}", s.order.len())));
     }
     let mut pos = vec![usize::MAX; n];
     for (i, &u) in s.order.iter().enumerate() {
-        let slot = pos.get_mut(u as usize).ok_or_else(|| bad(format!("schedule names node index {u}, not in the graph")))?;
+        let slot = pos.get_mut(u.ix()).ok_or_else(|| bad(format!("schedule names node index {}, not in the graph", u.0)))?;
         if *slot != usize::MAX {
             return Err(bad(format!("node '{}' is issued twice", name(u))));
         }
         *slot = i;
     }
     for (i, nd) in g.nodes.iter().enumerate() {
-        if s.stream[i] != nd.stream() {
-            return Err(bad(format!("node '{}' is on {:?}, its kind needs {:?}", nd.name, s.stream[i], nd.stream())));
+        if s.stream[i] != Role::of(nd.kind) {
+            return Err(bad(format!("node '{}' is on {:?}, its kind needs {:?}", nd.name, s.stream[i], Role::of(nd.kind))));
         }
     }
     // Syncs by consumer, to replay them with vector clocks.
-    let mut syncs_of: Vec<Vec<u32>> = vec![Vec::new(); n];
+    let mut syncs_of: Vec<Vec<NodeId>> = vec![Vec::new(); n];
     for e in &s.syncs {
-        if e.producer as usize >= n || e.consumer as usize >= n {
+        if e.producer.ix() >= n || e.consumer.ix() >= n {
             return Err(bad(format!("sync edge {e:?} names a node not in the graph")));
         }
-        if pos[e.producer as usize] >= pos[e.consumer as usize] {
+        if pos[e.producer] >= pos[e.consumer] {
             return Err(bad(format!("sync: '{}' waits on '{}', which is issued later", name(e.consumer), name(e.producer))));
         }
-        syncs_of[e.consumer as usize].push(e.producer);
+        syncs_of[e.consumer].push(e.producer);
     }
     let mut clocks = Clocks::new(n);
-    let mut in_flight = [0usize; 3];
+    let mut in_flight: PerRole<usize> = Default::default();
     for &c in &s.order {
-        let x = s.stream[c as usize];
-        for &p in &syncs_of[c as usize] {
+        let x = s.stream[c];
+        for &p in &syncs_of[c] {
             clocks.join(p, x);
         }
-        for &p in &g.preds[c as usize] {
-            if pos[p as usize] > pos[c as usize] {
+        for &p in &g.preds[c] {
+            if pos[p] > pos[c] {
                 return Err(bad(format!("'{}' is issued before its predecessor '{}'", name(c), name(p))));
             }
             if clocks.need(p, x, &s.stream) {
@@ -57,30 +58,30 @@ pub fn validate(g: &Graph, s: &Schedule) -> Result<()> {
                     "'{}' on {x:?} uses '{}' on {:?} with no wait covering it",
                     name(c),
                     name(p),
-                    s.stream[p as usize]
+                    s.stream[p]
                 )));
             }
         }
-        let nd = &g.nodes[c as usize];
+        let nd = &g.nodes[c];
         if nd.kind.is_launch() {
-            let si = nd.stream().index();
-            in_flight[si] += 1;
-            let budget = s.budgets.of(nd.stream());
-            if in_flight[si] > budget {
-                return Err(bad(format!("'{}' exceeds the {:?} launch budget of {budget}", nd.name, nd.stream())));
+            let r = Role::of(nd.kind);
+            in_flight[r] += 1;
+            let budget = s.budgets.of(r);
+            if in_flight[r] > budget {
+                return Err(bad(format!("'{}' exceeds the {r:?} launch budget of {budget}", nd.name)));
             }
         }
         if let (true, Some(l)) = (nd.kind.is_wait(), nd.partner) {
-            in_flight[g.nodes[l as usize].stream().index()] -= 1;
+            in_flight[Role::of(g.nodes[l].kind)] -= 1;
         }
         clocks.step(c, x);
     }
     for r in &s.retires {
         if let Some(d) = r.drain_before {
-            if pos[d as usize] <= pos[r.last_consumer as usize] || s.stream[d as usize] != r.owner {
+            if pos[d] <= pos[r.last_consumer] || s.stream[d] != r.owner {
                 return Err(bad(format!(
                     "value '{}' drains before '{}', which is not a later node on its owner stream {:?}",
-                    g.values[r.value as usize].name,
+                    g.values[r.value].name,
                     name(d),
                     r.owner
                 )));
@@ -93,14 +94,14 @@ pub fn validate(g: &Graph, s: &Schedule) -> Result<()> {
 /// Drains whose owner-stream node is not already ordered after the retire's last consumer:
 /// there, the manager's wait adds a dependency (allowed, but ours never does that).
 pub fn drains_adding_waits(g: &Graph, s: &Schedule) -> Vec<String> {
-    let mut syncs_of: Vec<Vec<u32>> = vec![Vec::new(); g.len()];
+    let mut syncs_of: Vec<Vec<NodeId>> = vec![Vec::new(); g.len()];
     for e in &s.syncs {
-        syncs_of[e.consumer as usize].push(e.producer);
+        syncs_of[e.consumer].push(e.producer);
     }
     let mut clocks = Clocks::new(g.len());
     for &c in &s.order {
-        let x: Stream = s.stream[c as usize];
-        for &p in &syncs_of[c as usize] {
+        let x: Role = s.stream[c];
+        for &p in &syncs_of[c] {
             clocks.join(p, x);
         }
         clocks.step(c, x);
@@ -109,16 +110,44 @@ pub fn drains_adding_waits(g: &Graph, s: &Schedule) -> Vec<String> {
         .iter()
         .filter(|r| {
             r.drain_before.is_some_and(|d| {
-                let uncovered = |c: u32| {
-                    let cs = s.stream[c as usize];
-                    cs != r.owner && clocks.at[d as usize][cs.index()] < clocks.seq[c as usize]
+                let uncovered = |c: NodeId| {
+                    let cs = s.stream[c];
+                    cs != r.owner && clocks.at[d][cs] < clocks.seq[c]
                 };
                 // Every consumer of the value (waits aside) must be covered at the drain.
                 g.nodes.iter().enumerate().any(|(i, n)| {
-                    !n.kind.is_wait() && n.inputs.contains(&r.value) && uncovered(i as u32)
+                    !n.kind.is_wait() && n.inputs.contains(&r.value) && uncovered(NodeId::new(i))
                 })
             })
         })
-        .map(|r| g.values[r.value as usize].name.clone())
+        .map(|r| g.values[r.value].name.clone())
         .collect()
+}
+
+/// Validate a schedule given by names: the order, and the record/wait pairs (None: the
+/// minimal ones for that order are derived, so only topology and budgets are checked).
+pub fn validate_named(g: &Graph, order: &[String], syncs: Option<&[(String, String)]>, budgets: Budgets) -> Result<()> {
+    let ix: std::collections::HashMap<&str, NodeId> = g.node_ids().map(|i| (g.nodes[i].name.as_str(), i)).collect();
+    let id = |n: &str| ix.get(n).copied().ok_or_else(|| bad(format!("schedule names node '{n}', which is not in the graph")));
+    let ids = order.iter().map(|n| id(n)).collect::<Result<Vec<_>>>()?;
+    if ids.len() != g.len() {
+        return Err(bad(format!("schedule has {} nodes, the graph {}", ids.len(), g.len())));
+    }
+    let mut seen = vec![false; g.len()];
+    for &u in &ids {
+        if std::mem::replace(&mut seen[u.ix()], true) {
+            return Err(bad(format!("node '{}' is issued twice", g.nodes[u].name)));
+        }
+    }
+    let mut s = finish(g, ids, budgets);
+    if let Some(pairs) = syncs {
+        s.syncs = pairs
+            .iter()
+            .map(|(p, c)| {
+                let (p, c) = (id(p)?, id(c)?);
+                Ok(SyncEdge { producer: p, consumer: c, from: s.stream[p], to: s.stream[c] })
+            })
+            .collect::<Result<Vec<_>>>()?;
+    }
+    validate(g, &s)
 }

@@ -29,13 +29,17 @@ pub struct Hazard {
     pub addr: u64,
     /// Previous tenant value and the node/stream of its last use.
     pub old_value: u32,
+    /// Node of the earlier use.
     pub old_node: u32,
+    /// Stream of the earlier use.
     pub old_stream: u16,
     /// When the previous tenant's last use completes.
     pub old_end_us: f64,
     /// New tenant value and the node/stream of the offending use.
     pub new_value: u32,
+    /// Node of the reusing allocation.
     pub new_node: u32,
+    /// Stream of the reusing allocation.
     pub new_stream: u16,
     /// When the offending use starts.
     pub new_start_us: f64,
@@ -123,13 +127,16 @@ pub struct Kernel {
     pub stream: u16,
     /// Start, end (us).
     pub start: f64,
+    /// End time (us).
     pub end: f64,
 }
 
 /// A peak and when (host time, us) it was reached.
 #[derive(Copy, Clone, Debug, Default, serde::Serialize)]
 pub struct Peak {
+    /// Size in bytes.
     pub bytes: u64,
+    /// Host time it occurred (us).
     pub at_us: f64,
 }
 
@@ -191,6 +198,7 @@ pub struct Machine {
     pub hazards: Vec<Hazard>,
     /// Peaks.
     pub allocated_peak: Peak,
+    /// Peak of reserved bytes.
     pub reserved_peak: Peak,
     /// record_stream blocks freed but waiting on events (allocator `active_pending_free`).
     pub pending_peak: Peak,

@@ -102,7 +102,7 @@ def test_errors_name_the_node_or_setting(monkeypatch):
 
 
 def test_moe_chunk_scenario_gives_graph_and_baseline_orders():
-    sc = sl.scenario("moe_chunk:2:1.0")
+    sc = sl.scenario_graph("moe_chunk:2:1.0")
     g = sc["graph"]
     ours = sl.schedule(g)
     for name in ("megatron", "b_then_f"):
@@ -110,4 +110,4 @@ def test_moe_chunk_scenario_gives_graph_and_baseline_orders():
         assert sorted(o["order"]) == sorted(ours["order"])
         sl.validate(g, o["order"], [p[:2] for p in o["syncs"]])
     with pytest.raises(ValueError, match="expected moe_chunk:LAYERS:RATIO"):
-        sl.scenario("moe_chunk:0:x")
+        sl.scenario_graph("moe_chunk:0:x")

@@ -47,7 +47,7 @@ def test_no_caching_mode_gives_the_bound():
 
 
 def test_hero_scenario_reduces_pending_by_90_percent():
-    res = sl.compare(sl.scenario("megatron_hero"))
+    res = sl.compare(sl.scenario_program("megatron_hero"))
     rs, sc = res["record_stream"], res["scheduled"]
     assert rs["pending_free_peak_blocks"] >= 4
     assert sc["unusable_peak"]["bytes"] <= 0.1 * rs["unusable_peak"]["bytes"]
@@ -76,7 +76,7 @@ def test_bad_policy_mode_and_type():
     with pytest.raises(ValueError, match="plan must be a dict"):
         sl.simulate(42)
     with pytest.raises(ValueError, match="unknown scenario"):
-        sl.scenario("nope")
+        sl.scenario_program("nope")
 
 
 def test_cli_writes_trace_and_plot(tmp_path):

@@ -4,20 +4,25 @@
     mgr = sl.LifetimeManager("mb0")
 """
 
-from ._ops import LIBRARY, STATS_FIELDS, ops
+from ._ops import INFO, LIBRARY, STATS_FIELDS, ops
 from .lifetime import ACTIONS, LifetimeManager, current_stream
+from .executor import Executor, SideStreams
 from .schedule import schedule, validate
-from .sim import compare, scenario, simulate
+from .sim import compare, scenario_graph, scenario_program, simulate
 
 __all__ = [
     "ACTIONS",
+    "Executor",
+    "INFO",
     "LIBRARY",
     "LifetimeManager",
     "STATS_FIELDS",
+    "SideStreams",
     "compare",
     "current_stream",
     "ops",
-    "scenario",
+    "scenario_graph",
+    "scenario_program",
     "schedule",
     "simulate",
     "validate",

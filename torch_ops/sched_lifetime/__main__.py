@@ -32,11 +32,11 @@ def _ab(args: argparse.Namespace) -> int:
 
 
 def _load_plan(src: str) -> tuple[str, dict]:
-    from .sim import scenario
+    from .sim import scenario_program
 
     if src.startswith("scenario:"):
         name = src.split(":", 1)[1]
-        return name, scenario(name)
+        return name, scenario_program(name)
     try:
         with open(src) as f:
             return src, json.load(f)
@@ -78,7 +78,7 @@ def _demo(args: argparse.Namespace) -> int:
     rc = _ab(args)
     print()
     for name in ("lagging_pipeline", "megatron_hero"):
-        print(sim.format_compare(name, sim.compare(sim.scenario(name))))
+        print(sim.format_compare(name, sim.compare(sim.scenario_program(name))))
         print()
     return rc
 

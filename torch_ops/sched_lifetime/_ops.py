@@ -31,8 +31,12 @@ LIBRARY = _library_path()
 torch.ops.load_library(LIBRARY)
 ops = torch.ops.sched_lifetime
 
+#: What Rust defines and Python must not copy: action names and codes, the launch-budget
+#: range and variables, stream roles, stats fields, simulator policies and modes.
+INFO: dict = json.loads(ops.info())
+
 #: Names of the counters `stats` returns, in order (defined in Rust).
-STATS_FIELDS: tuple[str, ...] = tuple(ops.stats_fields().split(","))
+STATS_FIELDS: tuple[str, ...] = tuple(INFO["stats_fields"])
 
 
 def _no_output(*args: object) -> None:

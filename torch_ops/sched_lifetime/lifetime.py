@@ -11,14 +11,14 @@ from typing import Optional, Union
 
 import torch
 
-from ._ops import STATS_FIELDS, ops
+from ._ops import INFO, STATS_FIELDS, ops
 
 # Resolved overloads: calling them skips the packet's overload lookup (~0.8 us a call).
 _bind, _retire, _passthrough = ops.bind.default, ops.retire.default, ops.passthrough.default
 _acquire, _finalize, _stats = ops.acquire.default, ops.finalize.default, ops.stats.default
 
-#: Action names accepted by `retire`, with their integer codes across the FFI.
-ACTIONS = {"empty_storage": 0, "drop_reference": 1, "preserve": 2}
+#: Action names accepted by `retire`, with their integer codes across the FFI (from Rust).
+ACTIONS: dict[str, int] = dict(INFO["actions"])
 
 _names = itertools.count()
 _CPU_STREAM: Optional[torch.Stream] = None
@@ -89,10 +89,11 @@ class LifetimeManager:
         self,
         tensors: Tensors,
         consumer_stream: Optional[torch.Stream] = None,
-        action: str = "empty_storage",
+        action: Optional[str] = None,
     ) -> None:
-        """The consumer on `consumer_stream` (default: current) has queued its last use."""
-        code = ACTIONS.get(action)
+        """The consumer on `consumer_stream` (default: current) has queued its last use.
+        `action` defaults to Rust's default (`INFO["default_action"]`, emptying the storage)."""
+        code = ACTIONS.get(INFO["default_action"] if action is None else action)
         if code is None:
             raise ValueError(f"retire: unknown action {action!r}; expected one of {sorted(ACTIONS)}")
         ts = _tensor_list(tensors, "retire")

@@ -7,16 +7,18 @@ from __future__ import annotations
 import json
 from typing import Any, Optional, Sequence, Union
 
-from ._ops import json_text, ops
+from ._ops import INFO, json_text, ops
 
 Graph = Union[dict, str]
 
 
 def _budget(value: Optional[int], name: str) -> str:
+    """The budget as text for Rust, which checks the range ("" = env or default)."""
     if value is None:
         return ""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int in 1..=1024, got {value!r}")
+        b = INFO["budget"]
+        raise ValueError(f"{name} must be an int in {b['min']}..={b['max']}, got {value!r}")
     return str(value)
 
 

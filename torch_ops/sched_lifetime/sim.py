@@ -1,20 +1,25 @@
-"""The simulator from Python: a plan (dict or JSON text, format in the README) in, a report
-dict out. Everything it returns is simulated by the Rust model (sched_lifetime::sim), never
-measured; reports say so in their "simulated" key."""
+"""The simulator from Python: a *program* (the simulator's issue list over named streams; dict
+or JSON text, format in the README; derived from a graph and a schedule, or written by hand)
+in, a report dict out. Everything it returns is simulated by the Rust model
+(sched_lifetime::sim), never measured; reports say so in their "simulated" key.
+
+Scenarios built in Rust come in two kinds: `scenario_graph(name)` gives a scheduler graph (the
+one format `sl.schedule` takes) with baseline orders; `scenario_program(name)` gives a program."""
 
 from __future__ import annotations
 
 import json
 from typing import Any, Optional, Union
 
-from ._ops import json_text, ops
+from ._ops import INFO, json_text, ops
 
-POLICIES = ("record_stream", "scheduled")
-Plan = Union[dict, str]
+POLICIES: tuple[str, ...] = tuple(INFO["policies"])
+#: A simulator program: dict or JSON text.
+Program = Union[dict, str]
 
 
-def with_durations(plan: Plan, durations: dict[str, float]) -> dict:
-    """The plan with node durations (us) replaced, e.g. by ones measured on a GPU and saved as
+def with_durations(plan: Program, durations: dict[str, float]) -> dict:
+    """The program with node durations (us) replaced, e.g. by ones measured on a GPU and saved as
     JSON `{"node name": us}`. A name that is not a node is an error."""
     p = json.loads(json_text(plan, "plan"))
     names = {n["name"]: n for n in p.get("nodes", [])}
@@ -27,13 +32,13 @@ def with_durations(plan: Plan, durations: dict[str, float]) -> dict:
 
 
 def simulate(
-    plan: Plan,
+    plan: Program,
     policy: str = "scheduled",
     mode: str = "caching",
     trace: bool = False,
     durations: Optional[dict[str, float]] = None,
 ) -> dict[str, Any]:
-    """Simulate `plan` under `policy` (record_stream, scheduled) with the caching allocator
+    """Simulate the program `plan` under `policy` (record_stream, scheduled) with the caching allocator
     (`mode="caching"`) or without it (`"no_caching"`: the liveness lower bound). `durations`
     overrides node durations (us) by name."""
     if durations:
@@ -43,15 +48,30 @@ def simulate(
     return report
 
 
-def compare(plan: Plan, trace: bool = False) -> dict[str, dict[str, Any]]:
-    """Both policies on the same plan."""
+def compare(plan: Program, trace: bool = False) -> dict[str, dict[str, Any]]:
+    """Both policies on the same program."""
     text = json_text(plan, "plan")
     return {p: simulate(text, p, trace=trace) for p in POLICIES}
 
 
-def scenario(name: str) -> dict:
-    """A plan built in Rust: megatron_hero, lagging_pipeline, random:SEED, chain:N."""
-    return json.loads(ops.scenario(name))
+def _scenario(name: str, kind: str, key: str) -> Any:
+    out = json.loads(ops.scenario(name))
+    if out.get("kind") != kind:
+        other = "scenario_graph" if kind == "program" else "scenario_program"
+        raise ValueError(f"scenario {name!r} is a {out.get('kind')}, not a {kind}; use sl.{other}")
+    return out[key] if key else {k: v for k, v in out.items() if k != "kind"}
+
+
+def scenario_program(name: str) -> dict:
+    """A simulator program built in Rust: megatron_hero, lagging_pipeline, random:SEED, chain:N."""
+    return _scenario(name, "program", "program")
+
+
+def scenario_graph(name: str) -> dict:
+    """A scheduler graph built in Rust, `moe_chunk:LAYERS:RATIO`: `{"graph": <graph table>,
+    "orders": {"megatron": <schedule>, "b_then_f": <schedule>}}` (baseline orders, each with its
+    record/wait edges and drains, in `sl.schedule`'s output format)."""
+    return _scenario(name, "graph", "")
 
 
 def format_compare(name: str, res: dict[str, dict[str, Any]]) -> str:

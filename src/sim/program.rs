@@ -1,8 +1,10 @@
-//! Plans: the JSON/dict description users pass (`sl.simulate`), its validation, and its
-//! lowering onto the machine under a lifetime policy. The `scheduled` policy drives the real
+//! Programs: the simulator's input, an issue list over named streams, derived from a graph and
+//! a schedule (`sim::lower`) or written by hand (`sl.simulate`); its validation, and its
+//! lowering onto the machine under a lifetime policy. A program is not a DESIGN.md plan: its
+//! nodes name the plan (one lifetime manager) they belong to in their `plan` field. The `scheduled` policy drives the real
 //! [`crate::lifetime::Manager`] through [`SimRuntime`], unchanged.
 //!
-//! Format (see README "Plan format"):
+//! Format (see README "Program format"):
 //! ```json
 //! {"streams": [{"name": "compute", "engine": "compute"}, {"name": "comm", "engine": "comm"}],
 //!  "inputs":  [{"value": "x", "bytes": 1024, "stream": "compute"}],
@@ -28,8 +30,10 @@ use crate::runtime::{Action, Device, Runtime, StreamId, TensorKey, DEVICE_CUDA};
 /// A stream of the plan.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 pub struct StreamSpec {
+    /// Unique name.
     pub name: String,
     #[serde(default = "default_engine")]
+    /// The engine its kernels run on.
     pub engine: Engine,
 }
 
@@ -41,31 +45,40 @@ fn default_engine() -> Engine {
 /// the record_stream fallback, as an external input does).
 #[derive(Clone, Debug, Deserialize, Serialize)]
 pub struct InputSpec {
+    /// The value.
     pub value: String,
+    /// Size in bytes.
     pub bytes: u64,
+    /// Stream name.
     pub stream: String,
 }
 
 /// A value a node produces.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 pub struct OutputSpec {
+    /// The value.
     pub value: String,
+    /// Size in bytes.
     pub bytes: u64,
 }
 
 /// One node.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 pub struct NodeSpec {
+    /// Unique name.
     pub name: String,
     /// Which plan (microbatch chunk) it belongs to: one lifetime manager each.
     #[serde(default)]
     pub plan: Option<String>,
+    /// Stream name.
     pub stream: String,
     /// Duration in microseconds.
     pub us: f64,
     #[serde(default)]
+    /// Values it reads.
     pub inputs: Vec<String>,
     #[serde(default)]
+    /// Values it produces.
     pub outputs: Vec<OutputSpec>,
     /// How inputs whose last consumer this is are retired (default empty_storage).
     #[serde(default)]
@@ -81,14 +94,19 @@ pub struct NodeSpec {
 
 /// A whole plan.
 #[derive(Clone, Debug, Deserialize, Serialize)]
-pub struct PlanSpec {
+pub struct ProgramSpec {
+    /// Streams of the program.
     pub streams: Vec<StreamSpec>,
     #[serde(default)]
+    /// Values it reads.
     pub inputs: Vec<InputSpec>,
+    /// Nodes, in table order.
     pub nodes: Vec<NodeSpec>,
     #[serde(default)]
+    /// Host time per issued op (us).
     pub host_us_per_op: Option<f64>,
     #[serde(default)]
+    /// Slow-down of compute kernels that start while comm runs (0..1).
     pub sm_contention: Option<f64>,
     /// Kernels in flight per stream before a launch blocks the host (default 1024).
     #[serde(default)]
@@ -126,8 +144,9 @@ impl Policy {
 }
 
 /// A validated plan with names resolved to indices.
-pub struct Plan {
-    pub spec: PlanSpec,
+pub struct Program {
+    /// The validated spec.
+    pub spec: ProgramSpec,
     stream_of: Vec<u16>,
     plan_of: Vec<u32>,
     plan_names: Vec<String>,
@@ -155,16 +174,16 @@ fn action_named(node: &str, a: Option<&str>) -> Result<Action> {
     }
 }
 
-impl Plan {
+impl Program {
     /// Parse JSON text.
-    pub fn from_json(text: &str) -> Result<Plan> {
-        let spec: PlanSpec =
+    pub fn from_json(text: &str) -> Result<Program> {
+        let spec: ProgramSpec =
             serde_json::from_str(text).map_err(|e| Error::InvalidInput(format!("plan is not valid: {e}")))?;
-        Plan::new(spec)
+        Program::new(spec)
     }
 
     /// Validate and index a spec; errors name the node, value or stream.
-    pub fn new(spec: PlanSpec) -> Result<Plan> {
+    pub fn new(spec: ProgramSpec) -> Result<Program> {
         if spec.streams.is_empty() {
             return Err(Error::InvalidInput("plan has no streams".into()));
         }
@@ -269,7 +288,7 @@ impl Plan {
             }
             acquire_of.push(ps);
         }
-        Ok(Plan {
+        Ok(Program {
             acquire_of,
             spec,
             stream_of,
@@ -351,29 +370,45 @@ impl Runtime for SimRuntime<'_> {
 /// What a simulation reports.
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
+    /// Lifetime policy simulated.
     pub policy: Policy,
+    /// Allocator mode simulated.
     pub mode: Mode,
+    /// Nodes, in table order.
     pub nodes: usize,
+    /// Events processed.
     pub events: u64,
+    /// Time until the last stream is idle (us).
     pub makespan_us: f64,
+    /// Host time at the end (us).
     pub host_us: f64,
+    /// Busy time per stream (us).
     pub stream_busy_us: Vec<(String, f64)>,
+    /// Total compute kernel time (us).
     pub compute_us: f64,
+    /// Total comm kernel time (us).
     pub comm_us: f64,
     /// Comm kernel time during which no compute kernel runs.
     pub exposed_comm_us: f64,
+    /// Peak of allocated bytes.
     pub allocated_peak: Peak,
+    /// Peak of reserved bytes.
     pub reserved_peak: Peak,
     /// record_stream blocks freed but waiting on their events (allocator pending-free).
     pub pending_free_peak: Peak,
+    /// Blocks pending free at that peak.
     pub pending_free_peak_blocks: u64,
     /// Tensors parked by the lifetime manager until their owner's next acquire.
     pub parked_peak: Peak,
+    /// Blocks parked by the manager at their peak.
     pub parked_peak_blocks: u64,
     /// Logically dead but not reusable: pending-free + parked, at once.
     pub unusable_peak: Peak,
+    /// Liveness lower bound of the program (bytes).
     pub liveness_lower_bound_bytes: u64,
+    /// Reuse hazards the race checker found.
     pub hazards: Vec<NamedHazard>,
+    /// Tensors that took the record_stream fallback.
     pub fallback_record_stream: u64,
     /// (host us, allocated, reserved, pending-free + parked) when asked for.
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -386,21 +421,32 @@ pub struct Report {
 /// A hazard with names.
 #[derive(Clone, Debug, Serialize)]
 pub struct NamedHazard {
+    /// Address of the reused block.
     pub block_addr: u64,
+    /// Value of the earlier use.
     pub old_value: String,
+    /// Node of the earlier use.
     pub old_node: String,
+    /// Stream of the earlier use.
     pub old_stream: String,
+    /// When the earlier use ends (us).
     pub old_end_us: f64,
+    /// Value of the reusing allocation.
     pub new_value: String,
+    /// Node of the reusing allocation.
     pub new_node: String,
+    /// Stream of the reusing allocation.
     pub new_stream: String,
+    /// When the reusing use starts (us).
     pub new_start_us: f64,
 }
 
 /// Options of one simulation.
 #[derive(Copy, Clone, Debug)]
 pub struct SimOptions {
+    /// Lifetime policy simulated.
     pub policy: Policy,
+    /// Allocator mode simulated.
     pub mode: Mode,
     /// Keep the memory timeline and build a Chrome trace.
     pub trace: bool,
@@ -425,12 +471,12 @@ fn key(v: u32, bytes: u64) -> TensorKey {
 }
 
 /// Run `plan` under `opts`.
-pub fn simulate(plan: &Plan, opts: SimOptions) -> Result<Report> {
+pub fn simulate(plan: &Program, opts: SimOptions) -> Result<Report> {
     run(plan, opts).map(|(r, _)| r)
 }
 
 /// Run `plan` under `opts`, returning the machine too (its log, kernels).
-pub fn run(plan: &Plan, opts: SimOptions) -> Result<(Report, Machine)> {
+pub fn run(plan: &Program, opts: SimOptions) -> Result<(Report, Machine)> {
     let _span = tracing::debug_span!("simulate", nodes = plan.len()).entered();
     let cfg = Config {
         mode: opts.mode,
@@ -566,7 +612,7 @@ fn exposed(comm: Vec<(f64, f64)>, compute: &[(f64, f64)]) -> f64 {
     total
 }
 
-fn report(plan: &Plan, m: &Machine, opts: SimOptions, fallbacks: u64) -> Report {
+fn report(plan: &Program, m: &Machine, opts: SimOptions, fallbacks: u64) -> Report {
     let engines = m.engines();
     let (mut comp, mut comm) = (Vec::new(), Vec::new());
     for k in &m.kernels {
@@ -624,7 +670,7 @@ fn report(plan: &Plan, m: &Machine, opts: SimOptions, fallbacks: u64) -> Report 
 }
 
 /// Chrome trace (opens in Perfetto): one track per stream, memory counters.
-fn chrome_trace(plan: &Plan, m: &Machine) -> serde_json::Value {
+fn chrome_trace(plan: &Program, m: &Machine) -> serde_json::Value {
     use serde_json::json;
     let mut ev = Vec::with_capacity(m.kernels.len() + m.timeline.len() + plan.spec.streams.len());
     for (i, s) in plan.spec.streams.iter().enumerate() {

@@ -1,10 +1,9 @@
-//! Plans built in Rust: the Megatron hero case, the lagging pipeline of the GPU A/B, seeded
-//! random plans for property tests, and large chains for benchmarks. Python reaches them
-//! through `sl.scenario(name)`.
+//! Simulator programs built in Rust: the Megatron hero case, the lagging pipeline of the GPU
+//! A/B, seeded random programs for property tests, and large chains for benchmarks.
 
-use super::machine::Engine;
-use super::plan::{InputSpec, NodeSpec, OutputSpec, PlanSpec, StreamSpec};
-use crate::error::{Error, Result};
+use super::Rng;
+use crate::sim::program::{InputSpec, NodeSpec, OutputSpec, ProgramSpec, StreamSpec};
+use crate::sim::Engine;
 
 const MIB: u64 = 1 << 20;
 
@@ -31,7 +30,7 @@ fn node(name: String, plan: &str, stream: &str, us: f64, inputs: Vec<String>, ou
 /// grouped-GEMM (FC2) outputs of ~1.32 GiB, the comm stream lagging the host by more than a
 /// node. Forward chunks only; the host syncs once per microbatch (the loss), so it runs at
 /// most one microbatch ahead. Durations are illustrative, not measured.
-pub fn megatron_hero(microbatches: usize) -> PlanSpec {
+pub fn megatron_hero(microbatches: usize) -> ProgramSpec {
     let big = 1352 * MIB; // ~1.32 GiB
     let act = 168 * MIB; // hidden 7168 x seq 6144 x mbs 2 x bf16
     let mut nodes = Vec::new();
@@ -60,7 +59,7 @@ pub fn megatron_hero(microbatches: usize) -> PlanSpec {
         loss.host_sync = true;
         nodes.push(loss);
     }
-    PlanSpec {
+    ProgramSpec {
         streams: streams(&[("compute", Engine::Compute), ("comm", Engine::Comm)]),
         inputs,
         nodes,
@@ -73,7 +72,7 @@ pub fn megatron_hero(microbatches: usize) -> PlanSpec {
 
 /// The GPU A/B's pipeline (`python -m sched_lifetime ab`): per step, `n` tensors of `mib` MiB
 /// made on the compute stream and read by a consumer on a second stream that sleeps `lag_us`.
-pub fn lagging_pipeline(n: usize, mib: u64, lag_us: f64, steps: usize) -> PlanSpec {
+pub fn lagging_pipeline(n: usize, mib: u64, lag_us: f64, steps: usize) -> ProgramSpec {
     let mut nodes = Vec::new();
     for step in 0..steps {
         let p = format!("step{step}");
@@ -89,7 +88,7 @@ pub fn lagging_pipeline(n: usize, mib: u64, lag_us: f64, steps: usize) -> PlanSp
         sync_b.host_sync = true;
         nodes.push(sync_b);
     }
-    PlanSpec {
+    ProgramSpec {
         streams: streams(&[("A", Engine::Compute), ("B", Engine::Compute)]),
         inputs: vec![],
         nodes,
@@ -100,31 +99,10 @@ pub fn lagging_pipeline(n: usize, mib: u64, lag_us: f64, steps: usize) -> PlanSp
     }
 }
 
-/// xorshift64*: small, deterministic, no dependency.
-pub struct Rng(u64);
-
-impl Rng {
-    /// Seeded generator (any seed, zero included).
-    pub fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-    /// Next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    /// Uniform in [0, n).
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n.max(1)
-    }
-}
-
-/// A random plan: 2-4 microbatches, 2-3 streams, chains of 3-12 nodes each, some values read
+/// A random program: 2-4 microbatches, 2-3 streams, chains of 3-12 nodes each, some values read
 /// twice, durations with random lags, sizes from a small set (so blocks get reused), nodes of
 /// different microbatches interleaved at random, a few host syncs.
-pub fn random_plan(seed: u64) -> PlanSpec {
+pub fn random_program(seed: u64) -> ProgramSpec {
     let mut r = Rng::new(seed);
     let n_streams = 2 + r.below(2) as usize;
     let names = ["s0", "s1", "s2"];
@@ -173,7 +151,7 @@ pub fn random_plan(seed: u64) -> PlanSpec {
         nodes.push(chains[c][idx[c]].clone());
         idx[c] += 1;
     }
-    PlanSpec {
+    ProgramSpec {
         streams: (0..n_streams).map(|i| StreamSpec { name: names[i].into(), engine: engines[i] }).collect(),
         inputs: vec![],
         nodes,
@@ -186,7 +164,7 @@ pub fn random_plan(seed: u64) -> PlanSpec {
 
 /// A long two-source plan for benchmarks: `nodes` nodes in chunks alternating two streams,
 /// two microbatches interleaved.
-pub fn chain(nodes: usize) -> PlanSpec {
+pub fn chain(nodes: usize) -> ProgramSpec {
     let mut out = Vec::with_capacity(nodes);
     let mut prev = [String::new(), String::new()];
     for i in 0..nodes {
@@ -198,7 +176,7 @@ pub fn chain(nodes: usize) -> PlanSpec {
         out.push(node(format!("n{i}"), p, stream, 10.0 + (i % 7) as f64, ins, vec![(v.clone(), (1 + (i % 4) as u64) * MIB)]));
         prev[mb] = v;
     }
-    PlanSpec {
+    ProgramSpec {
         streams: streams(&[("compute", Engine::Compute), ("comm", Engine::Comm)]),
         inputs: vec![],
         nodes: out,
@@ -209,18 +187,3 @@ pub fn chain(nodes: usize) -> PlanSpec {
     }
 }
 
-/// A scenario by name: `megatron_hero`, `lagging_pipeline`, `random:SEED`, `chain:N`.
-pub fn by_name(name: &str) -> Result<PlanSpec> {
-    let bad = || {
-        Error::InvalidInput(format!(
-            "unknown scenario '{name}': expected megatron_hero, lagging_pipeline, random:SEED or chain:N"
-        ))
-    };
-    match name.split_once(':') {
-        None if name == "megatron_hero" => Ok(megatron_hero(16)),
-        None if name == "lagging_pipeline" => Ok(lagging_pipeline(16, 64, 1000.0, 5)),
-        Some(("random", s)) => s.parse().map(random_plan).map_err(|_| bad()),
-        Some(("chain", n)) => n.parse().map(chain).map_err(|_| bad()),
-        _ => Err(bad()),
-    }
-}

@@ -1,0 +1,147 @@
+//! Every op whose arguments and result are plain values (strings, ints, bools; JSON text for
+//! graphs, programs and reports), in one table. The shim registers each row's schema at load
+//! with one boxed kernel that packs the arguments into a JSON object keyed by the schema's
+//! argument names and calls [`sl_json_call`]; so a new op of this kind is one function and one
+//! row here, and no edit in C++ or in the bridge.
+
+use serde_json::{Map, Value};
+
+use super::registry::pure;
+use crate::ep::{self, Budgets, Role};
+use crate::error::{Error, Result};
+use crate::ir::Graph;
+use crate::lifetime::Stats;
+use crate::runtime::Action;
+use crate::sim::{self, Mode, Policy, Program, SimOptions};
+
+/// The arguments of one call, by schema name.
+struct Args(Map<String, Value>);
+
+impl Args {
+    fn get(&self, name: &str) -> Result<&Value> {
+        self.0.get(name).ok_or_else(|| Error::Runtime(format!("op argument '{name}' missing (schema and table disagree)")))
+    }
+    fn str(&self, name: &str) -> Result<&str> {
+        self.get(name)?.as_str().ok_or_else(|| Error::Runtime(format!("op argument '{name}' is not a str")))
+    }
+    fn flag(&self, name: &str) -> Result<bool> {
+        self.get(name)?.as_bool().ok_or_else(|| Error::Runtime(format!("op argument '{name}' is not a bool")))
+    }
+}
+
+/// One JSON op: its torch schema and its body (`None`: the op returns nothing).
+struct JsonOp {
+    schema: &'static str,
+    run: fn(&Args) -> Result<Option<String>>,
+}
+
+const OPS: &[JsonOp] = &[
+    JsonOp { schema: "info() -> str", run: info },
+    JsonOp { schema: "stats_fields() -> str", run: |_| Ok(Some(Stats::FIELDS.join(","))) },
+    JsonOp { schema: "simulate(str plan, str policy, str mode, bool trace) -> str", run: simulate },
+    JsonOp { schema: "scenario(str name) -> str", run: scenario },
+    JsonOp { schema: "schedule(str graph, str ep_budget, str page_budget, bool explain) -> str", run: schedule },
+    JsonOp { schema: "validate(str graph, str order, str syncs, str ep_budget, str page_budget) -> ()", run: validate },
+];
+
+fn op_name(schema: &str) -> &str {
+    schema.split('(').next().unwrap_or(schema)
+}
+
+fn to_text<T: serde::Serialize>(v: &T, what: &str) -> Result<Option<String>> {
+    serde_json::to_string(v).map(Some).map_err(|e| Error::Runtime(format!("{what} serialization: {e}")))
+}
+
+/// Names, codes and ranges Python must not copy: actions, budgets, roles, stats fields,
+/// simulator policies and modes.
+fn info(_: &Args) -> Result<Option<String>> {
+    let actions: Map<String, Value> = Action::ALL.iter().map(|a| (a.name().to_string(), Value::from(a.code()))).collect();
+    let d = Budgets::default();
+    to_text(
+        &serde_json::json!({
+            "actions": actions,
+            // What `retire` does without an action, and which actions free the storage itself
+            // (a value that must outlive its retire cannot take them).
+            "default_action": Action::EmptyStorage.name(),
+            "storage_emptying_actions": [Action::EmptyStorage.name()],
+            "budget": {
+                "min": ep::MIN_BUDGET, "max": ep::MAX_BUDGET,
+                "ep_var": ep::EP_BUDGET_VAR, "page_var": ep::PAGE_BUDGET_VAR,
+                "default_ep": d.ep, "default_page": d.page,
+            },
+            "roles": Role::ALL.iter().map(|r| r.name()).collect::<Vec<_>>(),
+            "stats_fields": Stats::FIELDS,
+            "policies": ["record_stream", "scheduled"],
+            "modes": ["caching", "no_caching"],
+        }),
+        "info",
+    )
+}
+
+fn simulate(a: &Args) -> Result<Option<String>> {
+    let (policy, mode) = (Policy::parse(a.str("policy")?)?, Mode::parse(a.str("mode")?)?);
+    let program = Program::from_json(a.str("plan")?)?;
+    let report = sim::simulate(&program, SimOptions { policy, mode, trace: a.flag("trace")?, log: false })?;
+    to_text(&report, "report")
+}
+
+fn scenario(a: &Args) -> Result<Option<String>> {
+    to_text(&crate::scenarios::by_name(a.str("name")?)?, "scenario")
+}
+
+/// "" means "from the environment, else the default".
+fn budgets(a: &Args) -> Result<Budgets> {
+    let opt = |s: &'_ str| (!s.is_empty()).then_some(s.to_string());
+    let (ep, page) = (opt(a.str("ep_budget")?), opt(a.str("page_budget")?));
+    Budgets::resolve(ep.as_deref(), page.as_deref())
+}
+
+fn schedule(a: &Args) -> Result<Option<String>> {
+    let g = Graph::from_json(a.str("graph")?)?;
+    let s = crate::sched::schedule(&g, budgets(a)?)?;
+    let ex = a.flag("explain")?.then(|| crate::sched::explain(&g, &s));
+    to_text(&crate::sched::named(&g, &s, ex), "schedule")
+}
+
+fn validate(a: &Args) -> Result<Option<String>> {
+    let g = Graph::from_json(a.str("graph")?)?;
+    let order: Vec<String> = serde_json::from_str(a.str("order")?)
+        .map_err(|e| Error::InvalidInput(format!("order must be a list of node names: {e}")))?;
+    let syncs: Option<Vec<(String, String)>> = serde_json::from_str(a.str("syncs")?)
+        .map_err(|e| Error::InvalidInput(format!("syncs must be null or a list of [producer, consumer] names: {e}")))?;
+    crate::sched::validate_named(&g, &order, syncs.as_deref(), budgets(a)?)?;
+    Ok(None)
+}
+
+/// Every JSON op's schema, for the shim to register.
+pub(super) fn sl_json_schemas() -> Vec<String> {
+    OPS.iter().map(|o| o.schema.to_string()).collect()
+}
+
+/// Run the JSON op `op` with `args` (a JSON object keyed by argument name).
+pub(super) fn sl_json_call(op: &str, args: &str) -> std::result::Result<String, String> {
+    pure(|| {
+        let row = OPS.iter().find(|o| op_name(o.schema) == op).ok_or_else(|| Error::Runtime(format!("unknown JSON op '{op}'")))?;
+        let map = match serde_json::from_str(args) {
+            Ok(Value::Object(m)) => m,
+            _ => return Err(Error::Runtime(format!("op '{op}': arguments are not a JSON object"))),
+        };
+        Ok((row.run)(&Args(map))?.unwrap_or_default())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_names_are_unique_and_schemas_well_formed() {
+        let mut names: Vec<&str> = OPS.iter().map(|o| op_name(o.schema)).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), OPS.len());
+        for o in OPS {
+            assert!(o.schema.contains('(') && o.schema.contains(") -> "), "{}", o.schema);
+        }
+    }
+}

@@ -1,0 +1,53 @@
+//! The lifetime manager's ops (typed: `Tensor[]` and `Stream` arguments, so they trace and
+//! capture): create, bind, retire, passthrough, acquire, finalize, stats, destroy.
+
+use super::bridge::ffi::{self, StreamKey, TensorList};
+use super::registry::enter;
+use super::runtime::{keys, TorchRuntime};
+use crate::lifetime::Manager;
+use crate::runtime::Action;
+
+type Ret<T> = std::result::Result<T, String>;
+
+pub(super) fn sl_create(name: &str) -> Ret<u64> {
+    let _ = ffi::registration_anchor();
+    enter(|reg| Ok(reg.insert(Manager::new(name))))
+}
+
+pub(super) fn sl_bind(mgr: u64, tensors: &TensorList, owner: StreamKey) -> Ret<()> {
+    enter(|reg| reg.get(mgr)?.bind(&keys(tensors), owner.into(), |i| ffi::list_take(tensors, i)))
+}
+
+pub(super) fn sl_retire(mgr: u64, tensors: &TensorList, consumer: StreamKey, action: i64) -> Ret<()> {
+    enter(|reg| {
+        let action = Action::from_code(action)?;
+        reg.get(mgr)?.retire(&mut TorchRuntime, &keys(tensors), consumer.into(), action, |i| ffi::list_take(tensors, i))
+    })
+}
+
+pub(super) fn sl_passthrough(mgr: u64, tensors: &TensorList) -> Ret<()> {
+    enter(|reg| reg.get(mgr)?.passthrough(&keys(tensors)))
+}
+
+pub(super) fn sl_acquire(mgr: u64, stream: StreamKey) -> Ret<i64> {
+    enter(|reg| reg.get(mgr)?.acquire(&mut TorchRuntime, stream.into()).map(|n| n as i64))
+}
+
+pub(super) fn sl_finalize(mgr: u64) -> Ret<Vec<i64>> {
+    enter(|reg| reg.get(mgr)?.finalize(&mut TorchRuntime).map(|s| s.to_vec()))
+}
+
+pub(super) fn sl_stats(mgr: u64) -> Ret<Vec<i64>> {
+    enter(|reg| Ok(reg.get(mgr)?.stats().to_vec()))
+}
+
+pub(super) fn sl_destroy(mgr: u64) -> Ret<()> {
+    enter(|reg| {
+        let mut m = reg.remove(mgr)?;
+        if m.is_finalized() {
+            Ok(())
+        } else {
+            m.abandon(&mut TorchRuntime)
+        }
+    })
+}

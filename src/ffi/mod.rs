@@ -1,0 +1,12 @@
+//! The torch boundary (feature `torch`), in cudarc's layers: `bridge` is the raw cxx bridge
+//! (declarations only), `runtime` the safe [`crate::Runtime`] over the shim's c10 adapters,
+//! `registry` the handle table of live managers and the guarded entry (panics caught, errors
+//! tagged for Python), then the op groups: `lifetime_ops` (typed ops on tensors and streams)
+//! and `json_ops` (every JSON-in/JSON-out op, one table row each; the shim registers them all
+//! from that table, so adding one touches one Rust function and one row).
+
+mod bridge;
+mod json_ops;
+mod lifetime_ops;
+mod registry;
+mod runtime;

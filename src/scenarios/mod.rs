@@ -1,0 +1,77 @@
+//! Generated inputs: scheduler graphs (MoE chunks) with their baseline orders, simulator
+//! programs (the Megatron hero case, the lagging pipeline, random programs, chains), the
+//! seeded generator, and the simulated sweep. What tests, benches, the CLI and Python's
+//! `sl.scenario_graph` / `sl.scenario_program` use. Sits above `sched` and `sim`.
+
+pub mod moe;
+pub mod programs;
+mod rng;
+pub mod sweep;
+
+pub use programs::{chain, lagging_pipeline, megatron_hero, random_program};
+pub use rng::Rng;
+
+use serde::Serialize;
+
+use crate::ep::Budgets;
+use crate::error::{Error, Result};
+use crate::ir::{Graph, GraphSpec, NodeId};
+use crate::sched::{finish, named, NamedSchedule};
+use crate::sim::ProgramSpec;
+
+/// A scheduler graph with the baseline orders it is compared against.
+#[derive(Clone, Debug, Serialize)]
+pub struct GraphScenario {
+    /// The graph table (what Python builds and `sl.schedule` takes).
+    pub graph: GraphSpec,
+    /// Baseline orders by name, each with its minimal record/wait edges and drains.
+    pub orders: std::collections::BTreeMap<String, NamedSchedule>,
+}
+
+/// What a scenario name gives: a graph for the scheduler, or a program for the simulator.
+#[derive(Clone, Debug, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Scenario {
+    /// `moe_chunk:LAYERS:RATIO`.
+    Graph(GraphScenario),
+    /// `megatron_hero`, `lagging_pipeline`, `random:SEED`, `chain:N`.
+    Program {
+        /// The simulator program.
+        program: ProgramSpec,
+    },
+}
+
+const NAMES: &str = "moe_chunk:LAYERS:RATIO (a graph), megatron_hero, lagging_pipeline, random:SEED or chain:N (programs)";
+
+/// A scenario by name.
+pub fn by_name(name: &str) -> Result<Scenario> {
+    let bad = || Error::InvalidInput(format!("unknown scenario '{name}': expected {NAMES}"));
+    let program = |p: ProgramSpec| Ok(Scenario::Program { program: p });
+    match name.split_once(':') {
+        None if name == "megatron_hero" => program(megatron_hero(16)),
+        None if name == "lagging_pipeline" => program(lagging_pipeline(16, 64, 1000.0, 5)),
+        Some(("random", s)) => s.parse().map(random_program).map_err(|_| bad()).and_then(program),
+        Some(("chain", n)) => n.parse().map(chain).map_err(|_| bad()).and_then(program),
+        Some(("moe_chunk", _)) => moe_chunk(name).map(Scenario::Graph),
+        _ => Err(bad()),
+    }
+}
+
+/// `moe_chunk:LAYERS:RATIO`: the graph table and, for the baselines (Megatron's order,
+/// B-then-F), their orders with the minimal record/wait edges, by name, so a GPU script can
+/// run each order on real streams next to ours.
+fn moe_chunk(name: &str) -> Result<GraphScenario> {
+    let bad = || Error::InvalidInput(format!("'{name}': expected moe_chunk:LAYERS:RATIO, e.g. moe_chunk:4:1.0"));
+    let mut parts = name.split(':').skip(1);
+    let layers: usize = parts.next().and_then(|x| x.parse().ok()).filter(|&l| l > 0).ok_or_else(bad)?;
+    let ratio: f64 = parts.next().and_then(|x| x.parse().ok()).filter(|r: &f64| r.is_finite() && *r > 0.0).ok_or_else(bad)?;
+    let shape = moe::Shape::moe(layers, ratio);
+    let spec = moe::chunk(shape);
+    let g = Graph::new(spec.clone())?;
+    let named_order = |order: Vec<NodeId>| named(&g, &finish(&g, order, Budgets::default()), None);
+    let orders = [
+        ("megatron".to_string(), named_order(moe::megatron_order(&g, shape))),
+        ("b_then_f".to_string(), named_order(moe::backward_then_forward(&g))),
+    ];
+    Ok(GraphScenario { graph: spec, orders: orders.into_iter().collect() })
+}

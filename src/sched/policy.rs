@@ -1,0 +1,304 @@
+//! The issue-order policy, applied at each step in this order (deterministic; ties by source
+//! priority, then table order; O((N+E) log N); no timing):
+//! 1. Noops whose inputs are issued go at once (no kernel).
+//! 2. Early launch: a ready comm/page launch issues at once, within its stream's budget
+//!    (launches in flight = issued launches whose wait is not yet issued). On the page stream,
+//!    a launch from another source than the last one goes first, so F page-outs and B
+//!    page-ins interleave.
+//! 3. Compute: candidates are nodes whose unissued predecessors are all ready waits. After a
+//!    launch from source S, a candidate from another source goes first (yield). Then
+//!    launch-enabling compute (ancestors of a launch), then other compute, then weight-gradient
+//!    work. A candidate that needs waits gets them issued first (late wait), and the step
+//!    restarts, so a launch the waits unblocked goes before it. Before a wait, one ready
+//!    weight-gradient node is issued if there is one (wgrad fills the gap a wait would expose;
+//!    it never delays a launch, since it enables none).
+//! 4. Otherwise the oldest in-flight launch's wait is issued (a budget forces it, or nothing
+//!    else is left).
+
+use std::collections::{BTreeSet, VecDeque};
+
+use crate::ep::{Budgets, PerRole, Role};
+use crate::error::{Error, Result};
+use crate::ir::{Graph, Kind, NodeId, SourceId};
+
+/// Candidate classes, in preference order.
+const ENABLING: usize = 0;
+const OTHER: usize = 1;
+const WGRAD: usize = 2;
+
+/// A queue key: (source priority, node).
+type Key = (i32, NodeId);
+
+struct State<'g> {
+    g: &'g Graph,
+    budgets: Budgets,
+    /// Unissued predecessors.
+    pending: Vec<u32>,
+    /// Unissued predecessors that are ready waits.
+    soft: Vec<u32>,
+    issued: Vec<bool>,
+    queued: Vec<bool>,
+    pos: Vec<usize>,
+    /// Waits before which a wgrad node was already placed.
+    filled: Vec<bool>,
+    order: Vec<NodeId>,
+    class: Vec<u8>,
+    prio: Vec<i32>,
+    /// Ready launches per side stream.
+    launches: PerRole<BTreeSet<Key>>,
+    /// Compute candidates per source and class.
+    compute: Vec<[BTreeSet<Key>; 3]>,
+    noops: BTreeSet<Key>,
+    in_flight: PerRole<VecDeque<NodeId>>,
+    last_page_source: Option<SourceId>,
+    yield_from: Option<SourceId>,
+}
+
+/// The issue order of `g` under `budgets`.
+pub(super) fn order(g: &Graph, budgets: Budgets) -> Result<Vec<NodeId>> {
+    State::new(g, budgets).run()
+}
+
+impl<'g> State<'g> {
+    fn new(g: &'g Graph, budgets: Budgets) -> Self {
+        let n = g.len();
+        // Launch-enabling: ancestors of a launch (every launch is pending while its ancestor
+        // is ready, so the static answer is the dynamic one).
+        let mut enabling = vec![false; n];
+        for &u in g.topo.iter().rev() {
+            enabling[u.ix()] = g.succs[u].iter().any(|&s| g.nodes[s].kind.is_launch() || enabling[s.ix()]);
+        }
+        let class = (0..n)
+            .map(|i| {
+                let nd = &g.nodes[i];
+                if nd.wgrad {
+                    WGRAD as u8
+                } else if enabling[i] {
+                    ENABLING as u8
+                } else {
+                    OTHER as u8
+                }
+            })
+            .collect();
+        let prio = g.nodes.iter().map(|nd| g.sources[nd.source].priority).collect();
+        let mut st = State {
+            g,
+            budgets,
+            pending: g.preds.iter().map(|p| p.len() as u32).collect(),
+            soft: vec![0; n],
+            issued: vec![false; n],
+            queued: vec![false; n],
+            pos: vec![0; n],
+            filled: vec![false; n],
+            order: Vec::with_capacity(n),
+            class,
+            prio,
+            launches: Default::default(),
+            compute: (0..g.sources.len()).map(|_| Default::default()).collect(),
+            noops: BTreeSet::new(),
+            in_flight: Default::default(),
+            last_page_source: None,
+            yield_from: None,
+        };
+        for i in g.node_ids() {
+            if st.pending[i] == 0 {
+                st.enqueue(i);
+            }
+        }
+        st
+    }
+
+    fn key(&self, u: NodeId) -> Key {
+        (self.prio[u], u)
+    }
+
+    /// `u` has no unissued predecessor other than ready waits.
+    fn enqueue(&mut self, u: NodeId) {
+        if self.queued[u] || self.issued[u] {
+            return;
+        }
+        let nd = &self.g.nodes[u];
+        let hard_ready = self.pending[u] == 0;
+        match nd.kind {
+            k if k.is_launch() => {
+                // A launch goes only when its wait could follow it at once, so a full budget
+                // can always be freed (no wait stuck behind another launch of its stream).
+                let wait_free = nd.partner.is_none_or(|w| self.pending[w] <= 1);
+                if hard_ready && wait_free {
+                    self.queued[u] = true;
+                    let k = self.key(u);
+                    self.launches[Role::of(nd.kind)].insert(k);
+                }
+            }
+            k if k.is_wait() => {} // waits are issued on demand, never from a queue
+            Kind::Noop if hard_ready => {
+                self.queued[u] = true;
+                let k = self.key(u);
+                self.noops.insert(k);
+            }
+            _ => {
+                self.queued[u] = true;
+                let (s, c, k) = (nd.source, self.class[u] as usize, self.key(u));
+                self.compute[s][c].insert(k);
+            }
+        }
+    }
+
+    fn issue(&mut self, u: NodeId) {
+        self.issued[u] = true;
+        self.pos[u] = self.order.len();
+        self.order.push(u);
+        let nd = &self.g.nodes[u];
+        let kind = nd.kind;
+        if kind.is_launch() {
+            let role = Role::of(kind);
+            self.in_flight[role].push_back(u);
+            if role == Role::Page {
+                self.last_page_source = Some(nd.source);
+            }
+            self.yield_from = Some(nd.source);
+        }
+        if kind.is_wait() {
+            if let Some(l) = nd.partner {
+                let role = Role::of(self.g.nodes[l].kind);
+                self.in_flight[role].retain(|&x| x != l);
+            }
+        }
+        if kind == Kind::Compute {
+            self.yield_from = None;
+        }
+        for &s in &self.g.succs[u] {
+            self.pending[s] -= 1;
+            if kind.is_wait() {
+                self.soft[s] -= 1;
+            }
+            if self.pending[s] == self.soft[s] {
+                self.enqueue(s);
+            }
+            if self.g.nodes[s].kind.is_wait() && self.pending[s] == 1 {
+                if let Some(l) = self.g.nodes[s].partner {
+                    self.enqueue(l);
+                }
+            }
+            if self.pending[s] == 0 && self.g.nodes[s].kind.is_wait() {
+                // A ready wait: its successors may become candidates (it is issued on demand).
+                for &t in &self.g.succs[s] {
+                    self.soft[t] += 1;
+                    if self.pending[t] == self.soft[t] {
+                        self.enqueue(t);
+                    }
+                }
+            }
+        }
+    }
+
+    fn next_launch(&mut self) -> Option<NodeId> {
+        for r in Role::SIDE {
+            if self.in_flight[r].len() >= self.budgets.of(r) || self.launches[r].is_empty() {
+                continue;
+            }
+            let pick = if r == Role::Page {
+                // Source-aware paging: alternate sources when both have copies ready.
+                let last = self.last_page_source;
+                self.launches[r].iter().find(|k| Some(self.g.nodes[k.1].source) != last).or(self.launches[r].first()).copied()
+            } else {
+                self.launches[r].first().copied()
+            };
+            if let Some(k) = pick {
+                self.launches[r].remove(&k);
+                return Some(k.1);
+            }
+        }
+        None
+    }
+
+    /// The first weight-gradient candidate that needs no wait (by priority, then order).
+    fn ready_wgrad(&self) -> Option<Key> {
+        self.compute.iter().flat_map(|c| c[WGRAD].iter().find(|k| self.pending[k.1] == 0).copied()).min()
+    }
+
+    fn next_compute(&self) -> Option<Key> {
+        let best_in = |skip: Option<SourceId>| -> Option<(usize, Key)> {
+            let mut best: Option<(usize, Key)> = None;
+            for (s, classes) in self.compute.iter().enumerate() {
+                if Some(SourceId::new(s)) == skip {
+                    continue;
+                }
+                for (c, set) in classes.iter().enumerate() {
+                    if let Some(&k) = set.first() {
+                        if best.is_none_or(|b| (c, k) < b) {
+                            best = Some((c, k));
+                        }
+                        break;
+                    }
+                }
+            }
+            best
+        };
+        let pick = self.yield_from.and_then(|s| best_in(Some(s))).or_else(|| best_in(None));
+        pick.map(|(_, k)| k)
+    }
+
+    fn run(mut self) -> Result<Vec<NodeId>> {
+        let n = self.g.len();
+        while self.order.len() < n {
+            if let Some(&k) = self.noops.first() {
+                self.noops.remove(&k);
+                self.issue(k.1);
+                continue;
+            }
+            if let Some(l) = self.next_launch() {
+                self.issue(l);
+                continue;
+            }
+            if let Some(k) = self.next_compute() {
+                let u = k.1;
+                // Late wait: the waits this node needs, just before it; then look again.
+                let waits: smallvec::SmallVec<[NodeId; 4]> =
+                    self.g.preds[u].iter().copied().filter(|&p| !self.issued[p]).collect();
+                // Weight-gradient work fills the gap before a wait: one wgrad node per wait,
+                // when one is ready without waits of its own.
+                if let Some(&w) = waits.iter().find(|&&w| !self.filled[w]) {
+                    self.filled[w] = true;
+                    if let Some(f) = self.ready_wgrad() {
+                        let s = self.g.nodes[f.1].source;
+                        self.compute[s][WGRAD].remove(&f);
+                        // Filling a gap does not use up the yield owed to the other source.
+                        let owed = self.yield_from;
+                        self.issue(f.1);
+                        self.yield_from = owed;
+                        continue;
+                    }
+                }
+                if waits.is_empty() {
+                    let (s, c) = (self.g.nodes[u].source, self.class[u] as usize);
+                    self.compute[s][c].remove(&k);
+                    self.issue(u);
+                } else {
+                    for w in waits {
+                        self.issue(w);
+                    }
+                }
+                continue;
+            }
+            // Nothing else can go: the wait of the oldest in-flight launch that can be waited.
+            let oldest = Role::SIDE
+                .iter()
+                .flat_map(|&r| self.in_flight[r].iter().copied())
+                .filter_map(|l| self.g.nodes[l].partner.map(|w| (self.pos[l], w)))
+                .filter(|&(_, w)| self.pending[w] == 0)
+                .min();
+            match oldest {
+                Some((_, w)) => self.issue(w),
+                None => {
+                    let stuck = (0..n).find(|&i| !self.issued[i]).unwrap_or(0);
+                    return Err(Error::InvalidInput(format!(
+                        "scheduler cannot make progress at node '{}' (a wait whose launch cannot be issued?)",
+                        self.g.nodes[stuck].name
+                    )));
+                }
+            }
+        }
+        Ok(self.order)
+    }
+}

@@ -1,0 +1,174 @@
+"""The executor (CPU in CI; the `cuda` tests run on the GPU machine): a schedule run with real
+torch ops, outputs bit-exact against plain eager, the stream each node ran on taken from the
+schedule, the lifetime manager in the loop, and errors naming the node."""
+
+import pytest
+import torch
+
+import sched_lifetime as sl
+from test_schedule import moe_layer
+
+
+def weights(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(16, 16, generator=g) for k in ("attn", "mlp", "battn", "bmlp")}
+
+
+def callables(w: dict, log: list | None = None) -> dict:
+    def rec(name, fn):
+        def run(*args):
+            if log is not None:
+                log.append((name, sl.current_stream(args[0].device) if args else None))
+            return fn(*args)
+
+        return run
+
+    return {
+        "F.attn": rec("F.attn", lambda x: torch.tanh(x @ w["attn"])),
+        "F.dispatch": rec("F.dispatch", lambda a: a * 2),  # stands in for the all-to-all
+        "F.mlp": rec("F.mlp", lambda d: torch.relu(d @ w["mlp"])),
+        "F.combine": rec("F.combine", lambda m: m + 1),
+        "B.combine": rec("B.combine", lambda g: g * 0.5),
+        "B.mlp": rec("B.mlp", lambda gc: gc @ w["bmlp"].T),
+        "B.mlp.dw": rec("B.mlp.dw", lambda gc: gc.sum(0)),
+        "B.dispatch": rec("B.dispatch", lambda gm: gm - 1),
+        "B.attn": rec("B.attn", lambda gd: gd @ w["battn"].T),
+        "B.attn.dw": rec("B.attn.dw", lambda gd: gd.abs().sum(0)),
+    }
+
+
+def eager(w: dict, x: torch.Tensor, gy: torch.Tensor) -> dict:
+    f = callables(w)
+    a = f["F.attn"](x)
+    y = f["F.combine"](f["F.mlp"](f["F.dispatch"](a)))
+    gc = f["B.combine"](gy)
+    gd = f["B.dispatch"](f["B.mlp"](gc))
+    return {"y": y, "wm": f["B.mlp.dw"](gc), "gx": f["B.attn"](gd), "wa": f["B.attn.dw"](gd)}
+
+
+def inputs(device="cpu"):
+    g = torch.Generator().manual_seed(1)
+    return {"x": torch.randn(8, 16, generator=g).to(device), "gy": torch.randn(8, 16, generator=g).to(device)}
+
+
+@pytest.mark.parametrize("lifetime", ["scheduled", "record_stream", "none"])
+def test_outputs_bit_exact_against_eager(lifetime):
+    graph, w, inp = moe_layer(), weights(), inputs()
+    s = sl.schedule(graph, ep_budget=1)
+    ex = sl.Executor(graph, s, callables(w), lifetime=lifetime)
+    ref = eager(w, **inp)
+    for _ in range(3):  # the same executor runs again and again
+        out = ex.run(inp)
+        assert set(out) >= set(ref)
+        for k in ref:
+            assert torch.equal(out[k], ref[k]), k
+    if lifetime == "scheduled":
+        # One manager per plan, every cross-stream value retired and drained, nothing left.
+        assert set(ex.last_stats) == {"F1", "B0"}
+        assert sum(st["bound"] for st in ex.last_stats.values()) == len(s["retires"])
+
+
+def test_consumed_values_are_dropped_unless_kept():
+    graph, w = moe_layer(), weights()
+    s = sl.schedule(graph)
+    out = sl.Executor(graph, s, callables(w)).run(inputs())
+    assert "a" not in out and "y" in out
+    out = sl.Executor(graph, s, callables(w), keep=["gc"]).run(inputs())
+    assert "gc" in out  # B.combine's output is retired with drop_reference: keeping it is fine
+
+
+def test_keeping_an_emptied_value_is_refused():
+    graph, w = moe_layer(), weights()
+    s = sl.schedule(graph)
+    emptied = next(r["value"] for r in s["retires"] if r["action"] in sl.INFO["storage_emptying_actions"])
+    with pytest.raises(ValueError, match=f"value '{emptied}' is kept"):
+        sl.Executor(graph, s, callables(w), keep=[emptied])
+
+
+def test_callables_must_match_nodes():
+    graph, w = moe_layer(), weights()
+    s = sl.schedule(graph)
+    f = callables(w)
+    del f["F.mlp"]
+    with pytest.raises(ValueError, match="node 'F.mlp' \\(compute\\) has no callable"):
+        sl.Executor(graph, s, f)
+    f = callables(w)
+    f["F.nope"] = lambda x: x
+    with pytest.raises(ValueError, match="F.nope"):
+        sl.Executor(graph, s, f)
+    f = callables(w)
+    f["F.dispatch.wait"] = lambda: None
+    with pytest.raises(ValueError, match="'F.dispatch.wait' is a wait"):
+        sl.Executor(graph, s, f)
+    f = callables(w)
+    f["F.mlp"] = lambda d: (d, d)
+    with pytest.raises(ValueError, match="node 'F.mlp' returned 2 outputs"):
+        sl.Executor(graph, s, f).run(inputs())
+    with pytest.raises(ValueError, match="lifetime must be one of"):
+        sl.Executor(graph, s, callables(w), lifetime="magic")
+
+
+def test_a_raising_node_leaves_nothing_behind_and_the_next_run_works():
+    graph, w, inp = moe_layer(), weights(), inputs()
+    s = sl.schedule(graph)
+    boom = {"on": True}
+    f = callables(w)
+    mlp = f["F.mlp"]
+
+    def flaky(d):
+        if boom["on"]:
+            raise RuntimeError("injected")
+        return mlp(d)
+
+    f["F.mlp"] = flaky
+    ex = sl.Executor(graph, s, f)
+    with pytest.raises(RuntimeError, match="node 'F.mlp': injected"):
+        ex.run(inp)
+    boom["on"] = False
+    out = ex.run(inp)
+    ref = eager(w, **inp)
+    assert all(torch.equal(out[k], ref[k]) for k in ref)
+    assert sum(st["bound"] for st in ex.last_stats.values()) == len(s["retires"])
+
+
+def test_noop_passes_the_same_object_through():
+    graph = {
+        "sources": [{"name": "F0", "phase": "F"}],
+        "inputs": ["x"],
+        "nodes": [
+            {"name": "view", "source": "F0", "kind": "noop", "inputs": ["x"], "outputs": ["v"]},
+            {"name": "use", "source": "F0", "kind": "compute", "inputs": ["v"], "outputs": ["y"]},
+        ],
+    }
+    seen = []
+    x = torch.ones(3)
+    out = sl.Executor(graph, sl.schedule(graph), {"use": lambda v: seen.append(v) or v + 1}).run({"x": x})
+    assert seen[0] is x and torch.equal(out["y"], x + 1)
+
+
+@pytest.mark.cuda
+def test_each_node_runs_on_the_stream_its_schedule_names():
+    graph, w = moe_layer(), {k: v.cuda() for k, v in weights().items()}
+    # A page copy beside the EP launches: page nodes go to the page stream, not compute.
+    graph["nodes"] += [
+        {"name": "F.page", "source": "F1", "kind": "page_out", "inputs": ["a"], "outputs": ["a_host"]},
+        {"name": "F.page.wait", "source": "F1", "kind": "page_wait", "launch": "F.page"},
+    ]
+    s = sl.schedule(graph)
+    log = []
+    f = callables(w, log)
+    f["F.page"] = lambda a: (log.append(("F.page", torch.cuda.current_stream())), a.to("cpu", non_blocking=True))[1]
+    ex = sl.Executor(graph, s, f, device="cuda")
+    inp = inputs("cuda")
+    out = ex.run(inp)
+    torch.cuda.synchronize()
+    side = sl.SideStreams.of(torch.device("cuda", torch.cuda.current_device()))
+    want = {"compute": torch.cuda.current_stream(), "ep": side.ep, "page": side.page}
+    roles = dict(s["streams"])
+    assert len(log) == len(f)
+    for name, stream in log:
+        assert stream == want[roles[name]], (name, roles[name])
+    assert roles["F.page"] == "page" and side.page != want["compute"]
+    ref = eager({k: v for k, v in w.items()}, **inp)
+    for k in ref:
+        assert torch.equal(out[k], ref[k]), k

@@ -1,0 +1,261 @@
+"""Runs a schedule (wiring only: every decision comes from Rust's `sl.schedule`).
+
+Given a graph table, per-node callables and the scheduler's result, `Executor.run` issues each
+node on the stream the schedule names (compute = the caller's current stream; one
+high-priority EP stream and one page stream per device, created once and reused), records and
+waits the scheduled events (a pool made at construction, so nothing is created during CUDA
+graph capture), and calls the lifetime manager where the schedule put each retire and drain,
+one manager per plan (source), finalized at the end of the run. On CPU every role maps to the
+one CPU stream and events are not needed (host order is stream order).
+
+Node callables take the node's input tensors in table order and return its outputs (one
+tensor, or a tuple in table order). A launch's callable runs on its side stream; its outputs
+become usable at its wait, which needs no callable. A noop without a callable passes its
+inputs through unchanged (rule 6: the same objects, their bindings kept).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Iterable, Mapping, Union
+
+import torch
+
+from ._ops import INFO
+from .lifetime import LifetimeManager, current_stream
+
+Graph = Union[dict, str]
+NodeFn = Callable[..., Any]
+
+_LIFETIME_MODES = ("scheduled", "record_stream", "none")
+
+
+class SideStreams:
+    """The high-priority EP and page streams of one device, created once and reused."""
+
+    _lock = threading.Lock()
+    _by_device: dict[torch.device, "SideStreams"] = {}
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            lo, hi = torch.cuda.Stream.priority_range()
+            prio = min(lo, hi)  # the numerically lower value is the higher priority
+            self.ep: torch.Stream = torch.cuda.Stream(device=device, priority=prio)
+            self.page: torch.Stream = torch.cuda.Stream(device=device, priority=prio)
+        else:
+            self.ep = self.page = current_stream(device)
+
+    @classmethod
+    def of(cls, device: torch.device) -> "SideStreams":
+        """The side streams of `device` (made on first use, outside any capture)."""
+        with cls._lock:
+            s = cls._by_device.get(device)
+            if s is None:
+                s = cls._by_device[device] = SideStreams(device)
+            return s
+
+
+def _outputs(name: str, result: Any, want: int) -> tuple:
+    out = result if isinstance(result, tuple) else (result,)
+    if len(out) != want:
+        raise ValueError(f"node '{name}' returned {len(out)} outputs, the graph declares {want}")
+    return out
+
+
+class Executor:
+    """Issues one graph's schedule; `run` may be called many times (eagerly or under capture).
+
+    `lifetime`: "scheduled" (the lifetime manager at the schedule's retires and drains),
+    "record_stream" (`Tensor.record_stream` on the consumer stream, the baseline), or "none"
+    (values dropped after their last use, no cross-stream protection: only for one stream).
+    `single_stream`: every node on the compute stream (a serial baseline; no events).
+    `keep`: consumed values to return as well (values no node consumes are always returned).
+    """
+
+    def __init__(
+        self,
+        graph: Mapping[str, Any],
+        schedule: Mapping[str, Any],
+        callables: Mapping[str, NodeFn],
+        device: Union[str, torch.device, None] = None,
+        lifetime: str = "scheduled",
+        single_stream: bool = False,
+        keep: Iterable[str] = (),
+    ) -> None:
+        if lifetime not in _LIFETIME_MODES:
+            raise ValueError(f"lifetime must be one of {_LIFETIME_MODES}, got {lifetime!r}")
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.lifetime = lifetime
+        self.single_stream = single_stream
+        nodes = {n["name"]: n for n in graph["nodes"]}
+        self._nodes = nodes
+        unknown = sorted(set(callables) - set(nodes))
+        if unknown:
+            raise ValueError(f"callables name nodes that are not in the graph: {unknown[:5]}")
+        for name, n in nodes.items():
+            needs = n["kind"] in ("compute", "comm_launch", "page_out", "page_in")
+            if needs and name not in callables:
+                raise ValueError(f"node '{name}' ({n['kind']}) has no callable")
+            if n["kind"] in ("comm_wait", "page_wait") and name in callables:
+                raise ValueError(f"node '{name}' is a wait: the executor issues it, it takes no callable")
+        self._callables = dict(callables)
+        self._order: list[str] = list(schedule["order"])
+        if sorted(self._order) != sorted(nodes):
+            raise ValueError("the schedule's order does not list exactly the graph's nodes")
+        self._role = {name: role for name, role in schedule["streams"]}
+        self._source = {name: n["source"] for name, n in nodes.items()}
+        self._ins = {name: [_value_name(v) for v in n.get("inputs", [])] for name, n in nodes.items()}
+        self._outs = {name: [_value_name(o) for o in n.get("outputs", [])] for name, n in nodes.items()}
+        self._launch_of = {name: n["launch"] for name, n in nodes.items() if n.get("launch")}
+        self._producer = {v: name for name, outs in self._outs.items() for v in outs}
+        # Last use of each value (in issue order) frees the executor's reference.
+        consumed: dict[str, str] = {}
+        for name in self._order:
+            for v in self._ins[name]:
+                consumed[v] = name
+        self._keep = set(keep)
+        self._last_use: dict[str, list[str]] = {}
+        for v, last in consumed.items():
+            if v not in self._keep:
+                self._last_use.setdefault(last, []).append(v)
+        # Events: one per producer of a sync edge, made now (never during capture).
+        self._syncs_into: dict[str, list[str]] = {}
+        self._events: dict[str, torch.Event] = {}
+        if not single_stream and self.device.type == "cuda":
+            for p, c, *_ in schedule["syncs"]:
+                self._syncs_into.setdefault(c, []).append(p)
+                if p not in self._events:
+                    self._events[p] = torch.cuda.Event()
+        # Lifetime points from the schedule.
+        self._bind_at: dict[str, list[str]] = {}
+        self._retire_after: dict[str, list[tuple[str, str, str]]] = {}
+        self._drain_before: dict[str, list[tuple[str, str]]] = {}
+        for r in schedule["retires"]:
+            v = r["value"]
+            if v in self._keep and r["action"] in INFO["storage_emptying_actions"]:
+                raise ValueError(f"value '{v}' is kept, but the schedule empties its storage after '{r['last_consumer']}'")
+            plan = self._source[self._producer[v]]
+            self._bind_at.setdefault(self._producer[v], []).append(v)
+            self._retire_after.setdefault(r["last_consumer"], []).append((v, r["consumer_stream"], r["action"]))
+            if r["drain_before"] is not None:
+                entry = (plan, r["owner"])
+                lst = self._drain_before.setdefault(r["drain_before"], [])
+                if entry not in lst:
+                    lst.append(entry)
+        self._plans = sorted({self._source[self._producer[r["value"]]] for r in schedule["retires"]})
+        self.last_stats: dict[str, dict[str, int]] = {}
+
+    def _streams(self) -> dict[str, torch.Stream]:
+        comp = current_stream(self.device)
+        if self.single_stream or self.device.type != "cuda":
+            return {"compute": comp, "ep": comp, "page": comp}
+        side = SideStreams.of(self.device)
+        return {"compute": comp, "ep": side.ep, "page": side.page}
+
+    def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """Issue every node once. Returns the values no node consumes, plus `keep`."""
+        streams = self._streams()
+        env: dict[str, Any] = dict(inputs)
+        managers: dict[str, LifetimeManager] = {}
+        if self.lifetime == "scheduled":
+            managers = {p: LifetimeManager(p) for p in self._plans}
+        comp = streams["compute"]
+        # Side streams start after what the caller queued on compute.
+        for role in ("ep", "page"):
+            if streams[role] is not comp:
+                streams[role].wait_stream(comp)
+        try:
+            for name in self._order:
+                self._issue(name, streams, env, managers)
+            # Side streams rejoin compute: the caller's later work sees everything.
+            for role in ("ep", "page"):
+                if streams[role] is not comp:
+                    comp.wait_stream(streams[role])
+            self.last_stats = {p: m.finalize() for p, m in managers.items()}
+        except BaseException:
+            # Nothing left behind: parked tensors take the record_stream fallback on close.
+            for m in managers.values():
+                m.close()
+            raise
+        for m in managers.values():
+            m.close()
+        return env
+
+    def _issue(self, name: str, streams: dict, env: dict, managers: dict) -> None:
+        node = self._nodes[name]
+        role = self._role[name]
+        s = streams[role]
+        if managers:
+            for plan, owner in self._drain_before.get(name, ()):
+                managers[plan].acquire(streams[owner])
+        for p in self._syncs_into.get(name, ()):
+            s.wait_event(self._events[p])
+        kind = node["kind"]
+        if kind in ("comm_wait", "page_wait"):
+            pass  # the sync edge from the launch is the wait
+        else:
+            try:
+                args = [env[v] for v in self._ins[name]]
+            except KeyError as e:
+                raise RuntimeError(f"node '{name}': input {e} is not available (freed or never produced)") from None
+            fn = self._callables.get(name)
+            if fn is None:  # a noop passes its inputs through
+                out = tuple(args)
+                if managers and out:
+                    plan = self._source[name]
+                    managers[plan].passthrough([t for t in out if isinstance(t, torch.Tensor)])
+            else:
+                with _stream_ctx(s):
+                    try:
+                        out = _outputs(name, fn(*args), len(self._outs[name]))
+                    except Exception as e:
+                        raise type(e)(f"node '{name}': {e}") from e
+            for v, t in zip(self._outs[name], out):
+                env[v] = t
+            for v in self._bind_at.get(name, ()):
+                if managers and isinstance(env[v], torch.Tensor):
+                    managers[self._source[name]].bind(env[v], s)
+        if name in self._events:
+            self._events[name].record(s)
+        for v, consumer_role, action in self._retire_after.get(name, ()):
+            t = env.get(v)
+            if not isinstance(t, torch.Tensor):
+                continue
+            if managers:
+                managers[self._source[self._producer[v]]].retire(t, streams[consumer_role], action)
+            elif self.lifetime == "record_stream" and streams[consumer_role] is not streams[self._role[self._producer[v]]]:
+                t.record_stream(streams[consumer_role])
+        for v in self._last_use.get(name, ()):
+            env.pop(v, None)
+
+
+def _stream_ctx(s: torch.Stream):
+    """`torch.cuda.stream` for CUDA streams; nothing to switch on CPU."""
+    if isinstance(s, torch.cuda.Stream):
+        return torch.cuda.stream(s)
+    return _NullCtx()
+
+
+class _NullCtx:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _value_name(v: Union[str, Mapping[str, Any]]) -> str:
+    return v if isinstance(v, str) else v["value"]
+
+
+def run_schedule(
+    graph: Mapping[str, Any],
+    schedule: Mapping[str, Any],
+    callables: Mapping[str, NodeFn],
+    inputs: Mapping[str, torch.Tensor],
+    device: Union[str, torch.device, None] = None,
+    lifetime: str = "scheduled",
+) -> dict[str, Any]:
+    """One-shot `Executor(...).run(inputs)`."""
+    return Executor(graph, schedule, callables, device, lifetime).run(inputs)
+
