@@ -378,3 +378,28 @@ fn page_outs_and_page_ins_of_two_sources_interleave() {
         assert_eq!(launches.join(""), "FBFBFBFB", "page budget {budget}: {}", names(&g, &s));
     }
 }
+
+#[test]
+fn launch_output_allocated_on_the_consumer_stream_needs_no_retire() {
+    let text = |alloc: &str| {
+        format!(
+            r#"{{"sources": [{{"name": "F0", "phase": "F"}}], "inputs": ["x"], "nodes": [
+            {{"name": "a", "source": "F0", "kind": "compute", "inputs": ["x"], "outputs": ["s"]}},
+            {{"name": "d", "source": "F0", "kind": "comm_launch", "inputs": ["s"], "outputs": [{{"value": "r", "bytes": 8, "alloc": "{alloc}"}}]}},
+            {{"name": "d.wait", "source": "F0", "kind": "comm_wait", "launch": "d"}},
+            {{"name": "e", "source": "F0", "kind": "compute", "inputs": ["r"], "outputs": ["y"]}}]}}"#
+        )
+    };
+    let retired = |alloc: &str| {
+        let g = Graph::from_json(&text(alloc)).unwrap();
+        let s = sched::schedule(&g, Budgets::default()).unwrap();
+        validate(&g, &s).unwrap();
+        s.retires.iter().map(|r| g.values[r.value.ix()].name.clone()).collect::<Vec<_>>()
+    };
+    // `s` crosses compute -> ep either way; `r` only when the ep stream owns it.
+    assert_eq!(retired("producer"), ["s", "r"]);
+    assert_eq!(retired("consumer"), ["s"]);
+    let bad = text("consumer").replace(r#""outputs": ["s"]"#, r#""outputs": [{"value": "s", "alloc": "consumer"}]"#);
+    let e = Graph::from_json(&bad).unwrap_err().to_string();
+    assert!(e.contains("node 'a': only launch outputs"), "{e}");
+}

@@ -42,6 +42,8 @@ const OPS: &[JsonOp] = &[
     JsonOp { schema: "scenario(str name) -> str", run: scenario },
     JsonOp { schema: "schedule(str graph, str ep_budget, str page_budget, bool explain) -> str", run: schedule },
     JsonOp { schema: "validate(str graph, str order, str syncs, str ep_budget, str page_budget) -> ()", run: validate },
+    JsonOp { schema: "schedule_order(str graph, str order, str ep_budget, str page_budget) -> str", run: schedule_order },
+    JsonOp { schema: "lower(str graph, str order, bool serial) -> str", run: lower },
 ];
 
 fn op_name(schema: &str) -> &str {
@@ -111,6 +113,29 @@ fn validate(a: &Args) -> Result<Option<String>> {
         .map_err(|e| Error::InvalidInput(format!("syncs must be null or a list of [producer, consumer] names: {e}")))?;
     crate::sched::validate_named(&g, &order, syncs.as_deref(), budgets(a)?)?;
     Ok(None)
+}
+
+fn order_of(g: &Graph, a: &Args) -> Result<Vec<crate::ir::NodeId>> {
+    let names: Vec<String> = serde_json::from_str(a.str("order")?)
+        .map_err(|e| Error::InvalidInput(format!("order must be a list of node names: {e}")))?;
+    crate::sched::order_by_names(g, &names)
+}
+
+/// A given order (a baseline's, or a user's) with its streams, minimal record/wait edges and
+/// lifetime actions, in `schedule`'s output format; the order is validated first.
+fn schedule_order(a: &Args) -> Result<Option<String>> {
+    let g = Graph::from_json(a.str("graph")?)?;
+    let order = order_of(&g, a)?;
+    let s = crate::sched::finish(&g, order, budgets(a)?);
+    crate::sched::validate(&g, &s)?;
+    to_text(&crate::sched::named(&g, &s, Some(crate::sched::explain(&g, &s))), "schedule")
+}
+
+/// The simulator program that issues `order` (derived from the graph; `serial`: one stream).
+fn lower(a: &Args) -> Result<Option<String>> {
+    let g = Graph::from_json(a.str("graph")?)?;
+    let order = order_of(&g, a)?;
+    to_text(&sim::lower(&g, &order, a.flag("serial")?), "program")
 }
 
 /// Every JSON op's schema, for the shim to register.

@@ -129,12 +129,36 @@ impl Kind {
     }
 }
 
-/// An output as written in the table: a name, or a name with bytes.
+/// Where a launch's output is allocated.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Alloc {
+    /// On the producing node's stream (the default).
+    #[default]
+    Producer,
+    /// On the stream that waits for the launch (compute), before the launch: the side stream
+    /// only writes into it, so the value is the consumer stream's own and needs no cross-stream
+    /// lifetime handling (what a value autograd saves for backward needs).
+    Consumer,
+}
+
+/// An output as written in the table: a name, or a name with bytes (and, for launch outputs,
+/// where it is allocated).
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(untagged)]
 pub enum OutputSpec {
     /// Just a name (0 bytes).
     Name(String),
+    /// A launch output allocated somewhere else than its producer's stream.
+    Placed {
+        /// The value name.
+        value: String,
+        /// Size in bytes.
+        #[serde(default)]
+        bytes: u64,
+        /// Where it is allocated.
+        alloc: Alloc,
+    },
     /// A name with its size in bytes.
     Sized {
         /// The value name.
@@ -221,6 +245,8 @@ pub struct Value {
     pub bytes: u64,
     /// The node producing it (None: a graph input).
     pub producer: Option<NodeId>,
+    /// Where its storage is allocated.
+    pub alloc: Alloc,
 }
 
 /// A validated graph: nodes, values and every dependency edge, deduplicated.
@@ -266,16 +292,17 @@ impl Graph {
         let mut values: Vec<Value> = Vec::new();
         let mut val_ix: HashMap<String, ValueId> = HashMap::new();
         let mut add_value = |values: &mut Vec<Value>, o: &OutputSpec, producer: Option<NodeId>, who: &str| -> Result<ValueId> {
-            let (name, bytes) = match o {
-                OutputSpec::Name(n) => (n.clone(), 0),
-                OutputSpec::Sized { value, bytes } => (value.clone(), *bytes),
+            let (name, bytes, alloc) = match o {
+                OutputSpec::Name(n) => (n.clone(), 0, Alloc::Producer),
+                OutputSpec::Sized { value, bytes } => (value.clone(), *bytes, Alloc::Producer),
+                OutputSpec::Placed { value, bytes, alloc } => (value.clone(), *bytes, *alloc),
             };
             if val_ix.contains_key(&name) {
                 return Err(bad(format!("{who}: value '{name}' is produced twice")));
             }
             let id = ValueId::new(values.len());
             val_ix.insert(name.clone(), id);
-            values.push(Value { name, bytes, producer });
+            values.push(Value { name, bytes, producer, alloc });
             Ok(id)
         };
         for o in &spec.inputs {
@@ -296,6 +323,9 @@ impl Graph {
             }
             let mut outputs = SmallVec::new();
             for o in &ns.outputs {
+                if matches!(o, OutputSpec::Placed { alloc: Alloc::Consumer, .. }) && !ns.kind.is_launch() {
+                    return Err(bad(format!("{who}: only launch outputs can be allocated on the consumer stream")));
+                }
                 outputs.push(add_value(&mut values, o, Some(NodeId::new(i)), &who)?);
             }
             nodes.push(Node {

@@ -29,7 +29,7 @@ use crate::runtime::Action;
 pub use explain::{explain, named, Explained, NamedRetire, NamedSchedule};
 pub use syncs::finish;
 pub(crate) use syncs::Clocks;
-pub use validate::{drains_adding_waits, validate, validate_named};
+pub use validate::{drains_adding_waits, order_by_names, validate, validate_named};
 
 /// A record/wait pair: `to` waits on the event recorded after `producer` on `from`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]

@@ -3,7 +3,7 @@
 
 use super::{Retire, Schedule, SyncEdge};
 use crate::ep::{Budgets, PerRole, Role};
-use crate::ir::{Graph, NodeId, Phase, ValueId};
+use crate::ir::{Alloc, Graph, NodeId, Phase, ValueId};
 use crate::runtime::Action;
 
 /// Streams, minimal syncs and lifetime actions for a given order.
@@ -52,7 +52,11 @@ pub fn finish(g: &Graph, order: Vec<NodeId>, budgets: Budgets) -> Schedule {
     for v in 0..g.values.len() {
         let cons = &flat[start[v] as usize..start[v + 1] as usize];
         let Some(p) = g.values[v].producer else { continue };
-        let owner = stream[p];
+        // A launch output allocated on its consumer's stream is owned there (the wait's).
+        let owner = match (g.values[v].alloc, g.nodes[p].partner) {
+            (Alloc::Consumer, Some(w)) => stream[w],
+            _ => stream[p],
+        };
         if cons.iter().all(|&c| stream[c] == owner) || cons.is_empty() {
             continue;
         }

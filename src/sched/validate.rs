@@ -129,16 +129,7 @@ pub fn drains_adding_waits(g: &Graph, s: &Schedule) -> Vec<String> {
 pub fn validate_named(g: &Graph, order: &[String], syncs: Option<&[(String, String)]>, budgets: Budgets) -> Result<()> {
     let ix: std::collections::HashMap<&str, NodeId> = g.node_ids().map(|i| (g.nodes[i].name.as_str(), i)).collect();
     let id = |n: &str| ix.get(n).copied().ok_or_else(|| bad(format!("schedule names node '{n}', which is not in the graph")));
-    let ids = order.iter().map(|n| id(n)).collect::<Result<Vec<_>>>()?;
-    if ids.len() != g.len() {
-        return Err(bad(format!("schedule has {} nodes, the graph {}", ids.len(), g.len())));
-    }
-    let mut seen = vec![false; g.len()];
-    for &u in &ids {
-        if std::mem::replace(&mut seen[u.ix()], true) {
-            return Err(bad(format!("node '{}' is issued twice", g.nodes[u].name)));
-        }
-    }
+    let ids = order_by_names(g, order)?;
     let mut s = finish(g, ids, budgets);
     if let Some(pairs) = syncs {
         s.syncs = pairs
@@ -150,4 +141,23 @@ pub fn validate_named(g: &Graph, order: &[String], syncs: Option<&[(String, Stri
             .collect::<Result<Vec<_>>>()?;
     }
     validate(g, &s)
+}
+
+/// Node ids of an order given by names: every node exactly once, or an error naming the node.
+pub fn order_by_names(g: &Graph, order: &[String]) -> Result<Vec<NodeId>> {
+    let ix: std::collections::HashMap<&str, NodeId> = g.node_ids().map(|i| (g.nodes[i].name.as_str(), i)).collect();
+    let ids = order
+        .iter()
+        .map(|n| ix.get(n.as_str()).copied().ok_or_else(|| bad(format!("schedule names node '{n}', which is not in the graph"))))
+        .collect::<Result<Vec<_>>>()?;
+    if ids.len() != g.len() {
+        return Err(bad(format!("schedule has {} nodes, the graph {}", ids.len(), g.len())));
+    }
+    let mut seen = vec![false; g.len()];
+    for &u in &ids {
+        if std::mem::replace(&mut seen[u.ix()], true) {
+            return Err(bad(format!("node '{}' is issued twice", g.nodes[u].name)));
+        }
+    }
+    Ok(ids)
 }

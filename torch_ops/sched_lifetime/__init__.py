@@ -7,7 +7,7 @@
 from ._ops import INFO, LIBRARY, STATS_FIELDS, ops
 from .lifetime import ACTIONS, LifetimeManager, current_stream
 from .executor import Executor, SideStreams
-from .schedule import schedule, validate
+from .schedule import lower, schedule, schedule_order, validate
 from .sim import compare, scenario_graph, scenario_program, simulate
 
 __all__ = [
@@ -23,7 +23,9 @@ __all__ = [
     "ops",
     "scenario_graph",
     "scenario_program",
+    "lower",
     "schedule",
+    "schedule_order",
     "simulate",
     "validate",
 ]

@@ -1,6 +1,10 @@
 """Command line:
 
-    python -m sched_lifetime demo                 the README's main job: the lifetime A/B
+    python -m sched_lifetime train [--config tiny|h200 --steps --microbatches --arms --out]
+                                                  the main job: trains the embedded MoE model
+                                                  (sequential, B-then-F, ours, ours with
+                                                  record_stream) and prints one table
+    python -m sched_lifetime demo                 the lifetime A/B: the lifetime A/B
                                                   (measured on a GPU; numerics on CPU) and the
                                                   simulated memory of the same pipeline and of
                                                   the Megatron hero case
@@ -84,8 +88,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:
+        from . import train
+
+        return train.main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m sched_lifetime")
     sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("train", help="train the embedded MoE model under several arms (see `train --help`)")
     for cmd, helptext in (
         ("ab", "record_stream vs scheduled release on a lagging two-stream pipeline"),
         ("demo", "the A/B plus the simulated memory of the same pipeline and the Megatron hero case"),

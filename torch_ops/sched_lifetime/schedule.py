@@ -58,3 +58,20 @@ def format_explain(result: dict[str, Any]) -> str:
         under = ", ".join(e["hidden_under"]) or "nothing (exposed)"
         lines.append(f"{e['launch']} [{e['source']}] ran under: {under}")
     return "\n".join(lines)
+
+
+def schedule_order(
+    graph: Graph, order: Sequence[str], ep_budget: Optional[int] = None, page_budget: Optional[int] = None
+) -> dict[str, Any]:
+    """A given order (a baseline's, or yours) in `schedule`'s output format: its streams,
+    minimal record/wait edges, lifetime actions and what each launch ran under. The order is
+    validated first (ValueError naming the node)."""
+    return json.loads(
+        ops.schedule_order(json_text(graph, "graph"), json.dumps(list(order)), _budget(ep_budget, "ep_budget"), _budget(page_budget, "page_budget"))
+    )
+
+
+def lower(graph: Graph, order: Sequence[str], serial: bool = False) -> dict[str, Any]:
+    """The simulator program (see `sl.simulate`) that issues `order` on the graph's streams
+    (`serial`: all on one stream), with the lifetime drains where the schedule puts them."""
+    return json.loads(ops.lower(json_text(graph, "graph"), json.dumps(list(order)), serial))

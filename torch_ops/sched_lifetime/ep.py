@@ -1,0 +1,134 @@
+"""Expert-parallel transport (wiring only: which stream runs it is the schedule's decision).
+
+`Transport` is the small interface the node API calls for dispatch and combine: one
+all-to-all of a token buffer with split sizes. `AllToAll` (the default) is
+`torch.distributed.all_to_all_single` in an EP process group (NCCL with high-priority streams
+on GPU, gloo on CPU). A HybridEP/DeepEP buffer can be handed in instead by implementing
+`all_to_all` with the same meaning; it runs on the caller's current stream, which the
+executor sets to the EP stream.
+
+The output buffer is allocated on the stream that will consume it (the compute stream the
+caller passes), before the side stream starts writing it: the value is then the compute
+stream's own (graph outputs marked `"alloc": "consumer"`), so autograd may keep it for the
+backward pass with no cross-stream lifetime hazard.
+
+`check_rank_identical` all-gathers a digest of what decides the collective order (graph,
+budgets, config) before the first step: ranks that differ raise on every rank, naming them,
+instead of hanging in NCCL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Optional, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .lifetime import current_stream
+
+
+class Transport(Protocol):
+    """Moves tokens between EP ranks."""
+
+    world: int
+    rank: int
+
+    def all_to_all(
+        self,
+        x: torch.Tensor,
+        out_rows: int,
+        out_splits: Optional[Sequence[int]],
+        in_splits: Optional[Sequence[int]],
+        alloc_stream: Optional[torch.Stream],
+    ) -> torch.Tensor:
+        """Send rows of `x` (split `in_splits` per rank, equal splits when None) and return
+        the `out_rows` received (split `out_splits`), allocated on `alloc_stream`."""
+        ...
+
+    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """All-to-all of per-destination count vectors (the eager mode's split learning)."""
+        ...
+
+
+def new_ep_group(ranks: Optional[Sequence[int]] = None) -> Any:
+    """The EP process group: NCCL with high-priority streams when the default backend is
+    NCCL, the default backend otherwise (gloo on CPU)."""
+    backend = dist.get_backend()
+    ranks = list(range(dist.get_world_size())) if ranks is None else list(ranks)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = True
+        return dist.new_group(ranks, backend="nccl", pg_options=opts)
+    return dist.new_group(ranks, backend=backend)
+
+
+class AllToAll:
+    """`torch.distributed.all_to_all_single` over an EP group (or one rank, no group)."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+        on = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size(group) if on else 1
+        self.rank = dist.get_rank(group) if on else 0
+
+    def all_to_all(
+        self,
+        x: torch.Tensor,
+        out_rows: int,
+        out_splits: Optional[Sequence[int]],
+        in_splits: Optional[Sequence[int]],
+        alloc_stream: Optional[torch.Stream] = None,
+    ) -> torch.Tensor:
+        here = current_stream(x.device)
+        if alloc_stream is not None and alloc_stream != here and isinstance(alloc_stream, torch.cuda.Stream):
+            with torch.cuda.stream(alloc_stream):
+                out = x.new_empty((out_rows, *x.shape[1:]))
+            # The side stream writes it only after the consumer stream handed it over.
+            here.wait_stream(alloc_stream)
+        else:
+            out = x.new_empty((out_rows, *x.shape[1:]))
+        if self.world == 1:
+            out.copy_(x)
+            return out
+        dist.all_to_all_single(
+            out,
+            x.contiguous(),
+            output_split_sizes=None if out_splits is None else list(out_splits),
+            input_split_sizes=None if in_splits is None else list(in_splits),
+            group=self.group,
+        )
+        return out
+
+    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return counts.clone()
+        out = torch.empty_like(counts)
+        dist.all_to_all_single(out, counts.contiguous(), group=self.group)
+        return out
+
+
+def digest(*parts: Any) -> str:
+    """A stable digest of JSON-able parts (graph tables, budgets, configs)."""
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(json.dumps(p, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
+
+
+def check_rank_identical(what: str, value: str, group: Any = None) -> None:
+    """Raise on every rank when the ranks of `group` disagree on `value` (a digest),
+    naming the ranks that differ from rank 0."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size(group)
+    got: list = [None] * world
+    dist.all_gather_object(got, value, group=group)
+    differ = [r for r, v in enumerate(got) if v != got[0]]
+    if differ:
+        raise RuntimeError(
+            f"{what} differs across EP ranks: ranks {differ} disagree with rank 0 "
+            f"({got[0]} vs {[got[r] for r in differ]}); collectives would be issued in a different "
+            "order (NCCL would hang), so no step is run"
+        )

@@ -1,0 +1,372 @@
+"""A small DeepSeek-style MoE transformer, described as schedule nodes.
+
+Per layer: RMSNorm + causal attention (+ residual), RMSNorm, a top-k softmax router, routed
+SwiGLU experts sharded over the EP ranks, a shared expert beside them; the first
+`dense_layers` layers have a dense MLP instead. Embedding in front, RMSNorm + LM head +
+cross-entropy behind. Tokens are synthetic.
+
+Node split of a MoE layer (what `MoEModel.nodes` describes; each is a `NodeDef`):
+  attn      h -> x (after attention), z (normed), w (top-k weights), send (permuted tokens), meta
+  shared    z -> s                                  (the shared expert; hides a dispatch)
+  dispatch  send, meta -> recv, rmeta               (all-to-all on the EP stream)
+  experts   recv, rmeta -> eout                     (the local experts)
+  combine   eout, rmeta, meta -> back               (all-to-all back)
+  post      x, w, back, meta, s -> h'               (un-permute, weight, add)
+Dense layer: attn (h -> x, z), mlp (x, z -> h').
+
+Two dispatch modes: counted (eager, lossless: counts exchanged first, a host sync, as
+Megatron-LM's all-to-all dispatcher does) and fixed capacity (`capacity_factor`: no host
+sync, so a step can be captured in a CUDA graph; assignments beyond capacity are dropped
+and counted in `dropped`). Every gather/scatter uses a permutation (no duplicate indices),
+so the numerics are deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ep import AllToAll, Transport
+from ..nodes import Chunk, NodeDef
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Model and batch shape."""
+
+    vocab: int = 256
+    hidden: int = 64
+    heads: int = 4
+    layers: int = 2
+    dense_layers: int = 0
+    experts: int = 4
+    topk: int = 2
+    expert_ffn: int = 64
+    shared_ffn: int = 64
+    dense_ffn: int = 128
+    seq: int = 16
+    batch: int = 2
+    dtype: str = "float32"
+    #: None: counted (lossless, host sync); a number: fixed capacity per expert and source
+    #: rank of ceil(tokens * topk / experts * factor) (no host sync; overflow dropped).
+    capacity_factor: Optional[float] = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+CONFIGS = {
+    # Runs on CPU in seconds (CI, parity tests).
+    "tiny": MoEConfig(),
+    "tiny_dense": MoEConfig(dense_layers=1, layers=3),
+    # Two H200s over NVLink: all-to-all time about the expert time (bf16, hidden 4096, 8 experts
+    # of ffn 1024 top-4, 8192 tokens per microbatch per rank).
+    "h200": MoEConfig(
+        vocab=8192, hidden=4096, heads=32, layers=4, dense_layers=0, experts=8, topk=4,
+        expert_ffn=1024, shared_ffn=2048, dense_ffn=8192, seq=2048, batch=4, dtype="bfloat16",
+        capacity_factor=1.25,
+    ),
+}
+
+
+def _dtype(cfg: MoEConfig) -> torch.dtype:
+    return getattr(torch, cfg.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, 1e-6)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=False)
+        self.out = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        b, s, d = c.batch, c.seq, c.hidden // c.heads
+        q, k, v = self.qkv(h).view(b, s, 3, c.heads, d).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(o.transpose(1, 2).reshape(b * s, c.hidden))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, ffn: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, 2 * ffn, bias=False)
+        self.w2 = nn.Linear(ffn, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, g = self.w1(x).chunk(2, dim=-1)
+        return self.w2(F.silu(a) * g)
+
+
+class LocalExperts(nn.Module):
+    """This rank's share of the routed experts (SwiGLU, no bias: a zero row maps to zero)."""
+
+    def __init__(self, n: int, dim: int, ffn: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n, dim, 2 * ffn))
+        self.w2 = nn.Parameter(torch.empty(n, ffn, dim))
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        a, g = (x @ self.w1[e]).chunk(2, dim=-1)
+        return (F.silu(a) * g) @ self.w2[e]
+
+
+@dataclass
+class Routing:
+    """Routing of one layer of one microbatch on this rank."""
+
+    perm: torch.Tensor  # sorted position -> flat (token, k) index
+    dest: torch.Tensor  # sorted position -> row of the send buffer (capacity: dump row if dropped)
+    counts: torch.Tensor  # assignments per global expert
+    rows: int  # rows of the send buffer
+
+
+@dataclass
+class Received:
+    """What the receiving side needs: per (source rank, local expert) counts (counted mode)."""
+
+    counts: Optional[list[list[int]]]
+    send_splits: Optional[list[int]]
+    recv_splits: Optional[list[int]]
+
+
+class MoELayer(nn.Module):
+    def __init__(self, cfg: MoEConfig, dense: bool, ep_world: int, ep_rank: int) -> None:
+        super().__init__()
+        self.cfg, self.dense = cfg, dense
+        self.ep_world, self.ep_rank = ep_world, ep_rank
+        self.norm1, self.attn, self.norm2 = RMSNorm(cfg.hidden), Attention(cfg), RMSNorm(cfg.hidden)
+        if dense:
+            self.mlp = SwiGLU(cfg.hidden, cfg.dense_ffn)
+            return
+        if cfg.experts % ep_world:
+            raise ValueError(f"{cfg.experts} experts do not shard over {ep_world} EP ranks")
+        self.local = cfg.experts // ep_world
+        self.router = nn.Linear(cfg.hidden, cfg.experts, bias=False)
+        self.experts = LocalExperts(self.local, cfg.hidden, cfg.expert_ffn)
+        self.shared = SwiGLU(cfg.hidden, cfg.shared_ffn) if cfg.shared_ffn else None
+        tokens = cfg.batch * cfg.seq
+        self.capacity = (
+            None if cfg.capacity_factor is None else max(1, math.ceil(tokens * cfg.topk / cfg.experts * cfg.capacity_factor))
+        )
+        self.dropped = 0
+
+    # -- node bodies -------------------------------------------------------------------
+
+    def pre(self, h: torch.Tensor) -> tuple:
+        x = h + self.attn(self.norm1(h))
+        z = self.norm2(x)
+        if self.dense:
+            return x, z
+        c = self.cfg
+        probs = torch.softmax(self.router(z).float(), dim=-1)
+        w, eid = torch.topk(probs, c.topk, dim=-1)
+        w = (w / w.sum(-1, keepdim=True)).to(z.dtype)
+        flat = eid.reshape(-1)
+        perm = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=c.experts)
+        z_rep = z.unsqueeze(1).expand(-1, c.topk, -1).reshape(-1, c.hidden)
+        if self.capacity is None:
+            send = z_rep.index_select(0, perm)
+            routing = Routing(perm, perm, counts, perm.numel())
+        else:
+            cap = self.capacity
+            f_sorted = flat.index_select(0, perm)
+            starts = torch.cumsum(counts, 0) - counts
+            pos = torch.arange(flat.numel(), device=flat.device) - starts.index_select(0, f_sorted)
+            rows = c.experts * cap
+            # Dropped assignments go to one dump row past the end, never sent.
+            dest = torch.where(pos < cap, f_sorted * cap + pos, torch.full_like(pos, rows))
+            full = z_rep.new_zeros(rows + 1, c.hidden).index_copy(0, dest, z_rep.index_select(0, perm))
+            send = full[:rows]
+            routing = Routing(perm, dest, counts, rows)
+        return x, z, w, send, routing
+
+    def dispatch(self, t: Transport, send: torch.Tensor, r: Routing, alloc_stream=None) -> tuple:
+        if self.capacity is None:
+            got = t.exchange_counts(r.counts)
+            mine = r.counts.view(self.ep_world, self.local)
+            theirs = got.view(self.ep_world, self.local)
+            # Eager mode learns the split sizes on the host, as Megatron's a2a dispatcher does.
+            send_splits = mine.sum(1).tolist()
+            counts = theirs.tolist()
+            recv_splits = [sum(row) for row in counts]
+            recv = t.all_to_all(send, sum(recv_splits), recv_splits, send_splits, alloc_stream)
+            rx = Received(counts, send_splits, recv_splits)
+        else:
+            recv = t.all_to_all(send, send.shape[0], None, None, alloc_stream)
+            rx = Received(None, None, None)
+        return (recv, rx), rx
+
+    def run_experts(self, recv: torch.Tensor, rx: Received) -> torch.Tensor:
+        c, w, n = self.cfg, self.ep_world, self.local
+        if rx.counts is None:
+            r = recv.view(w, n, self.capacity, c.hidden)
+            outs = [self.experts.expert(e, r[:, e].reshape(-1, c.hidden)) for e in range(n)]
+            return torch.stack([o.view(w, self.capacity, c.hidden) for o in outs], 1).reshape(-1, c.hidden)
+        sizes = [rx.counts[s][e] for s in range(w) for e in range(n)]
+        segs = recv.split(sizes)
+        pieces: list[list[torch.Tensor]] = [[None] * n for _ in range(w)]  # type: ignore[list-item]
+        for e in range(n):
+            xe = torch.cat([segs[s * n + e] for s in range(w)])
+            ye = self.experts.expert(e, xe).split([rx.counts[s][e] for s in range(w)])
+            for s in range(w):
+                pieces[s][e] = ye[s]
+        return torch.cat([p for row in pieces for p in row])
+
+    def combine(self, t: Transport, eout: torch.Tensor, rx: Received, r: Routing, alloc_stream=None) -> tuple:
+        back = t.all_to_all(eout, r.rows, rx.send_splits, rx.recv_splits, alloc_stream)
+        return (back,), rx
+
+    def post(self, x: torch.Tensor, w: torch.Tensor, back: torch.Tensor, r: Routing, s: Optional[torch.Tensor]) -> torch.Tensor:
+        c = self.cfg
+        if self.capacity is None:
+            y_sorted = back
+        else:
+            y_sorted = torch.cat([back, back.new_zeros(1, c.hidden)]).index_select(0, r.dest)
+        y_flat = y_sorted.new_zeros(y_sorted.shape).index_copy(0, r.perm, y_sorted)
+        y = (y_flat.view(-1, c.topk, c.hidden) * w.unsqueeze(-1)).sum(1)
+        out = x + y
+        return out + s if s is not None else out
+
+
+class MoEModel(nn.Module):
+    """Embedding, layers, head; `nodes()` describes it as schedule nodes."""
+
+    def __init__(self, cfg: MoEConfig, transport: Optional[Transport] = None, seed: int = 0, device: Any = "cpu") -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.transport: Transport = transport if transport is not None else AllToAll()
+        world, rank = self.transport.world, self.transport.rank
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.layers = nn.ModuleList(MoELayer(cfg, i < cfg.dense_layers, world, rank) for i in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        self._init(seed, world, rank)
+        self.to(device=device, dtype=_dtype(cfg))
+
+    def _init(self, seed: int, world: int, rank: int) -> None:
+        # Same values on every rank and every arm; each rank keeps its slice of the experts.
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm1.weight") or name.endswith("norm2.weight") or name == "norm.weight":
+                continue
+            if ".experts." in name:
+                full = torch.randn((p.shape[0] * world, *p.shape[1:]), generator=g) / math.sqrt(p.shape[-2])
+                p.data.copy_(full[rank * p.shape[0] : (rank + 1) * p.shape[0]])
+            else:
+                p.data.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """Parameters sharded over EP (their gradients need no data-parallel reduction)."""
+        return [p for n, p in self.named_parameters() if ".experts." in n]
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        ids = {id(p) for p in self.expert_parameters()}
+        return [p for p in self.parameters() if id(p) not in ids]
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Plain eager forward (no nodes), the reference the node path must match."""
+        t = self.transport
+        h = self.embed(tokens.reshape(-1))
+        for layer in self.layers:
+            if layer.dense:
+                x, z = layer.pre(h)
+                h = x + layer.mlp(z)
+                continue
+            x, z, w, send, r = layer.pre(h)
+            s = layer.shared(z) if layer.shared is not None else None
+            (recv, rx), _ = layer.dispatch(t, send, r)
+            eout = layer.run_experts(recv, rx)
+            (back,), _ = layer.combine(t, eout, rx, r)
+            h = layer.post(x, w, back, r, s)
+        return F.cross_entropy(self.head(self.norm(h)).float(), labels.reshape(-1))
+
+    def nodes(self) -> list[NodeDef]:
+        t = self.transport
+        nodes = [NodeDef("embed", "compute", ["tokens"], ["h0"], lambda tok: self.embed(tok.reshape(-1)), list(self.embed.parameters()), (), ["h0"])]
+        for i, layer in enumerate(self.layers):
+            h, nxt, p = f"h{i}", f"h{i + 1}", f"L{i}"
+            own = [q for n, q in layer.named_parameters() if n.split(".")[0] in ("norm1", "attn", "norm2", "router")]
+            if layer.dense:
+                nodes.append(NodeDef(f"{p}.attn", "compute", [h], [f"{p}.x", f"{p}.z"], layer.pre, own, [h], [f"{p}.x", f"{p}.z"]))
+                nodes.append(
+                    NodeDef(f"{p}.mlp", "compute", [f"{p}.x", f"{p}.z"], [nxt], lambda x, z, L=layer: x + L.mlp(z), list(layer.mlp.parameters()), [f"{p}.x", f"{p}.z"], [nxt])
+                )
+                continue
+            x, z, w, send, meta, s = (f"{p}.{k}" for k in ("x", "z", "w", "send", "meta", "s"))
+            recv, rmeta, eout, back = (f"{p}.{k}" for k in ("recv", "rmeta", "eout", "back"))
+            nodes.append(NodeDef(f"{p}.attn", "compute", [h], [x, z, w, send, meta], layer.pre, own, [h], [x, z, w, send]))
+            if layer.shared is not None:
+                nodes.append(NodeDef(f"{p}.shared", "compute", [z], [s], layer.shared, list(layer.shared.parameters()), [z], [s]))
+            nodes.append(
+                NodeDef(
+                    f"{p}.dispatch", "comm", [send, meta], [recv, rmeta],
+                    lambda send_, r, alloc_stream=None, L=layer: L.dispatch(t, send_, r, alloc_stream),
+                    grad_inputs=[send], grad_outputs=[recv], consumer_alloc=[recv],
+                    transpose=lambda rx, g, alloc_stream=None, L=layer: (
+                        t.all_to_all(g, sum(rx.send_splits) if rx.send_splits else g.shape[0], rx.send_splits, rx.recv_splits, alloc_stream),
+                    ),
+                )
+            )
+            nodes.append(
+                NodeDef(f"{p}.experts", "compute", [recv, rmeta], [eout], layer.run_experts, list(layer.experts.parameters()), [recv], [eout])
+            )
+            nodes.append(
+                NodeDef(
+                    f"{p}.combine", "comm", [eout, rmeta, meta], [back],
+                    lambda e, rx, r, alloc_stream=None, L=layer: L.combine(t, e, rx, r, alloc_stream),
+                    grad_inputs=[eout], grad_outputs=[back], consumer_alloc=[back],
+                    transpose=lambda rx, g, alloc_stream=None: (
+                        t.all_to_all(g, sum(rx.recv_splits) if rx.recv_splits else g.shape[0], rx.recv_splits, rx.send_splits, alloc_stream),
+                    ),
+                )
+            )
+            post_in = [x, w, back, meta] + ([s] if layer.shared is not None else [])
+            post_fn = (lambda x_, w_, b_, r_, s_, L=layer: L.post(x_, w_, b_, r_, s_)) if layer.shared is not None else (
+                lambda x_, w_, b_, r_, L=layer: L.post(x_, w_, b_, r_, None)
+            )
+            grads = [x, w, back] + ([s] if layer.shared is not None else [])
+            nodes.append(NodeDef(f"{p}.post", "compute", post_in, [nxt], post_fn, (), grads, [nxt]))
+        last = f"h{len(self.layers)}"
+        nodes.append(
+            NodeDef(
+                "head", "compute", [last, "labels"], ["loss"],
+                lambda h_, lab: F.cross_entropy(self.head(self.norm(h_)).float(), lab.reshape(-1)),
+                list(self.norm.parameters()) + list(self.head.parameters()), [last], ["loss"],
+            )
+        )
+        return nodes
+
+    def chunk(self, device: Any = None) -> Chunk:
+        dev = torch.device(device) if device is not None else next(self.parameters()).device
+        return Chunk(self.nodes(), ["tokens", "labels"], "loss", dev)
+
+    def batch(self, step: int, microbatch: int, device: Any = None) -> dict[str, torch.Tensor]:
+        """Synthetic tokens and labels, the same on every arm (different per rank)."""
+        c = self.cfg
+        g = torch.Generator().manual_seed(1_000_003 * step + 1009 * microbatch + 7 * self.transport.rank + 1)
+        tok = torch.randint(0, c.vocab, (c.batch, c.seq), generator=g)
+        lab = torch.randint(0, c.vocab, (c.batch, c.seq), generator=g)
+        dev = device if device is not None else next(self.parameters()).device
+        return {"tokens": tok.to(dev), "labels": lab.to(dev)}
+
+
+def with_overrides(cfg: MoEConfig, **kw: Any) -> MoEConfig:
+    """A config with some fields replaced."""
+    return replace(cfg, **kw)

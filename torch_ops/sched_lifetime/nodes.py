@@ -1,0 +1,377 @@
+"""Eager node API (DESIGN.md §6), in the shape of Megatron-LM's schedule nodes.
+
+A model chunk is a list of `NodeDef`s: compute nodes (a forward function and the parameters
+it uses) and comm nodes (an EP dispatch/combine with an explicit transpose for its backward).
+From that list, `Chunk` derives two graph tables for the scheduler: the forward source and the
+backward source, whose nodes are the backward of each forward node, split into dI (`B.<node>`)
+and dW (`B.<node>.dw`, weight-gradient work the scheduler may defer). Each compute node's
+backward runs through autograd on its own detached inputs, so one microbatch's backward is
+split per node and can be interleaved with another microbatch's forward.
+
+`Chunk.run(...)` runs a forward of one microbatch, a backward of another, or both multiplexed
+(`combined_step`) through the executor, in the scheduler's order or a baseline's; `train_step`
+runs a whole step of n microbatches (warm-up F, combined F(i+1)+B(i), cool-down B) with
+gradient accumulation. The order, streams, syncs and lifetime points all come from Rust.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from .executor import Executor
+from .schedule import schedule, schedule_order
+
+
+@dataclass
+class NodeDef:
+    """One forward node of a chunk.
+
+    `inputs` / `outputs` are value names local to the chunk. `grad_inputs`: inputs that get a
+    gradient; `grad_outputs`: outputs whose gradient flows back (float activations). For a
+    comm node, `fn(*inputs, alloc_stream=...)` returns `(outputs, ctx)` and
+    `transpose(ctx, *grads_of_grad_outputs, alloc_stream=...)` returns the grads of
+    `grad_inputs`; its outputs in `consumer_alloc` are allocated on the consumer stream.
+    """
+
+    name: str
+    kind: str  # "compute" or "comm"
+    inputs: Sequence[str]
+    outputs: Sequence[str]
+    fn: Callable[..., Any]
+    params: Sequence[torch.nn.Parameter] = ()
+    grad_inputs: Sequence[str] = ()
+    grad_outputs: Sequence[str] = ()
+    transpose: Optional[Callable[..., Any]] = None
+    consumer_alloc: Sequence[str] = ()
+
+
+@dataclass
+class MicrobatchState:
+    """What one microbatch's forward keeps for its backward: per node, the detached leaf
+    inputs and the outputs of its autograd graph (compute), or the comm's context."""
+
+    index: int
+    saved: dict[str, Any] = field(default_factory=dict)
+    loss: Optional[torch.Tensor] = None
+
+
+class _Ctx:
+    """The microbatches the multiplexed callables work on now."""
+
+    def __init__(self) -> None:
+        self.fwd: Optional[MicrobatchState] = None
+        self.bwd: Optional[MicrobatchState] = None
+        self.compute: Optional[torch.Stream] = None
+
+
+def _grad_name(v: str, consumer: str) -> str:
+    return f"B.g.{v}@{consumer}"
+
+
+class Chunk:
+    """A model chunk as nodes, with the graph tables and callables the executor runs.
+
+    `loss_output`: the value whose gradient starts the backward (given as the backward
+    source's graph input `B.g.<loss_output>`)."""
+
+    ORDERS = ("ours", "b_then_f", "sequential")
+
+    def __init__(self, nodes: Sequence[NodeDef], inputs: Sequence[str], loss_output: str, device: torch.device) -> None:
+        self.nodes = list(nodes)
+        self.inputs = list(inputs)
+        self.loss_output = loss_output
+        self.device = device
+        names = [n.name for n in self.nodes]
+        if len(set(names)) != len(names):
+            raise ValueError("node names must be unique")
+        self._by_name = {n.name: n for n in self.nodes}
+        produced = set(self.inputs)
+        for n in self.nodes:
+            for v in n.inputs:
+                if v not in produced:
+                    raise ValueError(f"node '{n.name}' reads '{v}' before any node produces it")
+            for v in list(n.grad_inputs):
+                if v not in n.inputs:
+                    raise ValueError(f"node '{n.name}': grad input '{v}' is not an input")
+            for v in list(n.grad_outputs) + list(n.consumer_alloc):
+                if v not in n.outputs:
+                    raise ValueError(f"node '{n.name}': '{v}' is not an output")
+            if n.kind == "comm" and n.transpose is None:
+                raise ValueError(f"comm node '{n.name}' needs a transpose for its backward")
+            if n.kind not in ("compute", "comm"):
+                raise ValueError(f"node '{n.name}': kind must be compute or comm, got {n.kind!r}")
+            produced.update(n.outputs)
+        # Consumers that take a gradient of each value, in table order.
+        self._grad_consumers: dict[str, list[str]] = {}
+        for n in self.nodes:
+            for v in n.grad_inputs:
+                self._grad_consumers.setdefault(v, []).append(n.name)
+        self.ctx = _Ctx()
+        self._forward_table = self._forward_nodes()
+        self._backward_table = self._backward_nodes()
+        self._executors: dict[tuple, Executor] = {}
+
+    # -- graph tables ------------------------------------------------------------------
+
+    def _grads_into(self, n: NodeDef) -> list[str]:
+        """Gradient values a backward node of `n` reads: per grad output, the partials of its
+        consumers (the loss output reads the source's input)."""
+        out = []
+        for v in n.grad_outputs:
+            if v == self.loss_output:
+                out.append(f"B.g.{v}")
+            out.extend(_grad_name(v, c) for c in self._grad_consumers.get(v, ()))
+        return out
+
+    def _forward_nodes(self) -> list[dict]:
+        table = []
+        for n in self.nodes:
+            ins = [f"F.{v}" for v in n.inputs]
+            if n.kind == "compute":
+                table.append({"name": f"F.{n.name}", "source": "F", "kind": "compute", "inputs": ins, "outputs": [f"F.{v}" for v in n.outputs]})
+            else:
+                outs = [
+                    {"value": f"F.{v}", "alloc": "consumer"} if v in n.consumer_alloc else f"F.{v}" for v in n.outputs
+                ]
+                table.append({"name": f"F.{n.name}", "source": "F", "kind": "comm_launch", "inputs": ins, "outputs": outs})
+                table.append({"name": f"F.{n.name}.wait", "source": "F", "kind": "comm_wait", "launch": f"F.{n.name}"})
+        return table
+
+    def _backward_nodes(self) -> list[dict]:
+        table = []
+        for n in reversed(self.nodes):
+            grads = self._grads_into(n)
+            if not grads:
+                continue
+            partials = [_grad_name(v, n.name) for v in n.grad_inputs]
+            if n.kind == "comm":
+                outs = [{"value": p, "alloc": "consumer"} for p in partials]
+                table.append({"name": f"B.{n.name}", "source": "B", "kind": "comm_launch", "inputs": grads, "outputs": outs})
+                table.append({"name": f"B.{n.name}.wait", "source": "B", "kind": "comm_wait", "launch": f"B.{n.name}"})
+                continue
+            if partials:
+                table.append({"name": f"B.{n.name}", "source": "B", "kind": "compute", "inputs": grads, "outputs": partials})
+            if n.params:
+                # dW reads what dI reads, so dI's live-ins stay until dW has run.
+                table.append(
+                    {"name": f"B.{n.name}.dw", "source": "B", "kind": "compute", "wgrad": True, "inputs": grads, "outputs": [f"B.w.{n.name}"]}
+                )
+        return table
+
+    def graph(self, forward: bool, backward: bool) -> dict:
+        """The graph table of a forward source, a backward source, or both multiplexed."""
+        sources, nodes, inputs = [], [], []
+        if backward:
+            sources.append({"name": "B", "phase": "B"})
+            nodes += self._backward_table
+            inputs.append(f"B.g.{self.loss_output}")
+        if forward:
+            sources.append({"name": "F", "phase": "F"})
+            nodes += self._forward_table
+            inputs += [f"F.{v}" for v in self.inputs]
+        return {"sources": sources, "inputs": inputs, "nodes": nodes}
+
+    def order_schedule(self, forward: bool, backward: bool, order: str) -> dict:
+        """Our schedule, or a baseline's: `b_then_f` (every backward node, then every forward
+        node) or `sequential` (the same, each comm waited at once: table order)."""
+        g = self.graph(forward, backward)
+        if order == "ours":
+            return schedule(g)
+        if order in ("b_then_f", "sequential"):
+            # Table order lists B first, and each wait right after its launch.
+            return schedule_order(g, [n["name"] for n in g["nodes"]])
+        raise ValueError(f"order must be one of {self.ORDERS}, got {order!r}")
+
+    # -- callables ---------------------------------------------------------------------
+
+    def _forward_fn(self, n: NodeDef) -> Callable[..., Any]:
+        ctx = self.ctx
+        if n.kind == "comm":
+
+            def comm(*args: Any) -> Any:
+                outs, cctx = n.fn(*args, alloc_stream=ctx.compute)
+                ctx.fwd.saved[n.name] = cctx
+                return outs
+
+            return comm
+        grad_ix = [i for i, v in enumerate(n.inputs) if v in n.grad_inputs]
+        out_ix = [i for i, v in enumerate(n.outputs) if v in n.grad_outputs]
+
+        def compute(*args: Any) -> Any:
+            args = list(args)
+            leaves = []
+            for i in grad_ix:
+                args[i] = args[i].detach().requires_grad_(True)
+                leaves.append(args[i])
+            with torch.enable_grad():
+                outs = n.fn(*args)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            ctx.fwd.saved[n.name] = (leaves, [outs[i] for i in out_ix])
+            if n.outputs and n.outputs[-1] == self.loss_output and len(n.outputs) == 1:
+                ctx.fwd.loss = outs[0].detach()
+            return tuple(o.detach() if isinstance(o, torch.Tensor) and o.requires_grad else o for o in outs)
+
+        return compute
+
+    def _backward_fns(self, n: NodeDef) -> dict[str, Callable[..., Any]]:
+        ctx = self.ctx
+        per_output = [
+            (1 if v == self.loss_output else 0) + len(self._grad_consumers.get(v, ())) for v in n.grad_outputs
+        ]
+
+        def summed(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+            out, k = [], 0
+            for count in per_output:
+                g = grads[k]
+                for extra in grads[k + 1 : k + count]:
+                    g = g + extra
+                out.append(g)
+                k += count
+            return out
+
+        fns: dict[str, Callable[..., Any]] = {}
+        if n.kind == "comm":
+
+            def comm_b(*grads: torch.Tensor) -> Any:
+                cctx = ctx.bwd.saved.pop(n.name)
+                return n.transpose(cctx, *summed(grads), alloc_stream=ctx.compute)
+
+            fns[f"B.{n.name}"] = comm_b
+            return fns
+        has_dw = bool(n.params)
+
+        def d_input(*grads: torch.Tensor) -> Any:
+            leaves, outs = ctx.bwd.saved[n.name]
+            g = summed(grads)
+            res = torch.autograd.grad(outs, leaves, g, retain_graph=has_dw, allow_unused=True)
+            if not has_dw:
+                del ctx.bwd.saved[n.name]
+            return tuple(torch.zeros_like(leaf) if r is None else r for r, leaf in zip(res, leaves))
+
+        def d_weight(*grads: torch.Tensor) -> Any:
+            _, outs = ctx.bwd.saved.pop(n.name)
+            params = list(n.params)
+            res = torch.autograd.grad(outs, params, summed(grads), allow_unused=True)
+            for p, r in zip(params, res):
+                if r is None:
+                    continue
+                if p.grad is None:
+                    p.grad = r
+                else:
+                    p.grad.add_(r)
+            return None
+
+        if n.grad_inputs:
+            fns[f"B.{n.name}"] = d_input
+        if has_dw:
+            fns[f"B.{n.name}.dw"] = d_weight
+        return fns
+
+    def callables(self, forward: bool, backward: bool) -> dict[str, Callable[..., Any]]:
+        out: dict[str, Callable[..., Any]] = {}
+        names = {n["name"] for n in self.graph(forward, backward)["nodes"]}
+        for n in self.nodes:
+            if forward:
+                out[f"F.{n.name}"] = self._forward_fn(n)
+            if backward:
+                out.update(self._backward_fns(n))
+        return {k: v for k, v in out.items() if k in names}
+
+    # -- running -----------------------------------------------------------------------
+
+    def executor(self, forward: bool, backward: bool, order: str = "ours", lifetime: str = "scheduled") -> Executor:
+        """The executor of one multiplexing (made once, reused every step)."""
+        key = (forward, backward, order, lifetime)
+        ex = self._executors.get(key)
+        if ex is None:
+            g = self.graph(forward, backward)
+            s = self.order_schedule(forward, backward, order)
+            ex = self._executors[key] = Executor(g, s, self.callables(forward, backward), device=self.device, lifetime=lifetime)
+        return ex
+
+    def run(
+        self,
+        fwd: Optional[tuple[MicrobatchState, dict[str, Any]]] = None,
+        bwd: Optional[MicrobatchState] = None,
+        order: str = "ours",
+        lifetime: str = "scheduled",
+        grad_scale: float = 1.0,
+    ) -> dict[str, Any]:
+        """Forward of one microbatch (`fwd`: its state and chunk inputs), backward of another
+        (`bwd`), or both multiplexed in one schedule."""
+        if fwd is None and bwd is None:
+            raise ValueError("nothing to run: give a forward, a backward, or both")
+        if bwd is not None and not bwd.saved:
+            raise ValueError(f"microbatch {bwd.index} has no saved forward to run a backward on")
+        ex = self.executor(fwd is not None, bwd is not None, order, lifetime)
+        self.ctx.fwd = fwd[0] if fwd else None
+        self.ctx.bwd = bwd
+        self.ctx.compute = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        inputs: dict[str, Any] = {}
+        if fwd is not None:
+            missing = sorted(set(self.inputs) - set(fwd[1]))
+            if missing:
+                raise ValueError(f"chunk inputs missing: {missing}")
+            inputs.update({f"F.{k}": v for k, v in fwd[1].items()})
+        if bwd is not None:
+            inputs[f"B.g.{self.loss_output}"] = torch.full((), grad_scale, device=self.device, dtype=bwd.loss.dtype)
+        try:
+            return ex.run(inputs)
+        finally:
+            self.ctx.fwd = self.ctx.bwd = None
+
+
+def combined_step(
+    chunk: Chunk,
+    forward: tuple[MicrobatchState, dict[str, Any]],
+    backward: MicrobatchState,
+    order: str = "ours",
+    lifetime: str = "scheduled",
+    grad_scale: float = 1.0,
+) -> dict[str, Any]:
+    """F of one microbatch with B of another, in the scheduler's order (or a baseline's)."""
+    return chunk.run(forward, backward, order, lifetime, grad_scale)
+
+
+def train_step(
+    chunk: Chunk,
+    microbatches: Sequence[dict[str, Any]],
+    order: str = "ours",
+    lifetime: str = "scheduled",
+    on_run: Optional[Callable[[], None]] = None,
+) -> list[torch.Tensor]:
+    """One step over n microbatches with gradient accumulation (loss scaled by 1/n).
+
+    `order="sequential"`: F(i) then B(i), one microbatch at a time, each comm waited at once.
+    Otherwise the steady state: warm-up F(0), then F(i+1) multiplexed with B(i), cool-down
+    B(n-1), each multiplexing in `order` ("ours" or "b_then_f"). Returns the losses."""
+    n = len(microbatches)
+    scale = 1.0 / n
+    states = [MicrobatchState(i) for i in range(n)]
+    run_order = order if order != "sequential" else "sequential"
+
+    def after() -> None:
+        if on_run is not None:
+            on_run()
+
+    if order == "sequential":
+        for i in range(n):
+            chunk.run((states[i], microbatches[i]), None, run_order, lifetime)
+            after()
+            chunk.run(None, states[i], run_order, lifetime, scale)
+            after()
+    else:
+        chunk.run((states[0], microbatches[0]), None, order, lifetime)
+        after()
+        for i in range(n - 1):
+            chunk.run((states[i + 1], microbatches[i + 1]), states[i], order, lifetime, scale)
+            after()
+        chunk.run(None, states[n - 1], order, lifetime, scale)
+        after()
+    for s in states:
+        if s.saved:
+            raise RuntimeError(f"microbatch {s.index}: backward left state behind for {sorted(s.saved)[:5]}")
+    return [s.loss for s in states]

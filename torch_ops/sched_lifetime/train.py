@@ -1,0 +1,283 @@
+"""The main job: train the embedded MoE model for a few steps under several arms, side by side
+in one process per rank, and print one table.
+
+Arms (same initial weights, same tokens):
+  sequential       F then B per microbatch, each comm waited at once (the serial reference)
+  b_then_f         F(i+1) and B(i) multiplexed as every B node then every F node
+  ours             F(i+1) and B(i) in the scheduler's order
+  ours+record      ours, with `record_stream` instead of the lifetime manager
+Columns: loss and gradient parity against `sequential` (torch.equal on every loss, gradient and
+updated weight), step time (median of interleaved steps), exposed communication (profiler
+kernel intervals: NCCL time with no compute kernel running), max allocated, max reserved,
+pending-free peak (allocator snapshot).
+
+Launch: with 2+ GPUs it spawns 2 ranks over NCCL itself (or run it under
+`torchrun --standalone --nproc-per-node 2 -m sched_lifetime train`); on CPU it spawns 2 gloo
+ranks (real numerics; memory figures simulated by the Rust model and labelled so); with one
+GPU it runs EP=1 and says what it cannot show.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from dataclasses import replace
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+ARMS = {
+    "sequential": ("sequential", "scheduled"),
+    "b_then_f": ("b_then_f", "scheduled"),
+    "ours": ("ours", "scheduled"),
+    "ours+record": ("ours", "record_stream"),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pending_free_bytes() -> int:
+    return sum(
+        blk["size"]
+        for seg in torch.cuda.memory_snapshot()
+        for blk in seg["blocks"]
+        if blk["state"] == "active_pending_free"
+    )
+
+
+def exposed_comm_us(prof: Any) -> tuple[float, float]:
+    """(exposed, total) NCCL kernel time in us from a profiler's CUDA kernel events."""
+    comm, comp = [], []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        start = e.time_range.start
+        end = e.time_range.end
+        (comm if "nccl" in e.name.lower() else comp).append((start, end))
+
+    def union(iv: list) -> list:
+        out: list = []
+        for s, t in sorted(iv):
+            if out and s <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], t)
+            else:
+                out.append([s, t])
+        return out
+
+    cu, pu = union(comm), union(comp)
+    total = sum(t - s for s, t in cu)
+    covered, j = 0.0, 0
+    for s, t in cu:
+        while j < len(pu) and pu[j][1] <= s:
+            j += 1
+        k = j
+        while k < len(pu) and pu[k][0] < t:
+            covered += max(0.0, min(t, pu[k][1]) - max(s, pu[k][0]))
+            k += 1
+    return total - covered, total
+
+
+class Arm:
+    """One arm's model, optimizer and results."""
+
+    def __init__(self, name: str, cfg: Any, transport: Any, device: torch.device, lr: float) -> None:
+        from .models import MoEModel
+
+        self.name = name
+        self.order, self.lifetime = ARMS[name]
+        self.model = MoEModel(cfg, transport, seed=0, device=device)
+        self.chunk = self.model.chunk(device)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=lr)
+        self.losses: list[torch.Tensor] = []
+        self.times: list[float] = []
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+    def step(self, step: int, microbatches: int, on_run: Any = None) -> None:
+        from .nodes import train_step
+
+        m = self.model
+        self.opt.zero_grad(set_to_none=True)
+        batches = [m.batch(step, i) for i in range(microbatches)]
+        losses = train_step(self.chunk, batches, self.order, self.lifetime, on_run)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # Data parallel over the EP ranks for everything but the experts.
+            grads = [p.grad for p in m.dense_parameters() if p.grad is not None]
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat)
+            flat /= dist.get_world_size()
+            for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(f)
+        self.grads.append({k: p.grad.detach().clone() for k, p in m.named_parameters() if p.grad is not None})
+        self.opt.step()
+        self.losses.append(torch.stack([x.float() for x in losses]).detach().cpu())
+
+
+def worker(rank: int, world: int, args: argparse.Namespace, port: Optional[int]) -> None:
+    use_cuda = torch.cuda.is_available() and not args.cpu
+    if port is not None:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(port)
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
+    if use_cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    if world > 1 or "RANK" in os.environ:
+        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=torch.device("cuda", torch.cuda.current_device()) if use_cuda else None)
+    try:
+        out = run(args, use_cuda)
+        if (not dist.is_initialized() or dist.get_rank() == 0) and out is not None:
+            print(out["table"])
+            if args.out:
+                with open(os.path.join(args.out, "train.json"), "w") as f:
+                    json.dump(out["json"], f, indent=1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace, use_cuda: bool) -> dict:
+    from . import ep as ep_mod
+    from .models import CONFIGS
+
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    cfg = CONFIGS[args.config]
+    if args.layers:
+        cfg = replace(cfg, layers=args.layers)
+    group = ep_mod.new_ep_group() if dist.is_initialized() else None
+    transport = ep_mod.AllToAll(group)
+    rank0 = transport.rank == 0
+    names = [a for a in args.arms.split(",") if a]
+    for a in names:
+        if a not in ARMS:
+            raise SystemExit(f"unknown arm {a!r}; expected some of {sorted(ARMS)}")
+    arms = {a: Arm(a, cfg, transport, device, args.lr) for a in names}
+    first = next(iter(arms.values()))
+    # Every rank must issue the same collectives in the same order.
+    tables = {a: arm.chunk.order_schedule(True, True, arm.order) for a, arm in arms.items()}
+    ep_mod.check_rank_identical("schedule (graph, order, budgets) and model config", ep_mod.digest(tables, cfg.as_dict()), group)
+
+    def sync() -> None:
+        if use_cuda:
+            torch.cuda.synchronize()
+
+    # Warm-up step (not timed), then interleaved timed steps.
+    for a, arm in arms.items():
+        arm.step(0, args.microbatches)
+    sync()
+    for step in range(1, args.steps + 1):
+        for a, arm in arms.items():
+            sync()
+            t0 = time.perf_counter()
+            arm.step(step, args.microbatches)
+            sync()
+            arm.times.append((time.perf_counter() - t0) * 1e3)
+            if rank0 and args.progress:
+                print(f"step {step} {a:<12} loss {arm.losses[-1].sum().item():.5f}  {arm.times[-1]:.2f} ms", flush=True)
+    # Parity against the first arm: losses, every gradient, every updated weight.
+    ref = first
+    parity: dict[str, bool] = {}
+    for a, arm in arms.items():
+        ok = all(torch.equal(x, y) for x, y in zip(arm.losses, ref.losses))
+        ok &= all(torch.equal(g[k], h[k]) for g, h in zip(arm.grads, ref.grads) for k in h)
+        ok &= all(torch.equal(p, q) for p, q in zip(arm.model.parameters(), ref.model.parameters()))
+        parity[a] = ok
+    if dist.is_initialized():
+        flags = torch.tensor([int(parity[a]) for a in arms], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        parity = {a: bool(f) for a, f in zip(arms, flags.tolist())}
+    rows: dict[str, dict] = {a: {"parity": parity[a], "step_ms": statistics.median(arm.times)} for a, arm in arms.items()}
+    # Memory and exposed communication: one more step per arm, measured alone.
+    for a, arm in arms.items():
+        if use_cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            pend = [0]
+
+            def sample(p: list = pend) -> None:
+                p[0] = max(p[0], _pending_free_bytes())
+
+            arm.step(args.steps + 1, args.microbatches, on_run=sample)
+            sync()
+            rows[a].update(
+                max_allocated=torch.cuda.max_memory_allocated(), max_reserved=torch.cuda.max_memory_reserved(), pending_free_peak=pend[0]
+            )
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                arm.step(args.steps + 2, args.microbatches)
+                sync()
+            exp, tot = exposed_comm_us(prof)
+            rows[a].update(exposed_comm_us=exp, comm_us=tot)
+            if args.out and rank0 and a == "ours":
+                prof.export_chrome_trace(os.path.join(args.out, "trace_ours.json"))
+    return {"table": format_table(rows, cfg, args, use_cuda, transport.world), "json": {"config": cfg.as_dict(), "world": transport.world, "rows": rows}} if rank0 else None
+
+
+def format_table(rows: dict, cfg: Any, args: argparse.Namespace, use_cuda: bool, world: int) -> str:
+    mib = float(1 << 20)
+    where = f"{'CUDA' if use_cuda else 'CPU'}, EP={world}, config {args.config}, {args.microbatches} microbatches, {args.steps} timed steps"
+    lines = [f"MEASURED ({where})", f"{'arm':<13}{'parity':>8}{'step ms':>10}{'vs seq':>8}{'exposed comm ms':>17}{'comm ms':>9}{'max alloc MiB':>15}{'max resv MiB':>14}{'pending MiB':>13}"]
+    base = rows.get("sequential", next(iter(rows.values())))["step_ms"]
+    for a, r in rows.items():
+        mem = (
+            f"{r['max_allocated'] / mib:>15.0f}{r['max_reserved'] / mib:>14.0f}{r['pending_free_peak'] / mib:>13.0f}"
+            if "max_allocated" in r
+            else f"{'(GPU only)':>15}{'':>14}{'':>13}"
+        )
+        comm = f"{r['exposed_comm_us'] / 1e3:>17.2f}{r['comm_us'] / 1e3:>9.2f}" if "comm_us" in r else f"{'(GPU only)':>17}{'':>9}"
+        lines.append(f"{a:<13}{'equal' if r['parity'] else 'DIFFER':>8}{r['step_ms']:>10.2f}{base / r['step_ms']:>8.3f}{comm}{mem}")
+    if not use_cuda:
+        lines.append("CPU: step times are host times of real numerics; stream overlap, exposed comm and allocator figures need a GPU.")
+    elif world == 1:
+        lines.append("One GPU: EP=1, the all-to-all is a local copy; overlap of NCCL traffic needs 2 GPUs (torchrun --standalone --nproc-per-node 2 -m sched_lifetime train).")
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sched_lifetime train", description="train the embedded MoE model under several arms")
+    p.add_argument("--config", default=None, help="tiny (CPU default), tiny_dense, h200 (GPU default)")
+    p.add_argument("--layers", type=int, default=0)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--world", type=int, default=2, help="EP ranks to spawn when not under torchrun")
+    p.add_argument("--cpu", action="store_true", help="run on CPU (gloo) even with a GPU")
+    p.add_argument("--out", default=None, help="directory for train.json and the trace")
+    p.add_argument("--progress", action="store_true", default=True)
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    use_cuda = torch.cuda.is_available() and not args.cpu
+    if args.config is None:
+        args.config = "h200" if use_cuda else "tiny"
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    # Inputs of NCCL collectives are held by the work object, not record_stream'ed.
+    os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None)
+        return 0
+    world = args.world
+    if use_cuda and torch.cuda.device_count() < world:
+        print(f"{torch.cuda.device_count()} GPU(s): running EP=1; for EP over NCCL run on {world} GPUs "
+              f"(torchrun --standalone --nproc-per-node {world} -m sched_lifetime train)", file=sys.stderr)
+        world = 1
+    if world == 1:
+        worker(0, 1, args, None)
+        return 0
+    import torch.multiprocessing as mp
+
+    mp.spawn(worker, args=(world, args, _free_port()), nprocs=world, join=True)
+    return 0
