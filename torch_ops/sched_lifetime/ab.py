@@ -111,15 +111,20 @@ def run_arm(arm: str, n: int, numel: int, lag: int, steps: int, device: torch.de
     return row
 
 
-def captured_pool(arm: str, n: int, numel: int, replays: int = 3) -> tuple[int, list[torch.Tensor]]:
+def captured_pool(arm: str, n: int, numel: int, replays: int = 3, large_pool: bool = False) -> tuple[int, list[torch.Tensor]]:
     """Capture one step into a CUDA graph; returns (graph pool bytes, outputs of each replay).
-    Replay r feeds an input of value r + 2, so output i must be numel * (i + 1) * (r + 2)."""
+    Replay r feeds an input of value r + 2, so output i must be numel * (i + 1) * (r + 2).
+    `large_pool`: count the large pool only (what an eager step's large-pool peak compares to)."""
+
+    def reserved() -> int:
+        return torch.cuda.memory_stats()["reserved_bytes.large_pool.current"] if large_pool else torch.cuda.memory_reserved()
+
     b = torch.cuda.Stream()
     static_in = torch.ones(numel, device="cuda")
     outs = torch.zeros(n, device="cuda", dtype=torch.float64)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    base = torch.cuda.memory_reserved()
+    base = reserved()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         a = torch.cuda.current_stream()
@@ -133,7 +138,7 @@ def captured_pool(arm: str, n: int, numel: int, replays: int = 3) -> tuple[int, 
         if mgr is not None:
             mgr.finalize()
         a.wait_stream(b)
-    pool = torch.cuda.memory_reserved() - base
+    pool = reserved() - base
     results = []
     for r in range(replays):
         static_in.fill_(float(r + 2))

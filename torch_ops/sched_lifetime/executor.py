@@ -48,6 +48,7 @@ class SideStreams:
     @classmethod
     def of(cls, device: torch.device) -> "SideStreams":
         """The side streams of `device` (made on first use, outside any capture)."""
+        device = _device(device)
         with cls._lock:
             s = cls._by_device.get(device)
             if s is None:
@@ -84,7 +85,7 @@ class Executor:
     ) -> None:
         if lifetime not in _LIFETIME_MODES:
             raise ValueError(f"lifetime must be one of {_LIFETIME_MODES}, got {lifetime!r}")
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = _device(device)
         self.lifetime = lifetime
         self.single_stream = single_stream
         nodes = {n["name"]: n for n in graph["nodes"]}
@@ -242,6 +243,14 @@ class _NullCtx:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def _device(device: Union[str, torch.device, None]) -> torch.device:
+    """A device with its index ("cuda" means the current device)."""
+    d = torch.device(device) if device is not None else torch.device("cpu")
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d
 
 
 def _value_name(v: Union[str, Mapping[str, Any]]) -> str:

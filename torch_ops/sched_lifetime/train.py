@@ -130,6 +130,12 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: Optional[int])
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
     if use_cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
+        # Arms must compare bit-exact: deterministic kernels, and an attention backend whose
+        # backward is (probed, not assumed).
+        torch.use_deterministic_algorithms(True)
+        from .models import moe as moe_mod
+
+        moe_mod.deterministic_sdpa(torch.device("cuda", torch.cuda.current_device()), getattr(torch, "bfloat16"))
     if world > 1 or "RANK" in os.environ:
         dist.init_process_group("nccl" if use_cuda else "gloo", device_id=torch.device("cuda", torch.cuda.current_device()) if use_cuda else None)
     try:
@@ -224,7 +230,8 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
 
 def format_table(rows: dict, cfg: Any, args: argparse.Namespace, use_cuda: bool, world: int) -> str:
     mib = float(1 << 20)
-    where = f"{'CUDA' if use_cuda else 'CPU'}, EP={world}, config {args.config}, {args.microbatches} microbatches, {args.steps} timed steps"
+    nccl = f", NCCL channels {args.nccl_channels}" if args.nccl_channels else ""
+    where = f"{'CUDA' if use_cuda else 'CPU'}, EP={world}, config {args.config}, {args.microbatches} microbatches, {args.steps} timed steps{nccl}"
     lines = [f"MEASURED ({where})", f"{'arm':<13}{'parity':>8}{'step ms':>10}{'vs seq':>8}{'exposed comm ms':>17}{'comm ms':>9}{'max alloc MiB':>15}{'max resv MiB':>14}{'pending MiB':>13}"]
     base = rows.get("sequential", next(iter(rows.values())))["step_ms"]
     for a, r in rows.items():
@@ -253,7 +260,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--world", type=int, default=2, help="EP ranks to spawn when not under torchrun")
     p.add_argument("--cpu", action="store_true", help="run on CPU (gloo) even with a GPU")
     p.add_argument("--out", default=None, help="directory for train.json and the trace")
-    p.add_argument("--progress", action="store_true", default=True)
+    p.add_argument("--nccl-channels", type=int, default=0, help="limit NCCL to this many channels (0: NCCL's choice)")
+    p.add_argument("--quiet", dest="progress", action="store_false", help="no progress line per step")
     return p
 
 
@@ -264,8 +272,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.config = "h200" if use_cuda else "tiny"
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-    # Inputs of NCCL collectives are held by the work object, not record_stream'ed.
-    os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
+    # Deterministic cuBLAS (must be set before the first cuBLAS call).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if args.nccl_channels:
+        # Fewer NCCL channels: a slower, inter-node-like link (and fewer SMs taken from compute).
+        os.environ["NCCL_MIN_NCHANNELS"] = os.environ["NCCL_MAX_NCHANNELS"] = str(args.nccl_channels)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None)
         return 0

@@ -17,8 +17,8 @@ Dense layer: attn (h -> x, z), mlp (x, z -> h').
 Two dispatch modes: counted (eager, lossless: counts exchanged first, a host sync, as
 Megatron-LM's all-to-all dispatcher does) and fixed capacity (`capacity_factor`: no host
 sync, so a step can be captured in a CUDA graph; assignments beyond capacity are dropped
-and counted in `dropped`). Every gather/scatter uses a permutation (no duplicate indices),
-so the numerics are deterministic.
+and counted by `dropped_assignments`). Every gather reads distinct rows (a zero or dump row
+aside), so the numerics are deterministic.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..ep import AllToAll, Transport
 from ..nodes import Chunk, NodeDef
@@ -64,14 +65,44 @@ CONFIGS = {
     # Runs on CPU in seconds (CI, parity tests).
     "tiny": MoEConfig(),
     "tiny_dense": MoEConfig(dense_layers=1, layers=3),
-    # Two H200s over NVLink: all-to-all time about the expert time (bf16, hidden 4096, 8 experts
-    # of ffn 1024 top-4, 8192 tokens per microbatch per rank).
+    # Two H200s: bf16, hidden 4096, 8 experts of ffn 1024 top-4, 8192 tokens per microbatch per
+    # rank; with NCCL held to one channel (`train --nccl-channels 1`, an inter-node-like link)
+    # the all-to-all takes about as long as the expert compute.
     "h200": MoEConfig(
         vocab=8192, hidden=4096, heads=32, layers=4, dense_layers=0, experts=8, topk=4,
-        expert_ffn=1024, shared_ffn=2048, dense_ffn=8192, seq=2048, batch=4, dtype="bfloat16",
+        expert_ffn=1024, shared_ffn=1024, dense_ffn=8192, seq=2048, batch=4, dtype="bfloat16",
         capacity_factor=1.25,
     ),
 }
+
+
+#: Attention backends to use (None: torch's choice). The main job sets a deterministic one
+#: on GPU (`deterministic_sdpa`), so arms compare bit-exact.
+SDPA_BACKENDS: Optional[list] = None
+
+
+def deterministic_sdpa(device: torch.device, dtype: torch.dtype) -> Optional[list]:
+    """The first attention backend whose backward gives the same bits twice here (probed on a
+    small causal problem), set as the model's backend; None if torch's default already does."""
+    global SDPA_BACKENDS
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 256, 64, generator=g).to(device, dtype).requires_grad_() for _ in range(3))
+
+    def grads(backends: Optional[list]) -> Optional[list]:
+        try:
+            ctx = sdpa_kernel(backends) if backends else torch.enable_grad()
+            with ctx:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return list(torch.autograd.grad(o.square().sum(), (q, k, v)))
+        except RuntimeError:
+            return None
+
+    for backends in (None, [SDPBackend.FLASH_ATTENTION], [SDPBackend.EFFICIENT_ATTENTION], [SDPBackend.MATH]):
+        runs = [grads(backends) for _ in range(3)]
+        if runs[0] is not None and all(r is not None and all(torch.equal(a, b) for a, b in zip(r, runs[0])) for r in runs[1:]):
+            SDPA_BACKENDS = backends
+            return backends
+    raise RuntimeError("no deterministic attention backend found")
 
 
 def _dtype(cfg: MoEConfig) -> torch.dtype:
@@ -98,7 +129,11 @@ class Attention(nn.Module):
         c = self.cfg
         b, s, d = c.batch, c.seq, c.hidden // c.heads
         q, k, v = self.qkv(h).view(b, s, 3, c.heads, d).permute(2, 0, 3, 1, 4)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if SDPA_BACKENDS is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            with sdpa_kernel(SDPA_BACKENDS):
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out(o.transpose(1, 2).reshape(b * s, c.hidden))
 
 
@@ -131,7 +166,7 @@ class Routing:
     """Routing of one layer of one microbatch on this rank."""
 
     perm: torch.Tensor  # sorted position -> flat (token, k) index
-    dest: torch.Tensor  # sorted position -> row of the send buffer (capacity: dump row if dropped)
+    back: torch.Tensor  # flat (token, k) index -> row of the returned buffer (or the dump row)
     counts: torch.Tensor  # assignments per global expert
     rows: int  # rows of the send buffer
 
@@ -164,7 +199,10 @@ class MoELayer(nn.Module):
         self.capacity = (
             None if cfg.capacity_factor is None else max(1, math.ceil(tokens * cfg.topk / cfg.experts * cfg.capacity_factor))
         )
-        self.dropped = 0
+
+    def dropped_assignments(self, r: "Routing") -> int:
+        """Assignments beyond capacity in one routing (a host sync: call it outside steps)."""
+        return 0 if self.capacity is None else int((r.back == r.rows).sum().item())
 
     # -- node bodies -------------------------------------------------------------------
 
@@ -178,23 +216,30 @@ class MoELayer(nn.Module):
         w, eid = torch.topk(probs, c.topk, dim=-1)
         w = (w / w.sum(-1, keepdim=True)).to(z.dtype)
         flat = eid.reshape(-1)
+        n = flat.numel()
         perm = torch.argsort(flat, stable=True)
+        inv = torch.argsort(perm)
         counts = torch.bincount(flat, minlength=c.experts)
+        # Expand, not index with repeats: its backward is a sum over k, deterministic.
         z_rep = z.unsqueeze(1).expand(-1, c.topk, -1).reshape(-1, c.hidden)
         if self.capacity is None:
             send = z_rep.index_select(0, perm)
-            routing = Routing(perm, perm, counts, perm.numel())
+            routing = Routing(perm, inv, counts, n)
         else:
             cap = self.capacity
-            f_sorted = flat.index_select(0, perm)
-            starts = torch.cumsum(counts, 0) - counts
-            pos = torch.arange(flat.numel(), device=flat.device) - starts.index_select(0, f_sorted)
             rows = c.experts * cap
-            # Dropped assignments go to one dump row past the end, never sent.
+            starts = torch.cumsum(counts, 0) - counts
+            slot = torch.arange(cap, device=flat.device)
+            q = starts.unsqueeze(1) + slot
+            filled = slot < counts.unsqueeze(1)
+            # Slot (e, c) takes sorted assignment starts[e] + c, or the zero row past the end.
+            src = torch.where(filled, perm.index_select(0, q.clamp(max=n - 1).reshape(-1)).view_as(q), torch.full_like(q, n))
+            send = torch.cat([z_rep, z_rep.new_zeros(1, c.hidden)]).index_select(0, src.reshape(-1))
+            # Flat assignment -> its row of the returned buffer, or the dump row (dropped).
+            f_sorted = flat.index_select(0, perm)
+            pos = torch.arange(n, device=flat.device) - starts.index_select(0, f_sorted)
             dest = torch.where(pos < cap, f_sorted * cap + pos, torch.full_like(pos, rows))
-            full = z_rep.new_zeros(rows + 1, c.hidden).index_copy(0, dest, z_rep.index_select(0, perm))
-            send = full[:rows]
-            routing = Routing(perm, dest, counts, rows)
+            routing = Routing(perm, dest.index_select(0, inv), counts, rows)
         return x, z, w, send, routing
 
     def dispatch(self, t: Transport, send: torch.Tensor, r: Routing, alloc_stream=None) -> tuple:
@@ -235,11 +280,9 @@ class MoELayer(nn.Module):
 
     def post(self, x: torch.Tensor, w: torch.Tensor, back: torch.Tensor, r: Routing, s: Optional[torch.Tensor]) -> torch.Tensor:
         c = self.cfg
-        if self.capacity is None:
-            y_sorted = back
-        else:
-            y_sorted = torch.cat([back, back.new_zeros(1, c.hidden)]).index_select(0, r.dest)
-        y_flat = y_sorted.new_zeros(y_sorted.shape).index_copy(0, r.perm, y_sorted)
+        # One gather, each row read once (the dump row aside): deterministic both ways.
+        src = back if self.capacity is None else torch.cat([back, back.new_zeros(1, c.hidden)])
+        y_flat = src.index_select(0, r.back)
         y = (y_flat.view(-1, c.topk, c.hidden) * w.unsqueeze(-1)).sum(1)
         out = x + y
         return out + s if s is not None else out
