@@ -87,6 +87,15 @@ def exposed_comm_us(prof: Any) -> tuple[float, float]:
     return total - covered, total
 
 
+def top_kernels(prof: Any, n: int = 8) -> list:
+    """The `n` kernels with the most GPU time in a profile: [(name, ms)]."""
+    agg: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            agg[e.name[:70]] = agg.get(e.name[:70], 0.0) + (e.time_range.end - e.time_range.start) / 1e3
+    return sorted(agg.items(), key=lambda kv: -kv[1])[:n]
+
+
 class Arm:
     """One arm's model, optimizer and results."""
 
@@ -222,7 +231,7 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
                 arm.step(args.steps + 2, args.microbatches)
                 sync()
             exp, tot = exposed_comm_us(prof)
-            rows[a].update(exposed_comm_us=exp, comm_us=tot)
+            rows[a].update(exposed_comm_us=exp, comm_us=tot, top_kernels_ms=top_kernels(prof))
             if args.out and rank0 and a == "ours":
                 prof.export_chrome_trace(os.path.join(args.out, "trace_ours.json"))
     return {"table": format_table(rows, cfg, args, use_cuda, transport.world), "json": {"config": cfg.as_dict(), "world": transport.world, "rows": rows}} if rank0 else None
@@ -242,6 +251,12 @@ def format_table(rows: dict, cfg: Any, args: argparse.Namespace, use_cuda: bool,
         )
         comm = f"{r['exposed_comm_us'] / 1e3:>17.2f}{r['comm_us'] / 1e3:>9.2f}" if "comm_us" in r else f"{'(GPU only)':>17}{'':>9}"
         lines.append(f"{a:<13}{'equal' if r['parity'] else 'DIFFER':>8}{r['step_ms']:>10.2f}{base / r['step_ms']:>8.3f}{comm}{mem}")
+    if use_cuda:
+        from .models import moe as moe_mod
+
+        lines.append(f"attention backend (probed deterministic): {moe_mod.SDPA_BACKENDS or 'torch default'}")
+        if "ours" in rows and "top_kernels_ms" in rows["ours"]:
+            lines.append("ours, top kernels in one step: " + "; ".join(f"{k} {v:.1f} ms" for k, v in rows["ours"]["top_kernels_ms"]))
     if not use_cuda:
         lines.append("CPU: step times are host times of real numerics; stream overlap, exposed comm and allocator figures need a GPU.")
     elif world == 1:

@@ -161,11 +161,28 @@ class LocalExperts(nn.Module):
         return (F.silu(a) * g) @ self.w2[e]
 
 
+class PermuteRows(torch.autograd.Function):
+    """`cat(x, zero_row)[fwd]` where `fwd` and `bwd` are inverse partial permutations (each
+    row read at most once; index `len(x)` is the zero row). Its backward is the gather
+    `cat(g, zero_row)[bwd]`, not index_select's scatter-add: as fast as the forward and
+    deterministic without torch's slow sorting fallback."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fwd: torch.Tensor, bwd: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(bwd)
+        return torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, fwd)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        (bwd,) = ctx.saved_tensors
+        return torch.cat([g, g.new_zeros(1, g.shape[1])]).index_select(0, bwd), None, None
+
+
 @dataclass
 class Routing:
     """Routing of one layer of one microbatch on this rank."""
 
-    perm: torch.Tensor  # sorted position -> flat (token, k) index
+    send_src: torch.Tensor  # row of the send buffer -> flat (token, k) index (or the zero row)
     back: torch.Tensor  # flat (token, k) index -> row of the returned buffer (or the dump row)
     counts: torch.Tensor  # assignments per global expert
     rows: int  # rows of the send buffer
@@ -223,7 +240,7 @@ class MoELayer(nn.Module):
         # Expand, not index with repeats: its backward is a sum over k, deterministic.
         z_rep = z.unsqueeze(1).expand(-1, c.topk, -1).reshape(-1, c.hidden)
         if self.capacity is None:
-            send = z_rep.index_select(0, perm)
+            send = PermuteRows.apply(z_rep, perm, inv)
             routing = Routing(perm, inv, counts, n)
         else:
             cap = self.capacity
@@ -234,12 +251,14 @@ class MoELayer(nn.Module):
             filled = slot < counts.unsqueeze(1)
             # Slot (e, c) takes sorted assignment starts[e] + c, or the zero row past the end.
             src = torch.where(filled, perm.index_select(0, q.clamp(max=n - 1).reshape(-1)).view_as(q), torch.full_like(q, n))
-            send = torch.cat([z_rep, z_rep.new_zeros(1, c.hidden)]).index_select(0, src.reshape(-1))
+            src = src.reshape(-1)
             # Flat assignment -> its row of the returned buffer, or the dump row (dropped).
             f_sorted = flat.index_select(0, perm)
             pos = torch.arange(n, device=flat.device) - starts.index_select(0, f_sorted)
             dest = torch.where(pos < cap, f_sorted * cap + pos, torch.full_like(pos, rows))
-            routing = Routing(perm, dest.index_select(0, inv), counts, rows)
+            back = dest.index_select(0, inv)
+            send = PermuteRows.apply(z_rep, src, back)
+            routing = Routing(src, back, counts, rows)
         return x, z, w, send, routing
 
     def dispatch(self, t: Transport, send: torch.Tensor, r: Routing, alloc_stream=None) -> tuple:
@@ -280,9 +299,8 @@ class MoELayer(nn.Module):
 
     def post(self, x: torch.Tensor, w: torch.Tensor, back: torch.Tensor, r: Routing, s: Optional[torch.Tensor]) -> torch.Tensor:
         c = self.cfg
-        # One gather, each row read once (the dump row aside): deterministic both ways.
-        src = back if self.capacity is None else torch.cat([back, back.new_zeros(1, c.hidden)])
-        y_flat = src.index_select(0, r.back)
+        # The inverse of the dispatch gather: each row read once, both ways.
+        y_flat = PermuteRows.apply(back, r.back, r.send_src)
         y = (y_flat.view(-1, c.topk, c.hidden) * w.unsqueeze(-1)).sum(1)
         out = x + y
         return out + s if s is not None else out
