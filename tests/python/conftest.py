@@ -1,6 +1,9 @@
 import os
 import sys
 
+# Deterministic cuBLAS for the bit-exact GPU tests (must be set before the first cuBLAS call).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
 import pytest
 
 # Tests run against the package in this checkout (built by `make build` or pip install -e).

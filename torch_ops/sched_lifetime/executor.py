@@ -165,9 +165,15 @@ class Executor:
         for role in ("ep", "page"):
             if streams[role] is not comp:
                 streams[role].wait_stream(comp)
+        # Under a profiler, each node is a labelled range (per-node GPU times for the simulator).
+        labels = torch.autograd.profiler._is_profiler_enabled
         try:
             for name in self._order:
-                self._issue(name, streams, env, managers)
+                if labels:
+                    with torch.profiler.record_function(name):
+                        self._issue(name, streams, env, managers)
+                else:
+                    self._issue(name, streams, env, managers)
             # Side streams rejoin compute: the caller's later work sees everything.
             for role in ("ep", "page"):
                 if streams[role] is not comp:

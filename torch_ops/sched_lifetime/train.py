@@ -38,6 +38,8 @@ ARMS = {
     "ours": ("ours", "scheduled"),
     "ours+record": ("ours", "record_stream"),
 }
+#: Arms that capture the whole step in one CUDA graph (GPU, fixed-capacity dispatch only).
+GRAPH_ARMS = {"ours+graph": ("ours", "scheduled")}
 
 
 def _free_port() -> int:
@@ -103,7 +105,12 @@ class Arm:
         from .models import MoEModel
 
         self.name = name
-        self.order, self.lifetime = ARMS[name]
+        self.order, self.lifetime = {**ARMS, **GRAPH_ARMS}[name]
+        self.captured = name in GRAPH_ARMS
+        self.graph: Any = None
+        self.graph_pool = 0
+        self.static: list = []
+        self.static_losses: list = []
         self.model = MoEModel(cfg, transport, seed=0, device=device)
         self.chunk = self.model.chunk(device)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=lr)
@@ -115,9 +122,12 @@ class Arm:
         from .nodes import train_step
 
         m = self.model
-        self.opt.zero_grad(set_to_none=True)
         batches = [m.batch(step, i) for i in range(microbatches)]
-        losses = train_step(self.chunk, batches, self.order, self.lifetime, on_run)
+        if self.captured and step > 0:
+            losses = self._replay(batches)
+        else:
+            self.opt.zero_grad(set_to_none=True)
+            losses = train_step(self.chunk, batches, self.order, self.lifetime, on_run)
         if dist.is_initialized() and dist.get_world_size() > 1:
             # Data parallel over the EP ranks for everything but the experts.
             grads = [p.grad for p in m.dense_parameters() if p.grad is not None]
@@ -129,6 +139,33 @@ class Arm:
         self.grads.append({k: p.grad.detach().clone() for k, p in m.named_parameters() if p.grad is not None})
         self.opt.step()
         self.losses.append(torch.stack([x.float() for x in losses]).detach().cpu())
+
+    def _replay(self, batches: list) -> list:
+        if self.graph is None:
+            _capture(self, batches)
+        for s, b in zip(self.static, batches):
+            for k in s:
+                s[k].copy_(b[k])
+        self.graph.replay()
+        return [x.clone() for x in self.static_losses]
+
+
+def _capture(arm: "Arm", batches: list) -> None:
+    """Capture one whole step (every microbatch's F and B, the lifetime manager's waits and
+    releases, the all-to-alls) into one CUDA graph over static inputs. Gradients are written
+    by the graph (its first write to each is an assignment), so they are not zeroed again."""
+    if arm.model.cfg.capacity_factor is None:
+        raise ValueError("capturing a step needs the fixed-capacity dispatch (capacity_factor); counted mode syncs the host")
+    arm.static = [{k: v.clone() for k, v in b.items()} for b in batches]
+    arm.opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        arm.static_losses = train_step(arm.chunk, arm.static, arm.order, arm.lifetime)
+    arm.graph_pool = torch.cuda.memory_reserved() - base
+    arm.graph = g
 
 
 def worker(rank: int, world: int, args: argparse.Namespace, port: Optional[int]) -> None:
@@ -171,11 +208,9 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
     transport = ep_mod.AllToAll(group)
     rank0 = transport.rank == 0
     names = [a for a in args.arms.split(",") if a]
-    for a in names:
-        if a not in ARMS:
-            raise SystemExit(f"unknown arm {a!r}; expected some of {sorted(ARMS)}")
     arms = {a: Arm(a, cfg, transport, device, args.lr) for a in names}
     first = next(iter(arms.values()))
+    failed: dict[str, str] = {}
     # Every rank must issue the same collectives in the same order.
     tables = {a: arm.chunk.order_schedule(True, True, arm.order) for a, arm in arms.items()}
     ep_mod.check_rank_identical("schedule (graph, order, budgets) and model config", ep_mod.digest(tables, cfg.as_dict()), group)
@@ -188,6 +223,15 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
     for a, arm in arms.items():
         arm.step(0, args.microbatches)
     sync()
+    for a, arm in list(arms.items()):
+        if arm.captured:
+            try:
+                arm.step(1, args.microbatches)  # captures, then replays
+                arm.losses.pop(), arm.grads.pop()
+                arm.model.load_state_dict(first.model.state_dict())  # back in step with the others
+            except Exception as e:  # a capture failure drops the arm, never the run
+                failed[a] = f"{type(e).__name__}: {e}"[:300]
+                del arms[a]
     for step in range(1, args.steps + 1):
         for a, arm in arms.items():
             sync()
@@ -234,6 +278,18 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
             rows[a].update(exposed_comm_us=exp, comm_us=tot, top_kernels_ms=top_kernels(prof))
             if args.out and rank0 and a == "ours":
                 prof.export_chrome_trace(os.path.join(args.out, "trace_ours.json"))
+                # Per-node GPU time of the multiplexed F+B run, by graph node name: what
+                # `sl.simulate(sl.lower(graph, order), durations=...)` reads.
+                per: dict[str, list] = {}
+                for e in prof.key_averages():
+                    if e.key.startswith(("F.", "B.")) and e.count:
+                        per[e.key] = [e.device_time_total / e.count]
+                with open(os.path.join(args.out, "durations_ours.json"), "w") as f:
+                    json.dump({k: round(v[0], 2) for k, v in sorted(per.items())}, f, indent=1)
+            if arm.captured:
+                rows[a]["graph_pool"] = arm.graph_pool
+    for a, why in failed.items():
+        rows[a] = {"parity": False, "step_ms": float("nan"), "failed": why}
     return {"table": format_table(rows, cfg, args, use_cuda, transport.world), "json": {"config": cfg.as_dict(), "world": transport.world, "rows": rows}} if rank0 else None
 
 
@@ -244,6 +300,9 @@ def format_table(rows: dict, cfg: Any, args: argparse.Namespace, use_cuda: bool,
     lines = [f"MEASURED ({where})", f"{'arm':<13}{'parity':>8}{'step ms':>10}{'vs seq':>8}{'exposed comm ms':>17}{'comm ms':>9}{'max alloc MiB':>15}{'max resv MiB':>14}{'pending MiB':>13}"]
     base = rows.get("sequential", next(iter(rows.values())))["step_ms"]
     for a, r in rows.items():
+        if "failed" in r:
+            lines.append(f"{a:<13}  FAILED: {r['failed']}")
+            continue
         mem = (
             f"{r['max_allocated'] / mib:>15.0f}{r['max_reserved'] / mib:>14.0f}{r['pending_free_peak'] / mib:>13.0f}"
             if "max_allocated" in r
@@ -251,6 +310,11 @@ def format_table(rows: dict, cfg: Any, args: argparse.Namespace, use_cuda: bool,
         )
         comm = f"{r['exposed_comm_us'] / 1e3:>17.2f}{r['comm_us'] / 1e3:>9.2f}" if "comm_us" in r else f"{'(GPU only)':>17}{'':>9}"
         lines.append(f"{a:<13}{'equal' if r['parity'] else 'DIFFER':>8}{r['step_ms']:>10.2f}{base / r['step_ms']:>8.3f}{comm}{mem}")
+    for a, r in rows.items():
+        if "graph_pool" in r:
+            eager = rows.get("ours", {}).get("max_reserved")
+            ratio = f" ({r['graph_pool'] / eager:.3f} of ours' eager max reserved)" if eager else ""
+            lines.append(f"{a}: whole step captured in one CUDA graph, graph pool {r['graph_pool'] / mib:.0f} MiB{ratio}")
     if use_cuda:
         from .models import moe as moe_mod
 
@@ -285,6 +349,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     use_cuda = torch.cuda.is_available() and not args.cpu
     if args.config is None:
         args.config = "h200" if use_cuda else "tiny"
+    for a in [a for a in args.arms.split(",") if a]:
+        if a not in ARMS and a not in GRAPH_ARMS:
+            raise SystemExit(f"unknown arm {a!r}; expected some of {sorted(ARMS) + sorted(GRAPH_ARMS)}")
+        if a in GRAPH_ARMS and not use_cuda:
+            raise SystemExit(f"arm {a!r} captures a CUDA graph: it needs a GPU")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     # Deterministic cuBLAS (must be set before the first cuBLAS call).

@@ -236,7 +236,8 @@ class MoELayer(nn.Module):
         n = flat.numel()
         perm = torch.argsort(flat, stable=True)
         inv = torch.argsort(perm)
-        counts = torch.bincount(flat, minlength=c.experts)
+        # Not bincount: on CUDA it reads the max on the host (a sync; no capture).
+        counts = (flat.unsqueeze(1) == torch.arange(c.experts, device=flat.device)).sum(0)
         # Expand, not index with repeats: its backward is a sum over k, deterministic.
         z_rep = z.unsqueeze(1).expand(-1, c.topk, -1).reshape(-1, c.hidden)
         if self.capacity is None:
