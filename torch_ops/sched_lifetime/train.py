@@ -109,6 +109,7 @@ class Arm:
         self.captured = name in GRAPH_ARMS
         self.graph: Any = None
         self.graph_pool = 0
+        self.graph_pool_large = 0
         self.static: list = []
         self.static_losses: list = []
         self.model = MoEModel(cfg, transport, seed=0, device=device)
@@ -154,17 +155,21 @@ def _capture(arm: "Arm", batches: list) -> None:
     """Capture one whole step (every microbatch's F and B, the lifetime manager's waits and
     releases, the all-to-alls) into one CUDA graph over static inputs. Gradients are written
     by the graph (its first write to each is an assignment), so they are not zeroed again."""
+    from .nodes import train_step
+
     if arm.model.cfg.capacity_factor is None:
         raise ValueError("capturing a step needs the fixed-capacity dispatch (capacity_factor); counted mode syncs the host")
     arm.static = [{k: v.clone() for k, v in b.items()} for b in batches]
     arm.opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    base = torch.cuda.memory_reserved()
+    large = lambda: torch.cuda.memory_stats().get("reserved_bytes.large_pool.current", 0)  # noqa: E731
+    base, base_large = torch.cuda.memory_reserved(), large()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         arm.static_losses = train_step(arm.chunk, arm.static, arm.order, arm.lifetime)
     arm.graph_pool = torch.cuda.memory_reserved() - base
+    arm.graph_pool_large = large() - base_large
     arm.graph = g
 
 
