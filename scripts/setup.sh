@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up everything from nothing (Rust, gcc, Python >= 3.10 and pip are assumed; torch is not),
 # then runs one job:
-#   scripts/setup.sh demo   the lifetime A/B (GPU: measured figures; CPU: numerics only)
+#   scripts/setup.sh demo   the main job (trains the embedded MoE model under every arm), then
+#                           the lifetime A/B (GPU: measured figures; CPU: numerics only)
 #   scripts/setup.sh test   Rust tests + pytest (GPU tests skip without a GPU)
 # Re-running is incremental: the venv, pip cache and cargo target dir are reused.
 set -euo pipefail
@@ -22,6 +23,7 @@ python -m pip install -q --disable-pip-version-check --no-build-isolation -e .
 
 case "$job" in
   demo)
+    python -m sched_lifetime train
     python -m sched_lifetime demo
     ;;
   test)

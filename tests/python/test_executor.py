@@ -172,3 +172,19 @@ def test_each_node_runs_on_the_stream_its_schedule_names():
     ref = eager({k: v for k, v in w.items()}, **inp)
     for k in ref:
         assert torch.equal(out[k], ref[k]), k
+
+
+def test_node_times_feed_the_simulator():
+    graph, w = moe_layer(), weights()
+    s = sl.schedule_order(graph, [n["name"] for n in graph["nodes"]])
+    ex = sl.Executor(graph, s, callables(w), timing=True)
+    ex.run(inputs())
+    times = ex.node_times_us()
+    assert set(times) == {n["name"] for n in graph["nodes"]}
+    assert all(t >= 0 for t in times.values()) and times["F.attn"] > 0
+    prog = sl.lower(graph, s["order"])
+    names = {n["name"] for n in prog["nodes"]}
+    rep = sl.simulate(prog, durations={k: v for k, v in times.items() if k in names})
+    assert rep["simulated"] and rep["makespan_us"] > 0
+    with pytest.raises(RuntimeError, match="timing=True"):
+        sl.Executor(graph, s, callables(w)).node_times_us()

@@ -17,6 +17,7 @@ inputs through unchanged (rule 6: the same objects, their bindings kept).
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable, Iterable, Mapping, Union
 
 import torch
@@ -71,6 +72,9 @@ class Executor:
     (values dropped after their last use, no cross-stream protection: only for one stream).
     `single_stream`: every node on the compute stream (a serial baseline; no events).
     `keep`: consumed values to return as well (values no node consumes are always returned).
+    `timing`: time every node on its stream (CUDA events made here, or host time on CPU);
+    `node_times_us()` returns the last run's times, by node name, for the simulator's
+    `durations`. Meaningful in a serial order (each node alone on the GPU).
     """
 
     def __init__(
@@ -82,6 +86,7 @@ class Executor:
         lifetime: str = "scheduled",
         single_stream: bool = False,
         keep: Iterable[str] = (),
+        timing: bool = False,
     ) -> None:
         if lifetime not in _LIFETIME_MODES:
             raise ValueError(f"lifetime must be one of {_LIFETIME_MODES}, got {lifetime!r}")
@@ -144,6 +149,10 @@ class Executor:
                 if entry not in lst:
                     lst.append(entry)
         self._plans = sorted({self._source[self._producer[r["value"]]] for r in schedule["retires"]})
+        self._timing = timing
+        self._marks: dict[str, tuple] = {}
+        if timing and self.device.type == "cuda":
+            self._timers = {n: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for n in nodes}
         self.last_stats: dict[str, dict[str, int]] = {}
 
     def _streams(self) -> dict[str, torch.Stream]:
@@ -169,7 +178,9 @@ class Executor:
         labels = torch.autograd.profiler._is_profiler_enabled
         try:
             for name in self._order:
-                if labels:
+                if self._timing:
+                    self._timed_issue(name, streams, env, managers)
+                elif labels:
                     with torch.profiler.record_function(name):
                         self._issue(name, streams, env, managers)
                 else:
@@ -187,6 +198,28 @@ class Executor:
         for m in managers.values():
             m.close()
         return env
+
+    def _timed_issue(self, name: str, streams: dict, env: dict, managers: dict) -> None:
+        s = streams[self._role[name]]
+        if self.device.type == "cuda":
+            start, end = self._timers[name]
+            start.record(s)
+            self._issue(name, streams, env, managers)
+            end.record(s)
+            self._marks[name] = (start, end)
+        else:
+            t0 = time.perf_counter()
+            self._issue(name, streams, env, managers)
+            self._marks[name] = (t0, time.perf_counter())
+
+    def node_times_us(self) -> dict[str, float]:
+        """Each node's time in the last timed run, in microseconds (synchronizes the GPU)."""
+        if not self._timing:
+            raise RuntimeError("node times need Executor(..., timing=True)")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return {n: a.elapsed_time(b) * 1e3 for n, (a, b) in self._marks.items()}
+        return {n: (b - a) * 1e6 for n, (a, b) in self._marks.items()}
 
     def _issue(self, name: str, streams: dict, env: dict, managers: dict) -> None:
         node = self._nodes[name]

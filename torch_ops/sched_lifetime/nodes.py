@@ -113,6 +113,9 @@ class Chunk:
         self._forward_table = self._forward_nodes()
         self._backward_table = self._backward_nodes()
         self._executors: dict[tuple, Executor] = {}
+        #: Time every node (`Executor(timing=True)`); `node_times_us` collects the times.
+        self.timing = False
+        self._times: dict[str, list[float]] = {}
 
     # -- graph tables ------------------------------------------------------------------
 
@@ -284,13 +287,22 @@ class Chunk:
 
     def executor(self, forward: bool, backward: bool, order: str = "ours", lifetime: str = "scheduled") -> Executor:
         """The executor of one multiplexing (made once, reused every step)."""
-        key = (forward, backward, order, lifetime)
+        key = (forward, backward, order, lifetime, self.timing)
         ex = self._executors.get(key)
         if ex is None:
             g = self.graph(forward, backward)
             s = self.order_schedule(forward, backward, order)
-            ex = self._executors[key] = Executor(g, s, self.callables(forward, backward), device=self.device, lifetime=lifetime)
+            ex = self._executors[key] = Executor(
+                g, s, self.callables(forward, backward), device=self.device, lifetime=lifetime, timing=self.timing
+            )
         return ex
+
+    def node_times_us(self) -> dict[str, float]:
+        """Median time of each node over the timed runs so far (µs, by graph node name): the
+        `durations` table `sl.simulate` reads for a program lowered from this chunk's graph."""
+        import statistics
+
+        return {n: statistics.median(v) for n, v in sorted(self._times.items())}
 
     def run(
         self,
@@ -319,7 +331,11 @@ class Chunk:
         if bwd is not None:
             inputs[f"B.g.{self.loss_output}"] = torch.full((), grad_scale, device=self.device, dtype=bwd.loss.dtype)
         try:
-            return ex.run(inputs)
+            out = ex.run(inputs)
+            if self.timing:
+                for n, us in ex.node_times_us().items():
+                    self._times.setdefault(n, []).append(us)
+            return out
         finally:
             self.ctx.fwd = self.ctx.bwd = None
 

@@ -283,18 +283,20 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
             rows[a].update(exposed_comm_us=exp, comm_us=tot, top_kernels_ms=top_kernels(prof))
             if args.out and rank0 and a == "ours":
                 prof.export_chrome_trace(os.path.join(args.out, "trace_ours.json"))
-                # Per-node GPU time of the multiplexed F+B run, by graph node name: what
-                # `sl.simulate(sl.lower(graph, order), durations=...)` reads.
-                per: dict[str, list] = {}
-                for e in prof.key_averages():
-                    if e.key.startswith(("F.", "B.")) and e.count:
-                        per[e.key] = [e.device_time_total / e.count]
-                with open(os.path.join(args.out, "durations_ours.json"), "w") as f:
-                    json.dump({k: round(v[0], 2) for k, v in sorted(per.items())}, f, indent=1)
             if arm.captured:
                 rows[a]["graph_pool"] = arm.graph_pool
     for a, why in failed.items():
         rows[a] = {"parity": False, "step_ms": float("nan"), "failed": why}
+    # Per-node times, measured one node at a time (the sequential order), by graph node name:
+    # the `durations` of `sl.simulate(sl.lower(graph, order))`, so predictions use them.
+    if args.out and "sequential" in arms:
+        seq = arms["sequential"]
+        seq.chunk.timing = True  # every rank runs the step: it issues collectives
+        seq.step(args.steps + 3, args.microbatches)
+        seq.chunk.timing = False
+    if args.out and rank0 and "sequential" in arms:
+        with open(os.path.join(args.out, "durations.json"), "w") as f:
+            json.dump({k: round(v, 2) for k, v in seq.chunk.node_times_us().items()}, f, indent=1)
     return {"table": format_table(rows, cfg, args, use_cuda, transport.world), "json": {"config": cfg.as_dict(), "world": transport.world, "rows": rows}} if rank0 else None
 
 

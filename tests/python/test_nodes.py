@@ -1,0 +1,51 @@
+"""The node API on CPU, one rank: per-node autograd gives the gradients of plain
+`loss.backward()` bit for bit, in every order and lifetime mode, both dispatch modes."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from sched_lifetime.models import CONFIGS, MoEModel
+from sched_lifetime.nodes import Chunk, MicrobatchState, NodeDef, combined_step, train_step
+
+
+@pytest.mark.parametrize("config", ["tiny", "tiny_dense"])
+@pytest.mark.parametrize("capacity", [None, 1.0])
+def test_node_path_equals_plain_backward(config, capacity):
+    cfg = replace(CONFIGS[config], capacity_factor=capacity)
+    ref = MoEModel(cfg)
+    n = 3
+    for i in range(n):
+        (ref(**ref.batch(0, i)) / n).backward()
+    want = {k: p.grad for k, p in ref.named_parameters()}
+    for order, lifetime in [("sequential", "scheduled"), ("b_then_f", "scheduled"), ("ours", "scheduled"), ("ours", "record_stream")]:
+        m = MoEModel(cfg)
+        train_step(m.chunk(), [m.batch(0, i) for i in range(n)], order, lifetime)
+        for k, p in m.named_parameters():
+            assert torch.equal(p.grad, want[k]), (order, lifetime, k)
+
+
+def test_dw_nodes_are_wgrad_and_read_what_di_reads():
+    ch = MoEModel(CONFIGS["tiny"]).chunk()
+    b = {n["name"]: n for n in ch.graph(False, True)["nodes"]}
+    assert b["B.L0.experts.dw"]["wgrad"] and b["B.L0.experts.dw"]["inputs"] == b["B.L0.experts"]["inputs"]
+    assert b["B.L0.dispatch"]["kind"] == "comm_launch" and b["B.L0.dispatch"]["outputs"][0]["alloc"] == "consumer"
+    assert "B.embed" not in b and b["B.embed.dw"]["wgrad"]  # tokens take no gradient
+
+
+def test_chunk_rejects_bad_descriptions_naming_the_node():
+    f = lambda x: x  # noqa: E731
+    with pytest.raises(ValueError, match="node 'b' reads 'y' before any node produces it"):
+        Chunk([NodeDef("a", "compute", ["x"], ["z"], f), NodeDef("b", "compute", ["y"], ["w"], f)], ["x"], "w", torch.device("cpu"))
+    with pytest.raises(ValueError, match="comm node 'c' needs a transpose"):
+        Chunk([NodeDef("c", "comm", ["x"], ["y"], f)], ["x"], "y", torch.device("cpu"))
+    with pytest.raises(ValueError, match="node 'a': grad input 'q' is not an input"):
+        Chunk([NodeDef("a", "compute", ["x"], ["y"], f, grad_inputs=["q"])], ["x"], "y", torch.device("cpu"))
+
+
+def test_backward_without_a_forward_is_an_error():
+    m = MoEModel(CONFIGS["tiny"])
+    ch = m.chunk()
+    with pytest.raises(ValueError, match="microbatch 5 has no saved forward"):
+        combined_step(ch, (MicrobatchState(6), m.batch(0, 0)), MicrobatchState(5))
