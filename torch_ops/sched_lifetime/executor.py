@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 
@@ -150,6 +150,8 @@ class Executor:
                     lst.append(entry)
         self._plans = sorted({self._source[self._producer[r["value"]]] for r in schedule["retires"]})
         self._timing = timing
+        #: Bytes of every tensor value of the last run, when set to a dict (`sized_graph`).
+        self.value_bytes: Optional[dict[str, int]] = None
         self._marks: dict[str, tuple] = {}
         if timing and self.device.type == "cuda":
             self._timers = {n: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for n in nodes}
@@ -252,6 +254,8 @@ class Executor:
                         raise type(e)(f"node '{name}': {e}") from e
             for v, t in zip(self._outs[name], out):
                 env[v] = t
+                if self.value_bytes is not None and isinstance(t, torch.Tensor):
+                    self.value_bytes[v] = t.untyped_storage().nbytes()
             for v in self._bind_at.get(name, ()):
                 if managers and isinstance(env[v], torch.Tensor):
                     managers[self._source[name]].bind(env[v], s)
@@ -282,6 +286,24 @@ class _NullCtx:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def sized_graph(graph: Mapping[str, Any], value_bytes: Mapping[str, int]) -> dict:
+    """The graph table with each output's (and input's) bytes as measured in a run, for the
+    simulator (`sl.lower` then `sl.simulate`)."""
+
+    def sized(o: Any) -> Any:
+        name = _value_name(o)
+        if name not in value_bytes:
+            return o
+        d = dict(o) if isinstance(o, Mapping) else {"value": name}
+        d["bytes"] = int(value_bytes[name])
+        return d
+
+    g = dict(graph)
+    g["nodes"] = [dict(n, outputs=[sized(o) for o in n.get("outputs", [])]) for n in graph["nodes"]]
+    g["inputs"] = [sized(v) for v in graph.get("inputs", [])]
+    return g
 
 
 def _device(device: Union[str, torch.device, None]) -> torch.device:

@@ -297,7 +297,39 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
     if args.out and rank0 and "sequential" in arms:
         with open(os.path.join(args.out, "durations.json"), "w") as f:
             json.dump({k: round(v, 2) for k, v in seq.chunk.node_times_us().items()}, f, indent=1)
-    return {"table": format_table(rows, cfg, args, use_cuda, transport.world), "json": {"config": cfg.as_dict(), "world": transport.world, "rows": rows}} if rank0 else None
+    simulated = simulate_memory(arms, args.microbatches, args.steps + 4) if not use_cuda else None
+    return {"table": format_table(rows, cfg, args, use_cuda, transport.world) + (simulated or ""), "json": {"config": cfg.as_dict(), "world": transport.world, "rows": rows}} if rank0 else None
+
+
+def simulate_memory(arms: dict, microbatches: int, step: int) -> Optional[str]:
+    """CPU: what the Rust model predicts for one multiplexed F+B run of `ours` on a GPU, with
+    each value's bytes as measured here: record_stream vs the lifetime manager (SIMULATED)."""
+    from . import executor as ex_mod
+    from .schedule import lower
+    from .sim import simulate
+
+    arm = arms.get("ours")
+    if arm is None or microbatches < 2:
+        return None
+    arm.chunk.timing = True
+    ex = arm.chunk.executor(True, True, arm.order, arm.lifetime)
+    ex.value_bytes = {}
+    arm.step(step, microbatches)  # every rank: it issues collectives
+    arm.chunk.timing = False
+    graph = ex_mod.sized_graph(arm.chunk.graph(True, True), ex.value_bytes)
+    ex.value_bytes = None
+    program = lower(graph, arm.chunk.order_schedule(True, True, arm.order)["order"])
+    names = {n["name"] for n in program["nodes"]}
+    durations = {k: v for k, v in arm.chunk.node_times_us().items() if k in names}
+    res = {p: simulate(program, p, durations=durations) for p in ("record_stream", "scheduled")}
+    mib = float(1 << 20)
+    rs, sc = res["record_stream"], res["scheduled"]
+    return (
+        "\nSIMULATED (Rust model, not measured), one F(i+1)+B(i) run of ours with this run's tensor sizes and node times:"
+        f"\n  max reserved {rs['reserved_peak']['bytes'] / mib:.2f} MiB record_stream vs {sc['reserved_peak']['bytes'] / mib:.2f} MiB scheduled;"
+        f" pending-free peak {rs['pending_free_peak']['bytes'] / mib:.2f} vs {sc['pending_free_peak']['bytes'] / mib:.2f} MiB;"
+        f" hazards {len(rs['hazards'])} / {len(sc['hazards'])}"
+    )
 
 
 def format_table(rows: dict, cfg: Any, args: argparse.Namespace, use_cuda: bool, world: int) -> str:
