@@ -48,15 +48,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pending_free_bytes() -> int:
-    return sum(
-        blk["size"]
-        for seg in torch.cuda.memory_snapshot()
-        for blk in seg["blocks"]
-        if blk["state"] == "active_pending_free"
-    )
-
-
 def exposed_comm_us(prof: Any) -> tuple[float, float]:
     """(exposed, total) NCCL kernel time in us from a profiler's CUDA kernel events."""
     comm, comp = [], []
@@ -265,6 +256,8 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             pend = [0]
+
+            from .ab import _pending_free_bytes
 
             def sample(p: list = pend) -> None:
                 p[0] = max(p[0], _pending_free_bytes())
