@@ -1,5 +1,7 @@
 //! The lifetime manager over raw CUDA streams through cudarc (feature `cuda`), on a GPU.
-//! Without a driver the tests print why and return; CPU CI does not build this file.
+//! The tests are `#[ignore]`d, so a run without a GPU reports them as ignored, never as passed;
+//! on a GPU run the binary with `--ignored` (or `--include-ignored`): there a missing driver
+//! is a failure. CPU CI does not build this file.
 //!
 //! Poison test without torch: the consumer on stream B is delayed by a 4 GiB device copy, then
 //! reads `buf`; the owner A then overwrites `buf` (what a reuse would do). With the manager's
@@ -19,23 +21,18 @@ struct Gpu {
     b: sys::CUstream,
 }
 
-fn gpu() -> Option<Gpu> {
-    let rt = match CudaRuntime::new() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("skipped: {e}");
-            return None;
-        }
-    };
-    let dev = result::device::get(0).ok()?;
+/// The GPU, or a panic saying why not (these tests only run when asked for with --ignored).
+fn gpu() -> Gpu {
+    let rt = CudaRuntime::new().unwrap_or_else(|e| panic!("asked to run a GPU test, but: {e}"));
+    let dev = result::device::get(0).expect("CUDA device 0");
     // SAFETY: the primary context of device 0, made current for this thread.
     unsafe {
-        let ctx = result::primary_ctx::retain(dev).ok()?;
-        result::ctx::set_current(ctx).ok()?;
+        let ctx = result::primary_ctx::retain(dev).expect("primary context");
+        result::ctx::set_current(ctx).expect("set context");
     }
-    let a = result::stream::create(result::stream::StreamKind::NonBlocking).ok()?;
-    let b = result::stream::create(result::stream::StreamKind::NonBlocking).ok()?;
-    Some(Gpu { rt, a, b })
+    let a = result::stream::create(result::stream::StreamKind::NonBlocking).expect("stream a");
+    let b = result::stream::create(result::stream::StreamKind::NonBlocking).expect("stream b");
+    Gpu { rt, a, b }
 }
 
 fn sid(s: sys::CUstream) -> StreamId {
@@ -100,8 +97,9 @@ fn alloc(g: &Gpu) -> (u64, u64, u64, u64) {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --ignored there"]
 fn owner_waits_for_the_lagging_consumer_before_reuse() {
-    let Some(mut g) = gpu() else { return };
+    let mut g = gpu();
     let bufs = alloc(&g);
     let mut corrupt = 0;
     for _ in 0..50 {
@@ -114,8 +112,9 @@ fn owner_waits_for_the_lagging_consumer_before_reuse() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --ignored there"]
 fn control_without_the_owner_wait_is_overwritten() {
-    let Some(mut g) = gpu() else { return };
+    let mut g = gpu();
     let bufs = alloc(&g);
     let mut corrupt = 0;
     for _ in 0..20 {
@@ -126,8 +125,9 @@ fn control_without_the_owner_wait_is_overwritten() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --ignored there"]
 fn record_stream_fallback_defers_release_until_the_consumer_is_done() {
-    let Some(mut g) = gpu() else { return };
+    let mut g = gpu();
     let (buf, out, big_src, big_dst) = alloc(&g);
     let log: Arc<Mutex<Vec<Action>>> = Arc::default();
     let mut m: Manager<Release, sched_lifetime::cuda::CudaEvent> = Manager::new("fallback");

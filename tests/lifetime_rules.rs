@@ -34,13 +34,16 @@ fn pos(ops: &[Op], op: &Op) -> usize {
 }
 
 /// Checks the whole log: every release of a cross-stream entry comes after a wait, on its
-/// owner stream, on the event recorded on its consumer after the consume.
-fn assert_waits_before_releases(ops: &[Op], tensor: u64, owner: StreamId, consumer: StreamId) {
+/// owner stream, on the event recorded on its consumer after the consume. `retired_at` is the
+/// log length when the tensor was retired: a record before it is stale (it does not cover
+/// this consume), so it does not count.
+fn assert_waits_before_releases(ops: &[Op], tensor: u64, owner: StreamId, consumer: StreamId, retired_at: usize) {
     let rel = ops.iter().position(|o| matches!(o, Op::Release(p, _) if *p == tensor)).expect("released");
     let rec = ops[..rel]
         .iter()
         .rposition(|o| matches!(o, Op::Record(_, s) if *s == consumer))
         .expect("plan event recorded on the consumer before release");
+    assert!(rec >= retired_at, "rule 1 broken: the last plan event on {consumer} before tensor {tensor}'s release was recorded before its retire: {ops:?}");
     let Op::Record(ev, _) = ops[rec] else { unreachable!() };
     assert!(
         ops[rec..rel].contains(&Op::Wait(ev, owner)),
@@ -56,7 +59,7 @@ fn rule1_wait_before_free() {
     retire(&mut m, &mut rt, &[x], B, Action::EmptyStorage).unwrap();
     assert!(!rt.ops.iter().any(|o| matches!(o, Op::Release(..))), "released before the owner's acquire");
     assert_eq!(m.acquire(&mut rt, A).unwrap(), 1);
-    assert_waits_before_releases(&rt.ops, 1, A, B);
+    assert_waits_before_releases(&rt.ops, 1, A, B, 0);
     // The wait is the last thing before the release.
     let w = pos(&rt.ops, &Op::Wait(1, A));
     assert_eq!(w + 1, pos(&rt.ops, &Op::Release(1, Action::EmptyStorage)));
@@ -79,10 +82,11 @@ fn rule1_consumer_on_two_streams_owner_waits_on_both() {
     let (mut m, mut rt) = mgr();
     bind(&mut m, &[t(1), t(2)], A);
     retire(&mut m, &mut rt, &[t(1)], B, Action::EmptyStorage).unwrap();
+    let at2 = rt.ops.len();
     retire(&mut m, &mut rt, &[t(2)], C, Action::EmptyStorage).unwrap();
     m.acquire(&mut rt, A).unwrap();
-    assert_waits_before_releases(&rt.ops, 1, A, B);
-    assert_waits_before_releases(&rt.ops, 2, A, C);
+    assert_waits_before_releases(&rt.ops, 1, A, B, 0);
+    assert_waits_before_releases(&rt.ops, 2, A, C, at2);
 }
 
 #[test]
@@ -163,7 +167,7 @@ fn rule6_noop_passes_binding_to_next_real_consumer() {
     assert_eq!(m.parked_on(A), 1, "binding kept its owner A through the noop");
     assert_eq!(m.parked_on(C), 0);
     m.acquire(&mut rt, A).unwrap();
-    assert_waits_before_releases(&rt.ops, 1, A, B);
+    assert_waits_before_releases(&rt.ops, 1, A, B, 0);
     // A noop after the last consumer is a use after retire.
     let (mut m2, mut rt2) = mgr();
     bind(&mut m2, &[t(1)], A);
@@ -178,8 +182,8 @@ fn rule7_terminal_handback_drains_every_owner() {
     bind(&mut m, &[t(2)], C);
     retire(&mut m, &mut rt, &[t(1), t(2)], B, Action::EmptyStorage).unwrap();
     let s = m.finalize(&mut rt).unwrap();
-    assert_waits_before_releases(&rt.ops, 1, A, B);
-    assert_waits_before_releases(&rt.ops, 2, C, B);
+    assert_waits_before_releases(&rt.ops, 1, A, B, 0);
+    assert_waits_before_releases(&rt.ops, 2, C, B, 0);
     assert_eq!((s.handbacks, s.drained, s.pending_count), (2, 2, 0));
     assert!(m.acquire(&mut rt, A).is_err(), "use after finalize is an error");
 }
@@ -299,4 +303,58 @@ fn rule2_host_streams_are_one_queue() {
     m.bind(&[x], StreamId::cpu(), |_| 1).unwrap();
     m.retire(&mut rt, &[x], other_cpu, Action::EmptyStorage, |_| 1).unwrap();
     assert_eq!(rt.ops, vec![Op::Release(1, Action::EmptyStorage)]);
+}
+
+#[test]
+fn rule8_retire_twice_after_an_immediate_release_is_rejected() {
+    let (mut m, mut rt) = mgr();
+    bind(&mut m, &[t(1)], A);
+    retire(&mut m, &mut rt, &[t(1)], A, Action::EmptyStorage).unwrap(); // same stream: released at once
+    let (n, before) = (rt.ops.len(), m.stats());
+    let err = retire(&mut m, &mut rt, &[t(1)], B, Action::EmptyStorage).unwrap_err().to_string();
+    assert!(err.contains("already retired"), "{err}");
+    assert_eq!((rt.ops.len(), m.stats()), (n, before), "no fallback, nothing changed");
+    assert!(m.bind(&[t(1)], A, |_| 1).is_err(), "binding a retired tensor again is a use after retire");
+    m.finalize(&mut rt).unwrap();
+}
+
+#[test]
+fn rule8_alias_across_calls_is_rejected() {
+    let (mut m, mut rt) = mgr();
+    let x = t(1);
+    let view = TensorKey { tensor: 77, ..x }; // another tensor over x's storage
+    bind(&mut m, &[x, view], A);
+    retire(&mut m, &mut rt, &[x], B, Action::EmptyStorage).unwrap();
+    let (n, before) = (rt.ops.len(), m.stats());
+    let err = retire(&mut m, &mut rt, &[view], B, Action::EmptyStorage).unwrap_err().to_string();
+    assert!(err.contains("aliases the storage") && err.contains("rule 8"), "{err}");
+    assert_eq!((rt.ops.len(), m.stats()), (n, before));
+    // Once x's storage is released (drained), the view no longer aliases anything parked.
+    m.acquire(&mut rt, A).unwrap();
+    retire(&mut m, &mut rt, &[view], B, Action::EmptyStorage).unwrap();
+    m.finalize(&mut rt).unwrap();
+}
+
+#[test]
+fn rule1_helper_rejects_a_stale_plan_event() {
+    // A log where the consumer's event was recorded for an earlier tensor and the retire of
+    // tensor 2 recorded nothing: the owner's wait covers the old consume, not this one.
+    let ops = vec![Op::Record(1, B), Op::Wait(1, A), Op::Release(1, Action::EmptyStorage), Op::Wait(1, A), Op::Release(2, Action::EmptyStorage)];
+    assert_waits_before_releases(&ops, 1, A, B, 0);
+    let stale = std::panic::catch_unwind(|| assert_waits_before_releases(&ops, 2, A, B, 3));
+    assert!(stale.is_err(), "a record before the retire was accepted as covering it");
+}
+
+#[test]
+fn rule1_each_retire_records_a_fresh_plan_event() {
+    // Two consumes on one consumer stream, retired in two calls: the owner must wait on the
+    // event recorded at the second retire, not on the one recorded at the first.
+    let (mut m, mut rt) = mgr();
+    bind(&mut m, &[t(1), t(2)], A);
+    retire(&mut m, &mut rt, &[t(1)], B, Action::EmptyStorage).unwrap();
+    let at2 = rt.ops.len();
+    retire(&mut m, &mut rt, &[t(2)], B, Action::EmptyStorage).unwrap();
+    m.acquire(&mut rt, A).unwrap();
+    assert_waits_before_releases(&rt.ops, 1, A, B, 0);
+    assert_waits_before_releases(&rt.ops, 2, A, B, at2);
 }

@@ -316,6 +316,13 @@ fn random_graphs_give_valid_deterministic_schedules_within_budget() {
         }
         assert!(seen.iter().all(|&x| x));
         assert_eq!(sched::drains_adding_waits(&g, &s), Vec::<String>::new(), "seed {seed}");
+        // Minimal on every random graph too: dropping any one sync leaves a use uncovered.
+        for i in 0..s.syncs.len() {
+            let mut t = s.clone();
+            t.syncs.remove(i);
+            let e = validate(&g, &t).expect_err(&format!("seed {seed}: sync {i} of {} was redundant", s.syncs.len()));
+            assert!(e.to_string().contains("no wait covering it"), "seed {seed}: {e}");
+        }
         let again = sched::schedule(&g, budgets).unwrap();
         assert_eq!(serde_json::to_string(&s).unwrap(), serde_json::to_string(&again).unwrap(), "seed {seed}: not deterministic");
     }

@@ -48,6 +48,7 @@ struct Binding<P> {
 
 struct Parked<P> {
     tensor: u64,
+    storage: u64,
     consumer: StreamId,
     action: Action,
     nbytes: u64,
@@ -75,6 +76,13 @@ pub struct Manager<P, E> {
     bindings: AddrMap<Binding<P>>,
     /// Tensor keys parked in some owner queue (retiring one again is an error).
     parked: AddrSet,
+    /// Storages of parked tensors (kept alive by their payloads, so an address names one
+    /// storage): retiring another view of one in a later call is an alias (rule 8).
+    parked_storages: AddrSet,
+    /// Tensors released at once with `EmptyStorage`, held (their storage already empty, so no
+    /// device memory) until the plan ends: their addresses stay theirs, and retiring one again
+    /// is caught instead of taking the record_stream fallback.
+    spent: AddrMap<P>,
     queues: SmallVec<[OwnerQueue<P>; 4]>,
     /// The plan event, one per consumer stream: each record marks that stream's consumes.
     events: SmallVec<[(StreamId, E); 2]>,
@@ -89,6 +97,8 @@ impl<P, E> Manager<P, E> {
             name: name.into(),
             bindings: AddrMap::default(),
             parked: AddrSet::default(),
+            parked_storages: AddrSet::default(),
+            spent: AddrMap::default(),
             queues: SmallVec::new(),
             events: SmallVec::new(),
             stats: Stats::default(),
@@ -163,6 +173,19 @@ impl<P, E> Manager<P, E> {
         if self.parked.contains(&t.tensor) {
             return Err(Error::Protocol(format!(
                 "plan '{}': {verb}: tensor {i} was already retired and waits for its owner's acquire",
+                self.name
+            )));
+        }
+        if self.spent.contains_key(&t.tensor) {
+            return Err(Error::Protocol(format!(
+                "plan '{}': {verb}: tensor {i} was already retired and its storage emptied",
+                self.name
+            )));
+        }
+        if verb == "retire" && t.storage != 0 && self.parked_storages.contains(&t.storage) {
+            return Err(Error::Protocol(format!(
+                "plan '{}': retire: tensor {i} aliases the storage of a tensor already retired in this plan; \
+                 retiring both would release it twice (rule 8: aliases are rejected)",
                 self.name
             )));
         }
@@ -249,11 +272,21 @@ impl<P, E> Manager<P, E> {
                 Some(b) if same_queue(b.owner, consumer) => {
                     self.stats.count_retired(action);
                     self.stats.immediate += 1;
-                    rt.release(b.payload, action)?;
+                    if action == Action::EmptyStorage {
+                        // Empty the storage now; keep the (now memoryless) object until the plan ends.
+                        rt.release(take(i), action)?;
+                        self.spent.insert(t.tensor, b.payload);
+                    } else {
+                        rt.release(b.payload, action)?;
+                    }
                 }
                 Some(b) => {
                     self.stats.count_retired(action);
-                    self.park(b, t.tensor, consumer, action);
+                    // Preserve releases nothing of the storage, so its views may be parked twice.
+                    if t.storage != 0 && action != Action::Preserve {
+                        self.parked_storages.insert(t.storage);
+                    }
+                    self.park(b, t.tensor, t.storage, consumer, action);
                 }
                 None => {
                     self.stats.fallback_record_stream += 1;
@@ -284,7 +317,7 @@ impl<P, E> Manager<P, E> {
         Ok(())
     }
 
-    fn park(&mut self, b: Binding<P>, tensor: u64, consumer: StreamId, action: Action) {
+    fn park(&mut self, b: Binding<P>, tensor: u64, storage: u64, consumer: StreamId, action: Action) {
         let qi = match self.queues.iter().position(|q| q.owner == b.owner) {
             Some(i) => i,
             None => {
@@ -296,7 +329,7 @@ impl<P, E> Manager<P, E> {
         if !q.consumers.contains(&consumer) {
             q.consumers.push(consumer);
         }
-        q.entries.push(Parked { tensor, consumer, action, nbytes: b.nbytes, payload: b.payload });
+        q.entries.push(Parked { tensor, storage, consumer, action, nbytes: b.nbytes, payload: b.payload });
         self.parked.insert(tensor);
         self.stats.pending_count += 1;
         self.stats.pending_bytes += b.nbytes;
@@ -333,6 +366,7 @@ impl<P, E> Manager<P, E> {
         let mut first_err = None;
         for e in entries.drain(..) {
             self.parked.remove(&e.tensor);
+            self.parked_storages.remove(&e.storage);
             self.stats.pending_count -= 1;
             self.stats.pending_bytes -= e.nbytes;
             self.stats.drained += 1;
@@ -368,6 +402,7 @@ impl<P, E> Manager<P, E> {
             self.drain(rt, owner)?;
             self.stats.handbacks += 1;
         }
+        self.spent.clear();
         self.finalized = true;
         Ok(self.stats())
     }
@@ -390,6 +425,8 @@ impl<P, E> Manager<P, E> {
             q.consumers.clear();
         }
         self.parked.clear();
+        self.parked_storages.clear();
+        self.spent.clear();
         self.bindings.clear();
         self.finalized = true;
         first_err.map_or(Ok(()), Err)

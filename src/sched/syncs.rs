@@ -5,6 +5,7 @@ use super::{Retire, Schedule, SyncEdge};
 use crate::ep::{Budgets, PerRole, Role};
 use crate::ir::{Alloc, Graph, NodeId, Phase, ValueId};
 use crate::runtime::Action;
+use smallvec::SmallVec;
 
 /// Streams, minimal syncs and lifetime actions for a given order.
 pub fn finish(g: &Graph, order: Vec<NodeId>, budgets: Budgets) -> Schedule {
@@ -20,10 +21,25 @@ pub fn finish(g: &Graph, order: Vec<NodeId>, budgets: Budgets) -> Schedule {
     let mut on_stream: PerRole<Vec<NodeId>> = Default::default();
     for &c in &order {
         let x = stream[c];
+        // Uncovered predecessors: per other stream only the latest matters (it covers the
+        // earlier ones there); then drop a candidate another candidate's clock already covers,
+        // so no edge is implied by the others (minimal, whatever the predecessor order).
+        let mut latest: PerRole<Option<NodeId>> = Default::default();
         for &p in &g.preds[c] {
             if clocks.need(p, x, &stream) {
+                let y = stream[p];
+                if latest[y].is_none_or(|q| clocks.seq[q] < clocks.seq[p]) {
+                    latest[y] = Some(p);
+                }
+            }
+        }
+        let cands: SmallVec<[NodeId; 2]> = Role::ALL.iter().filter_map(|&r| latest[r]).collect();
+        for &p in &cands {
+            let y = stream[p];
+            let implied = cands.iter().any(|&q| q != p && clocks.at[q][y] >= clocks.seq[p]);
+            if !implied {
                 clocks.join(p, x);
-                syncs.push(SyncEdge { producer: p, consumer: c, from: stream[p], to: x });
+                syncs.push(SyncEdge { producer: p, consumer: c, from: y, to: x });
             }
         }
         clocks.step(c, x);
