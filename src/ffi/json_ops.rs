@@ -44,6 +44,7 @@ const OPS: &[JsonOp] = &[
     JsonOp { schema: "validate(str graph, str order, str syncs, str ep_budget, str page_budget) -> ()", run: validate },
     JsonOp { schema: "schedule_order(str graph, str order, str ep_budget, str page_budget) -> str", run: schedule_order },
     JsonOp { schema: "lower(str graph, str order, bool serial) -> str", run: lower },
+    JsonOp { schema: "selftest_panic(str message) -> ()", run: selftest_panic },
 ];
 
 fn op_name(schema: &str) -> &str {
@@ -136,6 +137,13 @@ fn lower(a: &Args) -> Result<Option<String>> {
     let g = Graph::from_json(a.str("graph")?)?;
     let order = order_of(&g, a)?;
     to_text(&sim::lower(&g, &order, a.flag("serial")?), "program")
+}
+
+/// Panics on purpose with `message`: proves a panic inside an entry point surfaces as a Python
+/// RuntimeError carrying the message, and the process and later calls survive.
+fn selftest_panic(a: &Args) -> Result<Option<String>> {
+    let message = a.str("message")?.to_string();
+    std::panic::panic_any(message)
 }
 
 /// Every JSON op's schema, for the shim to register.

@@ -1,0 +1,166 @@
+"""Hardening on CPU (in CI): bad input through the Python API and the raw ops leaves the
+manager usable with its stats unchanged; a panic in Rust surfaces as a RuntimeError and the
+process survives; managers driven from two threads stay isolated; nothing is kept alive after
+finalize; the executor drains each plan's own manager (rule 5 with one caller, two plans)."""
+
+import gc
+import json
+import threading
+import weakref
+
+import pytest
+import torch
+
+import sched_lifetime as sl
+from sched_lifetime import ops
+from test_schedule import moe_layer
+
+CPU = sl.current_stream(torch.device("cpu"))
+
+
+def _bad_inputs(m: sl.LifetimeManager, x: torch.Tensor):
+    """(what, call, exception type, message fragment)."""
+    view = x[: x.numel() // 2]
+    return [
+        ("non-tensor", lambda: m.bind([x, 3]), ValueError, "not a torch.Tensor"),
+        ("bad stream type", lambda: m.bind(x, "cuda:0"), ValueError, "must be a torch.Stream"),
+        ("unknown action", lambda: m.retire(x, action="shred"), ValueError, "unknown action"),
+        ("raw unknown action code", lambda: ops.retire(m.handle, [x], CPU, 7), ValueError, "unknown retire action code 7"),
+        ("same tensor twice", lambda: m.retire([x, x]), RuntimeError, "same tensor"),
+        ("aliasing views", lambda: m.retire([x, view]), RuntimeError, "alias"),
+        ("unknown handle", lambda: ops.stats(123456789), RuntimeError, "unknown lifetime manager handle"),
+        ("malformed graph JSON", lambda: sl.schedule("{nodes"), ValueError, "graph is not valid"),
+        ("empty graph", lambda: sl.validate({"sources": [], "nodes": []}, ["x"]), ValueError, "not in the graph"),
+        ("bad budget", lambda: sl.schedule(moe_layer(), ep_budget=0), ValueError, "1..=1024"),
+        ("bad budget type", lambda: sl.schedule(moe_layer(), ep_budget="2"), ValueError, "must be an int"),
+        ("malformed program", lambda: sl.simulate("[1, 2"), ValueError, "plan is not valid"),
+        ("wrong scenario kind", lambda: sl.scenario_program("moe_chunk:2:1.0"), ValueError, "is a graph"),
+    ]
+
+
+def test_bad_input_matrix_is_a_clear_error_and_changes_nothing():
+    m = sl.LifetimeManager("matrix")
+    x = torch.arange(64, dtype=torch.float32)
+    y = torch.ones(8)
+    m.bind(y)
+    for what, call, exc, fragment in _bad_inputs(m, x):
+        before = m.stats()
+        with pytest.raises(exc, match=fragment):
+            call()
+        assert m.stats() == before, what
+    # Still usable: the bound tensor retires and the plan finalizes.
+    m.retire(y)
+    assert m.finalize()["bound"] == 1
+
+
+def test_invalid_env_budget_names_the_variable(monkeypatch):
+    b = sl.INFO["budget"]
+    monkeypatch.setenv(b["ep_var"], "lots")
+    with pytest.raises(ValueError, match=f"{b['ep_var']}='lots' is not valid"):
+        sl.schedule(moe_layer())
+
+
+def test_protocol_misuse_after_finalize_and_twice():
+    m = sl.LifetimeManager("twice")
+    x = torch.ones(4)
+    m.bind(x)
+    m.retire(x)
+    with pytest.raises(RuntimeError, match="already retired"):
+        m.retire(x)  # after an immediate release: an error, not a silent fallback
+    m.finalize()
+    before = m.stats()
+    for call in (lambda: m.finalize(), lambda: m.retire(torch.ones(2)), lambda: m.bind(torch.ones(2))):
+        with pytest.raises(RuntimeError, match="already finalized"):
+            call()
+    assert m.stats() == before
+
+
+def test_panic_in_rust_is_a_runtime_error_and_the_process_survives():
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="panic in sched_lifetime.*deliberate 7"):
+            ops.selftest_panic("deliberate 7")
+    m = sl.LifetimeManager("after panic")
+    x = torch.ones(3)
+    m.bind(x)
+    m.retire(x)
+    assert m.finalize()["immediate"] == 1
+    assert json.loads(ops.info())["actions"] == sl.ACTIONS
+
+
+def test_two_managers_in_two_threads_stay_isolated():
+    errors = []
+    results = {}
+
+    def work(name: str, n: int) -> None:
+        try:
+            m = sl.LifetimeManager(name)
+            for i in range(200):
+                ts = [torch.full((n,), float(i)) for _ in range(3)]
+                m.bind(ts)
+                m.retire(ts, action="drop_reference")
+                m.acquire(CPU)
+            results[name] = m.finalize()
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(f"plan{k}", 4 + k)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for k in range(2):
+        s = results[f"plan{k}"]
+        assert (s["bound"], s["retired_drop_reference"], s["bound_now"], s["pending_count"]) == (600, 600, 0, 0)
+
+
+def test_nothing_is_kept_alive_after_finalize():
+    m = sl.LifetimeManager("leak")
+    xs = [torch.ones(16) for _ in range(3)]
+    refs = [weakref.ref(x) for x in xs]
+    m.bind(xs)
+    m.retire(xs[:1])  # empty_storage, released at once (held until the plan ends)
+    m.retire(xs[1:], action="drop_reference")
+    m.finalize()
+    del xs
+    gc.collect()
+    assert all(r() is None for r in refs), "a tensor outlived its plan"
+
+
+def test_executor_drains_each_plans_own_manager(monkeypatch):
+    """Rule 5 with one caller: two plans whose values share one owner stream; every acquire
+    the executor makes must go to the manager of the plan that produced the drained value."""
+    graph = moe_layer()
+    s = sl.schedule(graph)
+    produced_by = {}
+    for n in graph["nodes"]:
+        for o in n.get("outputs", []):
+            produced_by[o if isinstance(o, str) else o["value"]] = n["source"]
+    want = {}
+    for r in s["retires"]:
+        if r["drain_before"] is not None:
+            want.setdefault(r["drain_before"], set()).add(produced_by[r["value"]])
+    assert len({p for ps in want.values() for p in ps}) == 2, "both plans drain on the compute stream"
+    calls = []
+    real = sl.LifetimeManager.acquire
+
+    def spy(self, stream=None, event=None):
+        calls.append(self.name)
+        return real(self, stream, event)
+
+    monkeypatch.setattr(sl.LifetimeManager, "acquire", spy)
+    from test_executor import callables, inputs, weights
+
+    ex = sl.Executor(graph, s, callables(weights()))
+    order_calls = []
+    issue = ex._issue
+
+    def tracked(name, *a):
+        before = len(calls)
+        issue(name, *a)
+        order_calls.append((name, set(calls[before:])))
+
+    ex._issue = tracked
+    ex.run(inputs())
+    got = {name: plans for name, plans in order_calls if plans}
+    assert got == want, (got, want)
