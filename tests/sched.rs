@@ -108,6 +108,7 @@ fn ours_matches_or_beats_megatron_and_nears_the_bound_in_the_simulator() {
             // (its order, drains at the owner's next node), at one extra block of memory at most.
             assert!(r.ours.0 <= r.megatron_next_node.0 * 1.001);
             assert!(r.ours_reserved.0 <= r.ours_reserved.1 + (64 << 20), "{:?}", r.ours_reserved);
+            assert_eq!(r.hazards, 0, "{layers} layers, ratio {ratio}: the race checker found hazards");
         }
     }
 }

@@ -84,3 +84,31 @@ fn simulation_is_deterministic() {
         assert_eq!(a, b);
     }
 }
+
+fn run_wide(seed: u64, policy: Policy) -> (sim::Report, Machine) {
+    let plan = Program::new(scenarios::random_program_wide(seed)).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+    sim::run(&plan, SimOptions { log: true, ..SimOptions::new(policy) }).unwrap_or_else(|e| panic!("seed {seed} {policy:?}: {e}"))
+}
+
+#[test]
+fn wide_programs_explicit_drains_external_inputs_side_readers_never_hazard() {
+    const WIDE: u64 = 3_000;
+    let (mut exposed, mut fallbacks, mut sides) = (0, 0, 0);
+    for seed in 0..WIDE {
+        for policy in [Policy::Scheduled, Policy::RecordStream] {
+            let (r, m) = run_wide(seed, policy);
+            assert!(r.hazards.is_empty(), "seed {seed} {policy:?}: hazard {:?}", r.hazards[0]);
+            assert!(oracle(&m).is_empty(), "seed {seed} {policy:?}: oracle finds a hazard");
+            if policy == Policy::Scheduled {
+                fallbacks += (r.fallback_record_stream > 0) as u32;
+            }
+        }
+        let (_, m) = run_wide(seed, Policy::BrokenRule1);
+        let want = oracle(&m);
+        assert_eq!(checker(&m), want, "seed {seed}: checker and oracle disagree");
+        exposed += !want.is_empty() as u32;
+        sides += scenarios::random_program_wide(seed).nodes.iter().any(|n| n.name.contains(".side")) as u32;
+    }
+    println!("wide: rule 1 broken exposes {exposed}/{WIDE}; fallbacks in {fallbacks}; side readers in {sides}");
+    assert!(exposed as u64 > WIDE / 10 && fallbacks as u64 > WIDE / 2 && sides as u64 > WIDE / 2, "generator lost its coverage");
+}

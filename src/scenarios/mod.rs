@@ -8,7 +8,7 @@ pub mod programs;
 mod rng;
 pub mod sweep;
 
-pub use programs::{chain, lagging_pipeline, megatron_hero, random_program};
+pub use programs::{chain, lagging_pipeline, megatron_hero, random_program, random_program_wide};
 pub use rng::Rng;
 
 use serde::Serialize;

@@ -187,3 +187,49 @@ pub fn chain(nodes: usize) -> ProgramSpec {
     }
 }
 
+
+/// A random program that also exercises what [`random_program`] leaves out: explicit drain
+/// points (`explicit_acquire`, random nodes draining random plans), external inputs (unbound:
+/// the record_stream fallback) read on several streams, and side readers: nodes that read an
+/// older value of their plan on a random stream, unordered with the rest of the chain.
+pub fn random_program_wide(seed: u64) -> ProgramSpec {
+    let mut p = random_program(seed);
+    let mut r = Rng::new(seed ^ 0xA5A5_5A5A_0F0F_F0F0);
+    let streams: Vec<String> = p.streams.iter().map(|s| s.name.clone()).collect();
+    let pick = |r: &mut Rng, v: &[String]| v[r.below(v.len() as u64) as usize].clone();
+    let plans: Vec<String> = {
+        let mut v: Vec<String> = p.nodes.iter().filter_map(|n| n.plan.clone()).collect();
+        v.sort();
+        v.dedup();
+        v
+    };
+    let externals: Vec<String> = (0..1 + r.below(3)).map(|k| format!("ext{k}")).collect();
+    for (k, e) in externals.iter().enumerate() {
+        p.inputs.push(InputSpec { value: e.clone(), bytes: (1 + k as u64) * MIB, stream: streams[0].clone() });
+    }
+    let mut out: Vec<NodeSpec> = Vec::with_capacity(p.nodes.len() * 2);
+    let mut produced: Vec<(String, String)> = Vec::new(); // (plan, value)
+    for (i, mut n) in std::mem::take(&mut p.nodes).into_iter().enumerate() {
+        if r.below(4) == 0 {
+            n.inputs.push(pick(&mut r, &externals));
+        }
+        if r.below(3) == 0 {
+            n.acquire.push(pick(&mut r, &plans));
+        }
+        let plan = n.plan.clone().unwrap_or_default();
+        for o in &n.outputs {
+            produced.push((plan.clone(), o.value.clone()));
+        }
+        out.push(n);
+        let own: Vec<&(String, String)> = produced.iter().filter(|(pl, _)| *pl == plan).collect();
+        if own.len() > 1 && r.below(3) == 0 {
+            let v = own[r.below(own.len() as u64) as usize].1.clone();
+            let us = 1.0 + r.below(1500) as f64;
+            let side = format!("{plan}.side{i}");
+            out.push(node(side.clone(), &plan, &pick(&mut r, &streams), us, vec![v], vec![(format!("{side}.out"), 8)]));
+        }
+    }
+    p.nodes = out;
+    p.explicit_acquire = true;
+    p
+}

@@ -32,13 +32,15 @@ pub struct SweepRow {
     pub ours_next_node: (f64, f64),
     /// Max reserved bytes of ours: schedule drains, next-node drains.
     pub ours_reserved: (u64, u64),
+    /// Reuse hazards the race checker found over every simulated order (must be 0).
+    pub hazards: usize,
 }
 
-/// Simulated with the real lifetime manager: (makespan, exposed comm, max reserved).
-fn simulate_order(g: &Graph, order: &[NodeId], serial: bool, scheduled_drains: bool) -> Result<(f64, f64, u64)> {
+/// Simulated with the real lifetime manager: (makespan, exposed comm, max reserved, hazards).
+fn simulate_order(g: &Graph, order: &[NodeId], serial: bool, scheduled_drains: bool) -> Result<(f64, f64, u64, usize)> {
     let plan = Program::new(lower_drained(g, order, serial, scheduled_drains))?;
     let r = sim::simulate(&plan, SimOptions::new(Policy::Scheduled))?;
-    Ok((r.makespan_us, r.exposed_comm_us, r.reserved_peak.bytes))
+    Ok((r.makespan_us, r.exposed_comm_us, r.reserved_peak.bytes, r.hazards.len()))
 }
 
 /// Simulate the four orders for one shape.
@@ -48,20 +50,30 @@ pub fn sweep_row(shape: Shape, budgets: Budgets) -> Result<(SweepRow, Schedule)>
     let meg = megatron_order(&g, shape);
     let compute: f64 = g.nodes.iter().filter(|n| n.kind == Kind::Compute).map(|n| n.cost).sum();
     let comm: f64 = g.nodes.iter().filter(|n| n.kind.is_launch()).map(|n| n.cost).sum();
-    let two = |x: (f64, f64, u64)| (x.0, x.1);
+    let mut hazards = 0;
+    let mut two = |x: (f64, f64, u64, usize)| {
+        hazards += x.3;
+        (x.0, x.1)
+    };
     let ours_s = simulate_order(&g, &ours.order, false, true)?;
     let ours_n = simulate_order(&g, &ours.order, false, false)?;
+    let serial = two(simulate_order(&g, &finish(&g, g.node_ids().collect(), budgets).order, true, false)?);
+    let b_then_f = two(simulate_order(&g, &backward_then_forward(&g), false, true)?);
+    let megatron = two(simulate_order(&g, &meg, false, true)?);
+    let megatron_next_node = two(simulate_order(&g, &meg, false, false)?);
+    let (ours_t, ours_next_t) = (two(ours_s), two(ours_n));
     let row = SweepRow {
         layers: shape.layers,
         ratio: shape.comm_us / (shape.attn_us + shape.mlp_us) * 2.0,
         bound_us: compute.max(comm),
-        serial: two(simulate_order(&g, &finish(&g, g.node_ids().collect(), budgets).order, true, false)?),
-        b_then_f: two(simulate_order(&g, &backward_then_forward(&g), false, true)?),
-        megatron: two(simulate_order(&g, &meg, false, true)?),
-        ours: two(ours_s),
-        megatron_next_node: two(simulate_order(&g, &meg, false, false)?),
-        ours_next_node: two(ours_n),
+        serial,
+        b_then_f,
+        megatron,
+        ours: ours_t,
+        megatron_next_node,
+        ours_next_node: ours_next_t,
         ours_reserved: (ours_s.2, ours_n.2),
+        hazards,
     };
     Ok((row, ours))
 }
