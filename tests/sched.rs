@@ -411,3 +411,69 @@ fn launch_output_allocated_on_the_consumer_stream_needs_no_retire() {
     let e = Graph::from_json(&bad).unwrap_err().to_string();
     assert!(e.contains("node 'a': only launch outputs"), "{e}");
 }
+
+#[test]
+fn launch_enabling_compute_goes_before_unrelated_compute() {
+    // One source: `other` (unrelated, first in the table) and `pre` (feeds a dispatch) are both
+    // ready. The policy runs `pre` first so the dispatch launches early and runs under `other`;
+    // without the preference, table order would run `other` first and leave it exposed.
+    let text = r#"{"sources": [{"name": "F0", "phase": "F"}], "inputs": ["x", "y"], "nodes": [
+        {"name": "other", "source": "F0", "kind": "compute", "inputs": ["y"], "outputs": ["o"]},
+        {"name": "pre", "source": "F0", "kind": "compute", "inputs": ["x"], "outputs": ["p"]},
+        {"name": "d", "source": "F0", "kind": "comm_launch", "inputs": ["p"], "outputs": ["q"]},
+        {"name": "d.wait", "source": "F0", "kind": "comm_wait", "launch": "d"},
+        {"name": "post", "source": "F0", "kind": "compute", "inputs": ["q", "o"], "outputs": ["z"]}]}"#;
+    let g = Graph::from_json(text).unwrap();
+    let s = sched::schedule(&g, Budgets::default()).unwrap();
+    assert_eq!(names(&g, &s), "pre, d, other, d.wait, post");
+    let ex = sched::explain(&g, &s);
+    assert_eq!(ex[0].hidden_under, vec!["other".to_string()]);
+}
+
+/// Brute force: is every predecessor reachable from its consumer's start through stream order
+/// and the given sync edges? (DFS per pair; no clocks.)
+fn oracle_all_covered(g: &Graph, s: &Schedule) -> bool {
+    let n = g.len();
+    let mut succ: Vec<Vec<usize>> = vec![Vec::new(); n];
+    let mut last_on: std::collections::HashMap<String, usize> = Default::default();
+    for &u in &s.order {
+        let key = format!("{:?}", s.stream[u.ix()]);
+        if let Some(&prev) = last_on.get(&key) {
+            succ[prev].push(u.ix());
+        }
+        last_on.insert(key, u.ix());
+    }
+    for e in &s.syncs {
+        succ[e.producer.ix()].push(e.consumer.ix());
+    }
+    let reaches = |from: usize, to: usize| {
+        let mut stack = vec![from];
+        let mut seen = vec![false; n];
+        while let Some(v) = stack.pop() {
+            if v == to {
+                return true;
+            }
+            if !std::mem::replace(&mut seen[v], true) {
+                stack.extend(succ[v].iter().copied());
+            }
+        }
+        false
+    };
+    (0..n).all(|c| g.preds[c].iter().all(|&p| reaches(p.ix(), c)))
+}
+
+#[test]
+fn validator_coverage_agrees_with_brute_force_reachability() {
+    let (mut rejected, mut accepted) = (0, 0);
+    for seed in 0..400u64 {
+        let g = Graph::new(random_graph(seed)).unwrap();
+        let s = sched::schedule(&g, Budgets::new(2, 2).unwrap()).unwrap();
+        let mut r = Rng::new(seed ^ 77);
+        let mut t = s.clone();
+        t.syncs.retain(|_| r.below(3) != 0);
+        let ours = validate(&g, &t).is_ok();
+        assert_eq!(ours, oracle_all_covered(&g, &t), "seed {seed}: validator and brute force disagree");
+        if ours { accepted += 1 } else { rejected += 1 }
+    }
+    assert!(rejected > 50 && accepted > 10, "{rejected} rejected, {accepted} accepted");
+}

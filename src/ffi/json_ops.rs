@@ -44,6 +44,7 @@ const OPS: &[JsonOp] = &[
     JsonOp { schema: "validate(str graph, str order, str syncs, str ep_budget, str page_budget) -> ()", run: validate },
     JsonOp { schema: "schedule_order(str graph, str order, str ep_budget, str page_budget) -> str", run: schedule_order },
     JsonOp { schema: "lower(str graph, str order, bool serial) -> str", run: lower },
+    JsonOp { schema: "simulate_schedule(str graph, str order, str costs, str policy, bool trace) -> str", run: simulate_schedule },
     JsonOp { schema: "selftest_panic(str message) -> ()", run: selftest_panic },
 ];
 
@@ -137,6 +138,33 @@ fn lower(a: &Args) -> Result<Option<String>> {
     let g = Graph::from_json(a.str("graph")?)?;
     let order = order_of(&g, a)?;
     to_text(&sim::lower(&g, &order, a.flag("serial")?), "program")
+}
+
+/// Any graph through the simulator under an order (ours when `order` is "" or "null"), with
+/// per-node costs from `costs` (`{"node": us}`), else the graph's `cost`, else a per-kind
+/// default ([`crate::sim::lower::DEFAULT_COST_US`]). The report adds the order it simulated.
+fn simulate_schedule(a: &Args) -> Result<Option<String>> {
+    let g = Graph::from_json(a.str("graph")?)?;
+    let order_text = a.str("order")?.trim();
+    let (order, budgets) = if order_text.is_empty() || order_text == "null" {
+        let b = Budgets::resolve(None, None)?;
+        (crate::sched::schedule(&g, b)?.order, b)
+    } else {
+        (order_of(&g, a)?, Budgets::resolve(None, None)?)
+    };
+    let costs_text = a.str("costs")?.trim();
+    let costs: std::collections::HashMap<String, f64> = if costs_text.is_empty() || costs_text == "null" {
+        Default::default()
+    } else {
+        serde_json::from_str(costs_text).map_err(|e| Error::InvalidInput(format!("costs must be a JSON object {{\"node\": us}}: {e}")))?
+    };
+    let program = sim::costed(&g, &order, &costs)?;
+    let policy = Policy::parse(a.str("policy")?)?;
+    let report = sim::simulate(&Program::new(program)?, SimOptions { policy, mode: Mode::Caching, trace: a.flag("trace")?, log: false })?;
+    let mut v = serde_json::to_value(&report).map_err(|e| Error::Runtime(format!("report serialization: {e}")))?;
+    v["order"] = serde_json::json!(order.iter().map(|&u| g.nodes[u].name.clone()).collect::<Vec<_>>());
+    v["budgets"] = serde_json::json!(budgets);
+    to_text(&v, "report")
 }
 
 /// Panics on purpose with `message`: proves a panic inside an entry point surfaces as a Python

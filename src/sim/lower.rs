@@ -111,3 +111,34 @@ pub fn lower_drained(g: &Graph, order: &[NodeId], serial: bool, scheduled_drains
         explicit_acquire: scheduled_drains,
     }
 }
+
+/// Cost of a node with no cost in the graph and none given, by kind (us): compute and
+/// launches 100, noops and waits 0 (waits are not simulator nodes).
+pub const DEFAULT_COST_US: f64 = 100.0;
+
+/// [`lower`] with each node's duration from `costs` (by name), else its graph cost when
+/// positive, else [`DEFAULT_COST_US`] for compute and launches. A cost naming no node, or a
+/// negative / non-finite cost, is an error.
+pub fn costed(g: &Graph, order: &[NodeId], costs: &std::collections::HashMap<String, f64>) -> crate::Result<ProgramSpec> {
+    let names: std::collections::HashSet<&str> = g.nodes.iter().map(|n| n.name.as_str()).collect();
+    let mut unknown: Vec<&String> = costs.keys().filter(|k| !names.contains(k.as_str())).collect();
+    unknown.sort();
+    if let Some(k) = unknown.first() {
+        return Err(crate::Error::InvalidInput(format!("costs name node '{k}', which is not in the graph")));
+    }
+    if let Some((k, v)) = costs.iter().find(|(_, v)| !v.is_finite() || **v < 0.0) {
+        return Err(crate::Error::InvalidInput(format!("cost of '{k}' must be a finite number >= 0, got {v}")));
+    }
+    let mut p = lower(g, order, false);
+    let by_name: std::collections::HashMap<&str, &crate::ir::Node> = g.nodes.iter().map(|n| (n.name.as_str(), n)).collect();
+    for n in &mut p.nodes {
+        let nd = by_name[n.name.as_str()];
+        n.us = match costs.get(&n.name) {
+            Some(&us) => us,
+            None if nd.cost > 0.0 => nd.cost,
+            None if nd.kind == crate::ir::Kind::Noop => 0.0,
+            None => DEFAULT_COST_US,
+        };
+    }
+    Ok(p)
+}

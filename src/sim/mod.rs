@@ -10,12 +10,12 @@
 //! `lower` (graph + issue order -> program: the derived form of a schedule).
 
 pub mod alloc;
-mod lower;
+pub mod lower;
 pub mod machine;
 pub mod program;
 
 pub use alloc::Mode;
-pub use lower::{lower, lower_drained};
+pub use lower::{costed, lower, lower_drained};
 pub use machine::{Engine, Hazard};
 pub use machine::{Log, Machine};
 pub use program::{run, simulate, NamedHazard, Policy, Program, ProgramSpec, Report, SimOptions, SimRuntime};

@@ -7,7 +7,7 @@
 from ._ops import INFO, LIBRARY, STATS_FIELDS, ops
 from .lifetime import ACTIONS, LifetimeManager, current_stream
 from .executor import Executor, SideStreams
-from .schedule import lower, schedule, schedule_order, validate
+from .schedule import lower, schedule, schedule_order, simulate_schedule, validate
 from .sim import compare, scenario_graph, scenario_program, simulate
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "schedule",
     "schedule_order",
     "simulate",
+    "simulate_schedule",
     "validate",
 ]
 __version__ = "0.1.0"

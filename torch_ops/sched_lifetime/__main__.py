@@ -76,6 +76,28 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate_schedule(args: argparse.Namespace) -> int:
+    from .schedule import simulate_schedule
+    from .sim import scenario_graph
+
+    def load(path: str | None, what: str):
+        if path is None:
+            return None
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"error: cannot read {what} {path}: {e}")
+
+    graph = scenario_graph(args.graph.split(":", 1)[1])["graph"] if args.graph.startswith("scenario:") else load(args.graph, "graph")
+    rep = simulate_schedule(graph, load(args.order, "order"), load(args.costs, "costs"), args.policy)
+    print(
+        f"SIMULATED ({args.policy}): makespan {rep['makespan_us'] / 1e3:.3f} ms, exposed comm {rep['exposed_comm_us'] / 1e3:.3f} ms, "
+        f"max reserved {rep['reserved_peak']['bytes'] / (1 << 20):.1f} MiB, hazards {len(rep['hazards'])}"
+    )
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from . import sim
 
@@ -113,7 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--plot", default=None, help="write a memory-over-time PNG (matplotlib)")
     s.add_argument("--json", default=None, help="write both reports")
     s.add_argument("--durations", default=None, help='JSON {"node": us} overriding node durations (e.g. measured on a GPU)')
+    ss = sub.add_parser("simulate-schedule", help="SIMULATED makespan and memory of a graph under our order or a given one")
+    ss.add_argument("graph", help="graph JSON file, or scenario:moe_chunk:LAYERS:RATIO")
+    ss.add_argument("--order", default=None, help="JSON list of node names (default: our schedule)")
+    ss.add_argument("--costs", default=None, help='JSON {"node": us} (default: graph costs, else per-kind)')
+    ss.add_argument("--policy", default="scheduled")
     args = p.parse_args(argv)
+    if args.cmd == "simulate-schedule":
+        return _simulate_schedule(args)
     if args.cmd in ("ab", "demo"):
         for name in ("n", "mib", "steps"):
             if getattr(args, name) < 1:

@@ -75,3 +75,26 @@ def lower(graph: Graph, order: Sequence[str], serial: bool = False) -> dict[str,
     """The simulator program (see `sl.simulate`) that issues `order` on the graph's streams
     (`serial`: all on one stream), with the lifetime drains where the schedule puts them."""
     return json.loads(ops.lower(json_text(graph, "graph"), json.dumps(list(order)), serial))
+
+
+def simulate_schedule(
+    graph: Graph,
+    order: Optional[Sequence[str]] = None,
+    costs: Optional[dict[str, float]] = None,
+    policy: str = "scheduled",
+    trace: bool = False,
+) -> dict[str, Any]:
+    """SIMULATED: any graph through the simulator, under our order (`order=None`) or a given
+    one, with per-node costs (us) from `costs`, else the graph's `cost`, else a per-kind
+    default. Returns the simulator's report (makespan, exposed comm, memory) plus the order."""
+    rep = json.loads(
+        ops.simulate_schedule(
+            json_text(graph, "graph"),
+            "" if order is None else json.dumps(list(order)),
+            "" if costs is None else json.dumps(costs),
+            policy,
+            trace,
+        )
+    )
+    rep["simulated"] = True
+    return rep
