@@ -45,6 +45,10 @@ const OPS: &[JsonOp] = &[
     JsonOp { schema: "schedule_order(str graph, str order, str ep_budget, str page_budget) -> str", run: schedule_order },
     JsonOp { schema: "lower(str graph, str order, bool serial) -> str", run: lower },
     JsonOp { schema: "simulate_schedule(str graph, str order, str costs, str policy, bool trace) -> str", run: simulate_schedule },
+    JsonOp { schema: "live() -> str", run: |_| {
+        let (managers, tensors) = super::registry::live();
+        to_text(&serde_json::json!({"managers": managers, "tensors": tensors}), "live")
+    } },
     JsonOp { schema: "selftest_panic(str message) -> ()", run: selftest_panic },
 ];
 

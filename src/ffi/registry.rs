@@ -52,11 +52,23 @@ impl Registry {
         self.slots[slot].1.as_mut().ok_or(Error::UnknownManager(h))
     }
 
+    /// Live managers, and the tensors they hold (bound + parked): what a leak check watches.
+    pub(super) fn live(&self) -> (usize, u64) {
+        let live = self.slots.iter().filter_map(|(_, m)| m.as_ref());
+        let held = live.clone().map(|m| m.stats().bound_now + m.stats().pending_count).sum();
+        (live.count(), held)
+    }
+
     pub(super) fn remove(&mut self, h: u64) -> Result<TorchManager> {
         let slot = self.slot(h).ok_or(Error::UnknownManager(h))?;
         self.free.push(slot);
         self.slots[slot].1.take().ok_or(Error::UnknownManager(h))
     }
+}
+
+/// Live managers and the tensors they hold.
+pub(super) fn live() -> (usize, u64) {
+    REGISTRY.lock().unwrap_or_else(|p| p.into_inner()).live()
 }
 
 /// Run an entry point with the registry locked; otherwise as [`pure`].
