@@ -358,3 +358,35 @@ fn rule1_each_retire_records_a_fresh_plan_event() {
     assert_waits_before_releases(&rt.ops, 1, A, B, 0);
     assert_waits_before_releases(&rt.ops, 2, A, B, at2);
 }
+
+#[test]
+fn rule8_preserved_views_of_one_storage_may_be_retired_in_two_calls() {
+    // Preserve releases nothing of the storage (EP library buffers, symmetric memory): two
+    // slices of one buffer retired separately are fine.
+    let (mut m, mut rt) = mgr();
+    let a = t(1);
+    let b = TensorKey { tensor: 78, ..a };
+    bind(&mut m, &[a, b], A);
+    retire(&mut m, &mut rt, &[a], B, Action::Preserve).unwrap();
+    retire(&mut m, &mut rt, &[b], B, Action::Preserve).unwrap();
+    assert_eq!(m.parked_on(A), 2);
+    m.finalize(&mut rt).unwrap();
+}
+
+#[test]
+fn counters_and_accessors_report_what_happened() {
+    let (mut m, mut rt) = mgr();
+    assert_eq!(m.name(), "plan0");
+    assert!(!m.is_finalized());
+    bind(&mut m, &[t(1), t(2), t(3)], A);
+    m.passthrough(&[t(1), t(2)]).unwrap();
+    m.passthrough(&[t(3)]).unwrap();
+    retire(&mut m, &mut rt, &[t(1)], B, Action::EmptyStorage).unwrap();
+    retire(&mut m, &mut rt, &[t(2)], B, Action::EmptyStorage).unwrap();
+    retire(&mut m, &mut rt, &[t(3)], C, Action::DropReference).unwrap();
+    let s = m.stats();
+    assert_eq!((s.passthrough, s.events_recorded, s.bound, s.pending_count), (3, 3, 3, 3));
+    let s = m.finalize(&mut rt).unwrap();
+    assert!(m.is_finalized());
+    assert_eq!((s.drained, s.waits, s.handbacks, s.pending_count), (3, 2, 1, 0));
+}
