@@ -385,8 +385,9 @@ fn counters_and_accessors_report_what_happened() {
     retire(&mut m, &mut rt, &[t(2)], B, Action::EmptyStorage).unwrap();
     retire(&mut m, &mut rt, &[t(3)], C, Action::DropReference).unwrap();
     let s = m.stats();
-    assert_eq!((s.passthrough, s.events_recorded, s.bound, s.pending_count), (3, 3, 3, 3));
+    assert_eq!((s.passthrough, s.events_recorded, s.bound, s.pending_count, s.pending_bytes), (3, 3, 3, 3, 64 * 6));
+    assert_eq!((s.pending_peak_count, s.pending_peak_bytes), (3, 64 * 6));
     let s = m.finalize(&mut rt).unwrap();
     assert!(m.is_finalized());
-    assert_eq!((s.drained, s.waits, s.handbacks, s.pending_count), (3, 2, 1, 0));
+    assert_eq!((s.drained, s.waits, s.handbacks, s.pending_count, s.pending_bytes), (3, 2, 1, 0, 0));
 }
