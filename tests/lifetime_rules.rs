@@ -272,7 +272,9 @@ fn abandon_falls_back_to_record_stream_for_parked() {
     m.abandon(&mut rt).unwrap();
     assert!(rt.ops.contains(&Op::RecordStream(1, B)));
     assert!(!rt.ops.iter().any(|o| matches!(o, Op::Release(..))));
-    assert_eq!(m.stats().abandoned, 1);
+    let s = m.stats();
+    assert_eq!((s.abandoned, s.pending_count, s.pending_bytes, s.bound_now), (1, 0, 0, 0));
+    assert!(m.is_finalized());
 }
 
 #[test]
