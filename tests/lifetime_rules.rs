@@ -393,3 +393,20 @@ fn counters_and_accessors_report_what_happened() {
     assert!(m.is_finalized());
     assert_eq!((s.drained, s.waits, s.handbacks, s.pending_count, s.pending_bytes), (3, 2, 1, 0, 0));
 }
+
+#[test]
+fn rule1_acquire_drains_only_the_acquiring_owners_queue() {
+    // The queue of another owner stream (made first) must not be drained by A's acquire: its
+    // tensors would be released after A's wait, with C never having waited.
+    let (mut m, mut rt) = mgr();
+    bind(&mut m, &[t(2)], C);
+    retire(&mut m, &mut rt, &[t(2)], B, Action::EmptyStorage).unwrap();
+    assert_eq!(m.acquire(&mut rt, A).unwrap(), 0, "A has nothing parked");
+    bind(&mut m, &[t(1)], A);
+    retire(&mut m, &mut rt, &[t(1)], B, Action::EmptyStorage).unwrap();
+    assert_eq!(m.acquire(&mut rt, A).unwrap(), 1);
+    assert!(!rt.ops.iter().any(|o| matches!(o, Op::Release(2, _))), "C's tensor released on A's acquire");
+    assert_eq!((m.parked_on(C), m.stats().pending_count, m.stats().pending_bytes), (1, 1, t(2).nbytes));
+    assert_eq!(m.acquire(&mut rt, C).unwrap(), 1);
+    assert_eq!(m.stats().pending_bytes, 0);
+}
