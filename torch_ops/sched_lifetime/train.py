@@ -251,6 +251,7 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
         parity = {a: bool(f) for a, f in zip(arms, flags.tolist())}
     rows: dict[str, dict] = {a: {"parity": parity[a], "step_ms": statistics.median(arm.times)} for a, arm in arms.items()}
     # Memory and exposed communication: one more step per arm, measured alone.
+    histories: dict[str, list] = {}
     for a, arm in arms.items():
         if use_cuda:
             torch.cuda.empty_cache()
@@ -262,8 +263,16 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
             def sample(p: list = pend) -> None:
                 p[0] = max(p[0], _pending_free_bytes())
 
+            record = bool(args.out and rank0)
+            if record:
+                torch.cuda.memory._record_memory_history(max_entries=500_000)
             arm.step(args.steps + 1, args.microbatches, on_run=sample)
             sync()
+            if record:
+                try:
+                    histories[a] = allocator_timeline(torch.cuda.memory._snapshot(), device)
+                finally:
+                    torch.cuda.memory._record_memory_history(enabled=None)
             rows[a].update(
                 max_allocated=torch.cuda.max_memory_allocated(), max_reserved=torch.cuda.max_memory_reserved(), pending_free_peak=pend[0]
             )
@@ -280,6 +289,11 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
                 rows[a]["graph_pool"] = arm.graph_pool
     for a, why in failed.items():
         rows[a] = {"parity": False, "step_ms": float("nan"), "failed": why}
+    if histories:
+        try:
+            plot_allocator(histories, os.path.join(args.out, "memory_over_time.png"))
+        except Exception as e:  # a plot never costs the run
+            print(f"memory plot skipped: {type(e).__name__}: {e}")
     # Per-node times, measured one node at a time (the sequential order), by graph node name:
     # the `durations` of `sl.simulate(sl.lower(graph, order))`, so predictions use them.
     if args.out and "sequential" in arms:
@@ -290,11 +304,62 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
     if args.out and rank0 and "sequential" in arms:
         with open(os.path.join(args.out, "durations.json"), "w") as f:
             json.dump({k: round(v, 2) for k, v in seq.chunk.node_times_us().items()}, f, indent=1)
-    simulated = simulate_memory(arms, args.microbatches, args.steps + 4) if not use_cuda else None
+    plot = os.path.join(args.out, "memory_over_time_simulated.png") if args.out and rank0 else None
+    simulated = simulate_memory(arms, args.microbatches, args.steps + 4, plot) if not use_cuda else None
     return {"table": format_table(rows, cfg, args, use_cuda, transport.world) + (simulated or ""), "json": {"config": cfg.as_dict(), "world": transport.world, "rows": rows}} if rank0 else None
 
 
-def simulate_memory(arms: dict, microbatches: int, step: int) -> Optional[str]:
+def allocator_timeline(snapshot: dict, device: torch.device) -> list:
+    """(time ms, allocated bytes, freed-but-pending bytes) after each allocator event of one
+    step, from the caching allocator's history (`free_requested` .. `free_completed` is the
+    time a block waits for the streams that used it: record_stream's pending frees)."""
+    traces = snapshot.get("device_traces", [])
+    events = traces[device.index or 0] if len(traces) > (device.index or 0) else []
+    alloc = pend = 0
+    out = []
+    t0 = None
+    for i, e in enumerate(events):
+        act, size = e.get("action"), int(e.get("size", 0))
+        if act == "alloc":
+            alloc += size
+        elif act == "free_requested":
+            alloc -= size
+            pend += size
+        elif act == "free_completed":
+            pend -= size
+        else:
+            continue
+        t = e.get("time_us", i)
+        t0 = t if t0 is None else t0
+        out.append(((t - t0) / 1e3, alloc, pend))
+    return out
+
+
+def plot_allocator(histories: dict, path: str) -> None:
+    """Allocated and pending-free bytes over one step, one panel per arm (measured)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(histories), figsize=(5 * len(histories), 3.5), sharey=True, squeeze=False)
+    for ax, (arm, tl) in zip(axes[0], histories.items()):
+        t = [p[0] for p in tl]
+        base = min((p[1] for p in tl), default=0)
+        ax.step(t, [(p[1] - base) / (1 << 30) for p in tl], where="post", label="allocated (above step start)")
+        ax.step(t, [p[2] / (1 << 30) for p in tl], where="post", label="freed, pending (record_stream)")
+        ax.set_title(arm)
+        ax.set_xlabel("ms in the step")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("GiB")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("MEASURED: caching allocator history, one training step per arm")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def simulate_memory(arms: dict, microbatches: int, step: int, plot: Optional[str] = None) -> Optional[str]:
     """CPU: what the Rust model predicts for one multiplexed F+B run of `ours` on a GPU, with
     each value's bytes as measured here: record_stream vs the lifetime manager (SIMULATED)."""
     from . import executor as ex_mod
@@ -314,7 +379,14 @@ def simulate_memory(arms: dict, microbatches: int, step: int) -> Optional[str]:
     program = lower(graph, arm.chunk.order_schedule(True, True, arm.order)["order"])
     names = {n["name"] for n in program["nodes"]}
     durations = {k: v for k, v in arm.chunk.node_times_us().items() if k in names}
-    res = {p: simulate(program, p, durations=durations) for p in ("record_stream", "scheduled")}
+    res = {p: simulate(program, p, durations=durations, trace=plot is not None) for p in ("record_stream", "scheduled")}
+    if plot is not None:
+        from .sim import plot_memory
+
+        try:
+            plot_memory(res, plot, title="one F(i+1)+B(i) run of ours, SIMULATED with this run's sizes and node times")
+        except Exception as e:  # matplotlib missing, etc.: say so, lose nothing else
+            print(f"memory plot skipped: {type(e).__name__}: {e}")
     mib = float(1 << 20)
     rs, sc = res["record_stream"], res["scheduled"]
     return (
