@@ -17,6 +17,7 @@ pub mod ep;
 pub mod error;
 pub mod ir;
 pub mod lifetime;
+pub mod paging;
 pub mod runtime;
 pub mod scenarios;
 pub mod sched;

@@ -45,6 +45,7 @@ const OPS: &[JsonOp] = &[
     JsonOp { schema: "schedule_order(str graph, str order, str ep_budget, str page_budget) -> str", run: schedule_order },
     JsonOp { schema: "lower(str graph, str order, bool serial) -> str", run: lower },
     JsonOp { schema: "simulate_schedule(str graph, str order, str costs, str policy, bool trace) -> str", run: simulate_schedule },
+    JsonOp { schema: "page_plan(str prefix, str budget, int min_distance) -> str", run: page_plan },
     JsonOp { schema: "live() -> str", run: |_| {
         let (managers, tensors) = super::registry::live();
         to_text(&serde_json::json!({"managers": managers, "tensors": tensors}), "live")
@@ -169,6 +170,19 @@ fn simulate_schedule(a: &Args) -> Result<Option<String>> {
     v["order"] = serde_json::json!(order.iter().map(|&u| g.nodes[u].name.clone()).collect::<Vec<_>>());
     v["budgets"] = serde_json::json!(budgets);
     to_text(&v, "report")
+}
+
+/// What to page out of a live prefix (`[{"name", "bytes", "saved_at", "used_at"}]`) under a
+/// budget (`{"bytes": n}` or `{"fraction": f}`), as [`crate::paging::choose`] decides.
+fn page_plan(a: &Args) -> Result<Option<String>> {
+    let prefix: Vec<crate::paging::Saved> = serde_json::from_str(a.str("prefix")?)
+        .map_err(|e| Error::InvalidInput(format!("live prefix is not valid: {e}")))?;
+    let budget: crate::paging::Budget = serde_json::from_str(a.str("budget")?)
+        .map_err(|e| Error::InvalidInput(format!("paging budget must be {{\"bytes\": n}} or {{\"fraction\": f}}: {e}")))?;
+    let d = a.get("min_distance")?.as_i64().filter(|d| (0..=i64::from(u32::MAX)).contains(d)).ok_or_else(|| {
+        Error::InvalidInput("min_distance must be an integer >= 0".into())
+    })?;
+    to_text(&crate::paging::choose(&prefix, budget, d as u32)?, "page plan")
 }
 
 /// Panics on purpose with `message`: proves a panic inside an entry point surfaces as a Python

@@ -7,6 +7,7 @@
 from ._ops import INFO, LIBRARY, STATS_FIELDS, ops
 from .lifetime import ACTIONS, LifetimeManager, current_stream
 from .executor import Executor, SideStreams
+from .paging import Pager, page_plan
 from .schedule import lower, schedule, schedule_order, simulate_schedule, validate
 from .sim import compare, scenario_graph, scenario_program, simulate
 
@@ -16,11 +17,13 @@ __all__ = [
     "INFO",
     "LIBRARY",
     "LifetimeManager",
+    "Pager",
     "STATS_FIELDS",
     "SideStreams",
     "compare",
     "current_stream",
     "ops",
+    "page_plan",
     "scenario_graph",
     "scenario_program",
     "lower",
