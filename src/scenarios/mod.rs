@@ -3,6 +3,7 @@
 //! seeded generator, and the simulated sweep. What tests, benches, the CLI and Python's
 //! `sl.scenario_graph` / `sl.scenario_program` use. Sits above `sched` and `sim`.
 
+pub mod family;
 pub mod moe;
 pub mod programs;
 mod rng;

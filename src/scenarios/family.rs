@@ -1,0 +1,303 @@
+//! A family of MoE chunk shapes beyond the symmetric one (issue 8): a router node, a shared
+//! expert beside the routed experts (joined by a post node), dense first layers, an MTP tail,
+//! forward and backward chunks of unequal length, a third source (deferred dW of another
+//! microbatch), per-node costs varied by up to 50%. With reference orders: serial,
+//! backward-then-forward, and Megatron-style layer pairing (F layer i with B layer L-1-i, each
+//! pair finished before the next starts) where the layers pair. All figures are SIMULATED.
+
+use std::collections::HashMap;
+
+use super::Rng;
+use crate::ep::Budgets;
+use crate::error::Result;
+use crate::ir::{Graph, GraphSpec, Kind, NodeId, NodeSpec, OutputSpec, Phase, Source};
+use crate::sched::{finish, schedule};
+use crate::sim::{self, lower, Policy, Program, SimOptions};
+
+/// One member of the family.
+#[derive(Clone, Debug)]
+pub struct FamilySpec {
+    /// Layers of the forward source.
+    pub f_layers: usize,
+    /// Layers of the backward source.
+    pub b_layers: usize,
+    /// The first `dense` layers (of each source) have no dispatch/combine.
+    pub dense: usize,
+    /// A separate router node before each dispatch.
+    pub router: bool,
+    /// A shared expert beside the routed experts, joined with the combine in a post node.
+    pub shared: bool,
+    /// An MTP tail (a dense layer after the last forward layer, before the first backward one).
+    pub mtp: bool,
+    /// A third source: deferred weight-gradient work of another microbatch.
+    pub third: bool,
+    /// Comm time per all-to-all over (attn + mlp) / 2.
+    pub ratio: f64,
+    /// Seed of the cost jitter (each cost times U(0.5, 1.5)); None: exact costs.
+    pub jitter: Option<u64>,
+}
+
+impl FamilySpec {
+    /// A symmetric all-MoE member.
+    pub fn new(layers: usize, ratio: f64) -> Self {
+        FamilySpec { f_layers: layers, b_layers: layers, dense: 0, router: false, shared: false, mtp: false, third: false, ratio, jitter: None }
+    }
+}
+
+const ATTN: f64 = 400.0;
+const MLP: f64 = 600.0;
+const ROUTER: f64 = 50.0;
+const SHARED: f64 = 300.0;
+const POST: f64 = 50.0;
+const MIB64: u64 = 64 << 20;
+
+struct B {
+    nodes: Vec<NodeSpec>,
+    rng: Option<Rng>,
+}
+
+impl B {
+    fn cost(&mut self, base: f64) -> f64 {
+        match &mut self.rng {
+            Some(r) => base * (0.5 + r.below(1001) as f64 / 1000.0),
+            None => base,
+        }
+    }
+    fn add(&mut self, name: &str, src: &str, kind: Kind, ins: &[String], outs: &[String], base: f64) {
+        let cost = if kind == Kind::Noop { 0.0 } else { self.cost(base) };
+        self.nodes.push(NodeSpec {
+            name: name.into(),
+            source: src.into(),
+            kind,
+            wgrad: false,
+            inputs: ins.to_vec(),
+            outputs: outs.iter().map(|o| OutputSpec::Sized { value: o.clone(), bytes: MIB64 }).collect(),
+            mutates: vec![],
+            launch: None,
+            cost,
+        });
+    }
+    fn wgrad(&mut self, name: &str, src: &str, ins: &[String], base: f64) {
+        self.add(name, src, Kind::Compute, ins, &[format!("{name}.grad")], base);
+        self.nodes.last_mut().expect("added").wgrad = true;
+    }
+    fn comm(&mut self, name: &str, src: &str, ins: &[String], out: &str, base: f64) {
+        self.add(name, src, Kind::CommLaunch, ins, &[out.to_string()], base);
+        self.add(&format!("{name}.wait"), src, Kind::CommWait, &[], &[], 0.0);
+        self.nodes.last_mut().expect("added").launch = Some(name.into());
+    }
+}
+
+fn s(x: impl Into<String>) -> String {
+    x.into()
+}
+
+/// The member's graph table: sources F1 (forward), B0 (backward) and, with `third`, W2.
+pub fn build(f: &FamilySpec) -> GraphSpec {
+    let comm = f.ratio * (ATTN + MLP) / 2.0;
+    let mut b = B { nodes: Vec::new(), rng: f.jitter.map(Rng::new) };
+    // Forward.
+    let mut x = s("F.x0");
+    for l in 0..f.f_layers {
+        let p = format!("F.L{l}");
+        let a = format!("{p}.a");
+        b.add(&format!("{p}.attn"), "F1", Kind::Compute, &[x.clone()], &[a.clone()], ATTN);
+        if l < f.dense {
+            let out = format!("{p}.out");
+            b.add(&format!("{p}.mlp"), "F1", Kind::Compute, &[a], &[out.clone()], MLP);
+            x = out;
+            continue;
+        }
+        let mut dins = vec![a.clone()];
+        if f.router {
+            let r = format!("{p}.r");
+            b.add(&format!("{p}.router"), "F1", Kind::Compute, &[a.clone()], &[r.clone()], ROUTER);
+            dins.push(r);
+        }
+        let (d, m, c) = (format!("{p}.d"), format!("{p}.m"), format!("{p}.c"));
+        b.comm(&format!("{p}.dispatch"), "F1", &dins, &d, comm);
+        b.add(&format!("{p}.mlp"), "F1", Kind::Compute, &[d], &[m.clone()], MLP);
+        b.comm(&format!("{p}.combine"), "F1", &[m], &c, comm);
+        if f.shared {
+            let (sh, out) = (format!("{p}.s"), format!("{p}.out"));
+            b.add(&format!("{p}.shared"), "F1", Kind::Compute, &[a], &[sh.clone()], SHARED);
+            b.add(&format!("{p}.post"), "F1", Kind::Compute, &[c, sh], &[out.clone()], POST);
+            x = out;
+        } else {
+            x = c;
+        }
+    }
+    if f.mtp {
+        b.add("F.mtp.attn", "F1", Kind::Compute, &[x.clone()], &[s("F.mtp.a")], ATTN);
+        b.add("F.mtp.mlp", "F1", Kind::Compute, &[s("F.mtp.a")], &[s("F.mtp.out")], MLP);
+    }
+    // Backward, last layer first.
+    let mut g = s("B.g.top");
+    if f.mtp {
+        b.add("B.mtp.mlp", "B0", Kind::Compute, &[g.clone()], &[s("B.mtp.gm")], MLP);
+        b.add("B.mtp.attn", "B0", Kind::Compute, &[s("B.mtp.gm")], &[s("B.mtp.g")], ATTN);
+        g = s("B.mtp.g");
+    }
+    for l in (0..f.b_layers).rev() {
+        let p = format!("B.L{l}");
+        let ga = format!("{p}.ga");
+        if l < f.dense {
+            b.add(&format!("{p}.mlp"), "B0", Kind::Compute, &[g.clone()], &[ga.clone()], MLP);
+            b.wgrad(&format!("{p}.mlp.dw"), "B0", &[g.clone()], MLP / 2.0);
+        } else {
+            let mut gc = g.clone();
+            let mut gs = None;
+            if f.shared {
+                let (c, sh) = (format!("{p}.gc"), format!("{p}.gs"));
+                b.add(&format!("{p}.post"), "B0", Kind::Compute, &[g.clone()], &[c.clone(), sh.clone()], POST);
+                gc = c;
+                gs = Some(sh);
+            }
+            let (gm, gd, gx) = (format!("{p}.gm"), format!("{p}.gd"), format!("{p}.gx"));
+            b.comm(&format!("{p}.combine"), "B0", &[gc], &gm, comm);
+            b.add(&format!("{p}.mlp"), "B0", Kind::Compute, &[gm.clone()], &[gd.clone()], MLP);
+            b.wgrad(&format!("{p}.mlp.dw"), "B0", &[gm], MLP / 2.0);
+            b.comm(&format!("{p}.dispatch"), "B0", &[gd], &gx, comm);
+            let mut ains = vec![gx];
+            if f.router {
+                let gr = format!("{p}.gr");
+                b.add(&format!("{p}.router"), "B0", Kind::Compute, &[ains[0].clone()], &[gr.clone()], ROUTER);
+                ains.push(gr);
+            }
+            if let Some(sh) = gs {
+                let gsh = format!("{p}.gsh");
+                b.add(&format!("{p}.shared"), "B0", Kind::Compute, &[sh.clone()], &[gsh.clone()], SHARED);
+                b.wgrad(&format!("{p}.shared.dw"), "B0", &[sh], SHARED / 2.0);
+                ains.push(gsh);
+            }
+            b.add(&format!("{p}.mlp.x"), "B0", Kind::Noop, &ains, &[ga.clone()], 0.0);
+        }
+        let out = format!("{p}.g");
+        b.add(&format!("{p}.attn"), "B0", Kind::Compute, &[ga.clone()], &[out.clone()], ATTN);
+        b.wgrad(&format!("{p}.attn.dw"), "B0", &[ga], ATTN / 2.0);
+        g = out;
+    }
+    let mut sources = vec![Source { name: s("F1"), microbatch: 1, phase: Phase::F, priority: 0 }, Source { name: s("B0"), microbatch: 0, phase: Phase::B, priority: 0 }];
+    let mut inputs = vec![OutputSpec::Sized { value: s("F.x0"), bytes: MIB64 }, OutputSpec::Sized { value: s("B.g.top"), bytes: MIB64 }];
+    if f.third {
+        sources.push(Source { name: s("W2"), microbatch: 2, phase: Phase::DW, priority: 0 });
+        for l in 0..f.b_layers.max(1) {
+            let gin = format!("W.L{l}.g");
+            inputs.push(OutputSpec::Sized { value: gin.clone(), bytes: MIB64 });
+            b.wgrad(&format!("W.L{l}.attn.dw"), "W2", &[gin.clone()], ATTN / 2.0);
+            b.wgrad(&format!("W.L{l}.mlp.dw"), "W2", &[gin], MLP / 2.0);
+        }
+    }
+    GraphSpec { sources, nodes: b.nodes, control: vec![], reuse: vec![], inputs }
+}
+
+fn layer_of(name: &str) -> Option<(char, usize)> {
+    let side = name.chars().next()?;
+    let rest = name.get(2..)?;
+    if let Some(num) = rest.strip_prefix('L') {
+        let n: usize = num.split('.').next()?.parse().ok()?;
+        return Some((side, n));
+    }
+    None
+}
+
+/// Megatron-style pairing: F layer i with B layer L-1-i, each pair (and the MTP nodes around
+/// them) finished before the next starts; within a pair our policy orders the nodes. None when
+/// the layers do not pair (unequal lengths, a third source).
+pub fn pairing_order(spec: &FamilySpec, budgets: Budgets) -> Result<Option<Vec<NodeId>>> {
+    if spec.f_layers != spec.b_layers || spec.third {
+        return Ok(None);
+    }
+    let l_n = spec.f_layers;
+    let mut gs = build(spec);
+    let pair_of = |name: &str| -> usize {
+        match layer_of(name) {
+            Some(('F', i)) => i + 1,
+            Some(('B', i)) => l_n - i,
+            _ if name.starts_with("B.mtp") => 0,
+            _ => l_n + 1, // F.mtp
+        }
+    };
+    let mut by_pair: HashMap<usize, Vec<String>> = HashMap::new();
+    for n in &gs.nodes {
+        by_pair.entry(pair_of(&n.name)).or_default().push(n.name.clone());
+    }
+    for k in 0..=l_n {
+        let (Some(a), Some(b)) = (by_pair.get(&k), by_pair.get(&(k + 1))) else { continue };
+        for x in a {
+            for y in b {
+                gs.control.push((x.clone(), y.clone()));
+            }
+        }
+    }
+    let barred = Graph::new(gs)?;
+    Ok(Some(schedule(&barred, budgets)?.order))
+}
+
+/// (makespan, exposed comm) of `order` through the simulator with the real lifetime manager.
+pub fn simulate(g: &Graph, order: &[NodeId], serial: bool) -> Result<(f64, f64)> {
+    let r = sim::simulate(&Program::new(lower(g, order, serial))?, SimOptions::new(Policy::Scheduled))?;
+    Ok((r.makespan_us, r.exposed_comm_us))
+}
+
+/// One row of the family sweep (SIMULATED).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct FamilyRow {
+    /// The member's name.
+    pub shape: String,
+    /// Comm/compute ratio.
+    pub ratio: f64,
+    /// EP budget.
+    pub budget: u32,
+    /// max(total compute, total comm).
+    pub bound_us: f64,
+    /// (makespan, exposed comm) of each order.
+    pub serial: (f64, f64),
+    /// Every B (and W) node, then every F node.
+    pub b_then_f: (f64, f64),
+    /// Megatron-style layer pairing, where the layers pair.
+    pub pairing: Option<(f64, f64)>,
+    /// Our schedule.
+    pub ours: (f64, f64),
+}
+
+/// The named members: the symmetric chunk, router + shared expert, dense first, MTP, unequal
+/// lengths both ways, three sources, jittered costs.
+pub fn members(ratio: f64) -> Vec<(String, FamilySpec)> {
+    let base = FamilySpec::new(4, ratio);
+    vec![
+        (s("symmetric 4"), base.clone()),
+        (s("router+shared 2"), FamilySpec { router: true, shared: true, ..FamilySpec::new(2, ratio) }),
+        (s("router+shared 4"), FamilySpec { router: true, shared: true, ..base.clone() }),
+        (s("dense1+moe 4"), FamilySpec { dense: 1, ..base.clone() }),
+        (s("mtp 3"), FamilySpec { mtp: true, ..FamilySpec::new(3, ratio) }),
+        (s("F2 with B4"), FamilySpec { f_layers: 2, b_layers: 4, ..base.clone() }),
+        (s("F4 with B2"), FamilySpec { f_layers: 4, b_layers: 2, ..base.clone() }),
+        (s("three sources 3"), FamilySpec { third: true, ..FamilySpec::new(3, ratio) }),
+        (s("jittered shared 4"), FamilySpec { shared: true, router: true, jitter: Some(7), ..base }),
+    ]
+}
+
+/// Simulate every order for one member.
+pub fn row(name: &str, spec: &FamilySpec, budget: u32) -> Result<FamilyRow> {
+    let budgets = Budgets::new(budget, 2)?;
+    let g = Graph::new(build(spec))?;
+    let compute: f64 = g.nodes.iter().filter(|n| n.kind == Kind::Compute).map(|n| n.cost).sum();
+    let comm: f64 = g.nodes.iter().filter(|n| n.kind.is_launch()).map(|n| n.cost).sum();
+    let ours = schedule(&g, budgets)?.order;
+    let table: Vec<NodeId> = g.node_ids().collect();
+    let pairing = match pairing_order(spec, budgets)? {
+        Some(o) => Some(simulate(&g, &finish(&g, o, budgets).order, false)?),
+        None => None,
+    };
+    Ok(FamilyRow {
+        shape: name.into(),
+        ratio: spec.ratio,
+        budget,
+        bound_us: compute.max(comm),
+        serial: simulate(&g, &finish(&g, table, budgets).order, true)?,
+        b_then_f: simulate(&g, &super::moe::backward_then_forward(&g), false)?,
+        pairing,
+        ours: simulate(&g, &ours, false)?,
+    })
+}
