@@ -191,6 +191,14 @@ fn syncs_are_minimal_and_validator_rejects_broken_schedules() {
     let r = t.retires.iter_mut().find(|r| r.drain_before.is_some()).unwrap();
     r.drain_before = Some(r.last_consumer);
     assert!(validate(&g, &t).unwrap_err().to_string().contains("drains before"));
+    // A drain after the last consumer but on another stream than the owner's.
+    let mut t = s.clone();
+    let i = t.retires.iter().position(|r| r.drain_before.is_some()).unwrap();
+    let (owner, last) = (t.retires[i].owner, t.retires[i].last_consumer);
+    let p_last = t.order.iter().position(|&u| u == last).unwrap();
+    let other = *t.order[p_last + 1..].iter().find(|&&u| t.stream[u.ix()] != owner).expect("a later node on another stream");
+    t.retires[i].drain_before = Some(other);
+    assert!(validate(&g, &t).unwrap_err().to_string().contains("drains before"));
 }
 
 fn spec_err(f: impl FnOnce(&mut GraphSpec)) -> String {
