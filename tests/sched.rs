@@ -509,3 +509,36 @@ fn family_ours_never_worse_than_backward_then_forward_or_serial() {
         }
     }
 }
+
+#[test]
+fn validator_rejects_malformed_schedules_naming_what_is_wrong() {
+    let g = Graph::new(moe::chunk(moe::Shape::moe(1, 1.0))).unwrap();
+    let s = sched::schedule(&g, Budgets::default()).unwrap();
+    let mut t = s.clone();
+    t.order.pop();
+    assert!(validate(&g, &t).unwrap_err().to_string().contains("schedule has"));
+    let mut t = s.clone();
+    t.stream.pop();
+    assert!(validate(&g, &t).unwrap_err().to_string().contains("schedule has"));
+    let mut t = s.clone();
+    t.syncs[0].producer = sched_lifetime::ir::NodeId(9999);
+    assert!(validate(&g, &t).unwrap_err().to_string().contains("not in the graph"));
+    let mut t = s.clone();
+    t.syncs[0].consumer = sched_lifetime::ir::NodeId(9999);
+    assert!(validate(&g, &t).unwrap_err().to_string().contains("not in the graph"));
+    // By names, as Python calls it.
+    let names: Vec<String> = s.order.iter().map(|&u| g.nodes[u.ix()].name.clone()).collect();
+    sched::validate_named(&g, &names, None, Budgets::default()).unwrap();
+    let e = |o: &[String]| sched::validate_named(&g, o, None, Budgets::default()).unwrap_err().to_string();
+    assert!(e(&names[1..]).contains("schedule has"));
+    let mut dup = names.clone();
+    dup[1] = dup[0].clone();
+    assert!(e(&dup).contains("is issued twice"));
+    let mut unknown = names.clone();
+    unknown[0] = "F.nope".into();
+    assert!(e(&unknown).contains("'F.nope', which is not in the graph"));
+    let mut swapped = names.clone();
+    swapped.reverse();
+    assert!(e(&swapped).contains("before its predecessor"));
+    assert_eq!(sched::order_by_names(&g, &names).unwrap(), s.order);
+}
