@@ -49,3 +49,11 @@ def test_backward_without_a_forward_is_an_error():
     ch = m.chunk()
     with pytest.raises(ValueError, match="microbatch 5 has no saved forward"):
         combined_step(ch, (MicrobatchState(6), m.batch(0, 0)), MicrobatchState(5))
+
+
+def test_train_step_rejects_bad_orders_and_empty_steps():
+    m = MoEModel(CONFIGS["tiny"])
+    with pytest.raises(ValueError, match="at least one microbatch"):
+        train_step(m.chunk(), [], "ours")
+    with pytest.raises(ValueError, match="order must be one of"):
+        train_step(m.chunk(), [m.batch(0, 0)], "fastest")

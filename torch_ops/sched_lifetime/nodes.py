@@ -365,9 +365,12 @@ def train_step(
     Otherwise the steady state: warm-up F(0), then F(i+1) multiplexed with B(i), cool-down
     B(n-1), each multiplexing in `order` ("ours" or "b_then_f"). Returns the losses."""
     n = len(microbatches)
+    if n == 0:
+        raise ValueError("train_step needs at least one microbatch")
+    if order not in Chunk.ORDERS:
+        raise ValueError(f"order must be one of {Chunk.ORDERS}, got {order!r}")
     scale = 1.0 / n
     states = [MicrobatchState(i) for i in range(n)]
-    run_order = order if order != "sequential" else "sequential"
 
     def after() -> None:
         if on_run is not None:
@@ -375,9 +378,9 @@ def train_step(
 
     if order == "sequential":
         for i in range(n):
-            chunk.run((states[i], microbatches[i]), None, run_order, lifetime)
+            chunk.run((states[i], microbatches[i]), None, order, lifetime)
             after()
-            chunk.run(None, states[i], run_order, lifetime, scale)
+            chunk.run(None, states[i], order, lifetime, scale)
             after()
     else:
         chunk.run((states[0], microbatches[0]), None, order, lifetime)
