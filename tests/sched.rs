@@ -542,3 +542,38 @@ fn validator_rejects_malformed_schedules_naming_what_is_wrong() {
     assert!(e(&swapped).contains("before its predecessor"));
     assert_eq!(sched::order_by_names(&g, &names).unwrap(), s.order);
 }
+
+#[test]
+fn across_sources_launch_enabling_compute_beats_weight_gradient_work() {
+    // At the start nothing was launched (no yield owed): F's launch-enabling compute and B's
+    // wgrad node are both ready; the enabling one goes first whatever the table order.
+    let text = r#"{"sources": [{"name": "B0", "phase": "B"}, {"name": "F1", "phase": "F"}], "inputs": ["g", "x"], "nodes": [
+        {"name": "B.dw", "source": "B0", "kind": "compute", "wgrad": true, "inputs": ["g"], "outputs": ["w"]},
+        {"name": "F.pre", "source": "F1", "kind": "compute", "inputs": ["x"], "outputs": ["p"]},
+        {"name": "F.d", "source": "F1", "kind": "comm_launch", "inputs": ["p"], "outputs": ["q"]},
+        {"name": "F.d.wait", "source": "F1", "kind": "comm_wait", "launch": "F.d"},
+        {"name": "F.post", "source": "F1", "kind": "compute", "inputs": ["q"], "outputs": ["z"]}]}"#;
+    let g = Graph::from_json(text).unwrap();
+    let s = sched::schedule(&g, Budgets::default()).unwrap();
+    assert_eq!(names(&g, &s), "F.pre, F.d, B.dw, F.d.wait, F.post");
+}
+
+#[test]
+fn noops_issue_as_soon_as_their_inputs_are_issued() {
+    // Dense layers: the noop dispatch/combine follow their producer at once.
+    let shape = moe::Shape { dense: 2, ..moe::Shape::moe(2, 1.0) };
+    let g = Graph::new(moe::chunk(shape)).unwrap();
+    let s = sched::schedule(&g, Budgets::default()).unwrap();
+    for (i, &u) in s.order.iter().enumerate() {
+        if g.nodes[u.ix()].kind != Kind::Noop {
+            continue;
+        }
+        let last_pred = g.preds[u.ix()].iter().map(|&p| s.order.iter().position(|&x| x == p).unwrap()).max();
+        // Right after its last predecessor (or the noops before it), or first of all.
+        let ok = match last_pred {
+            Some(p) => s.order[p + 1..i].iter().all(|&x| g.nodes[x.ix()].kind == Kind::Noop),
+            None => s.order[..i].iter().all(|&x| g.nodes[x.ix()].kind == Kind::Noop),
+        };
+        assert!(ok, "noop '{}' waited: {}", g.nodes[u.ix()].name, names(&g, &s));
+    }
+}
