@@ -10,10 +10,18 @@ from sched_lifetime.models import CONFIGS, MoEModel
 from sched_lifetime.nodes import Chunk, MicrobatchState, NodeDef, combined_step, train_step
 
 
-@pytest.mark.parametrize("config", ["tiny", "tiny_dense"])
-@pytest.mark.parametrize("capacity", [None, 1.0])
+# A shape no example uses: odd sizes, 6 experts top-3 on one rank, no shared expert, two dense
+# layers in front, and a capacity below 1 (assignments are dropped).
+ODD = replace(
+    CONFIGS["tiny"], vocab=97, hidden=48, heads=3, layers=4, dense_layers=2, experts=6, topk=3,
+    expert_ffn=40, shared_ffn=0, dense_ffn=72, seq=12, batch=3,
+)
+
+
+@pytest.mark.parametrize("config", ["tiny", "tiny_dense", "odd"])
+@pytest.mark.parametrize("capacity", [None, 1.0, 0.75])
 def test_node_path_equals_plain_backward(config, capacity):
-    cfg = replace(CONFIGS[config], capacity_factor=capacity)
+    cfg = replace(ODD if config == "odd" else CONFIGS[config], capacity_factor=capacity)
     ref = MoEModel(cfg)
     n = 3
     for i in range(n):

@@ -119,11 +119,16 @@ class Chunk:
 
     # -- graph tables ------------------------------------------------------------------
 
+    def _flowing(self, n: NodeDef) -> list[str]:
+        """The grad outputs of `n` a gradient actually reaches: the loss, or a value some later
+        node takes a gradient of (a declared grad output nobody differentiates gets none)."""
+        return [v for v in n.grad_outputs if v == self.loss_output or v in self._grad_consumers]
+
     def _grads_into(self, n: NodeDef) -> list[str]:
-        """Gradient values a backward node of `n` reads: per grad output, the partials of its
-        consumers (the loss output reads the source's input)."""
+        """Gradient values a backward node of `n` reads: per flowing grad output, the partials
+        of its consumers (the loss output reads the source's input)."""
         out = []
-        for v in n.grad_outputs:
+        for v in self._flowing(n):
             if v == self.loss_output:
                 out.append(f"B.g.{v}")
             out.extend(_grad_name(v, c) for c in self._grad_consumers.get(v, ()))
@@ -201,7 +206,8 @@ class Chunk:
 
             return comm
         grad_ix = [i for i, v in enumerate(n.inputs) if v in n.grad_inputs]
-        out_ix = [i for i, v in enumerate(n.outputs) if v in n.grad_outputs]
+        flowing = self._flowing(n)
+        out_ix = [i for i, v in enumerate(n.outputs) if v in flowing]
 
         def compute(*args: Any) -> Any:
             args = list(args)
@@ -222,7 +228,7 @@ class Chunk:
     def _backward_fns(self, n: NodeDef) -> dict[str, Callable[..., Any]]:
         ctx = self.ctx
         per_output = [
-            (1 if v == self.loss_output else 0) + len(self._grad_consumers.get(v, ())) for v in n.grad_outputs
+            (1 if v == self.loss_output else 0) + len(self._grad_consumers.get(v, ())) for v in self._flowing(n)
         ]
 
         def summed(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
