@@ -151,12 +151,8 @@ fn lower(a: &Args) -> Result<Option<String>> {
 fn simulate_schedule(a: &Args) -> Result<Option<String>> {
     let g = Graph::from_json(a.str("graph")?)?;
     let order_text = a.str("order")?.trim();
-    let (order, budgets) = if order_text.is_empty() || order_text == "null" {
-        let b = Budgets::resolve(None, None)?;
-        (crate::sched::schedule(&g, b)?.order, b)
-    } else {
-        (order_of(&g, a)?, Budgets::resolve(None, None)?)
-    };
+    let budgets = Budgets::resolve(None, None)?;
+    let order = if order_text.is_empty() || order_text == "null" { crate::sched::schedule(&g, budgets)?.order } else { order_of(&g, a)? };
     let costs_text = a.str("costs")?.trim();
     let costs: std::collections::HashMap<String, f64> = if costs_text.is_empty() || costs_text == "null" {
         Default::default()

@@ -7,12 +7,13 @@
 
 use std::collections::HashMap;
 
+use super::moe::Builder;
 use super::Rng;
 use crate::ep::Budgets;
 use crate::error::Result;
-use crate::ir::{Graph, GraphSpec, Kind, NodeId, NodeSpec, OutputSpec, Phase, Source};
+use crate::ir::{Graph, GraphSpec, Kind, NodeId, OutputSpec, Phase, Source};
 use crate::sched::{finish, schedule};
-use crate::sim::{self, lower, Policy, Program, SimOptions};
+use super::sweep::simulate_order;
 
 /// One member of the family.
 #[derive(Clone, Debug)]
@@ -51,43 +52,6 @@ const SHARED: f64 = 300.0;
 const POST: f64 = 50.0;
 const MIB64: u64 = 64 << 20;
 
-struct B {
-    nodes: Vec<NodeSpec>,
-    rng: Option<Rng>,
-}
-
-impl B {
-    fn cost(&mut self, base: f64) -> f64 {
-        match &mut self.rng {
-            Some(r) => base * (0.5 + r.below(1001) as f64 / 1000.0),
-            None => base,
-        }
-    }
-    fn add(&mut self, name: &str, src: &str, kind: Kind, ins: &[String], outs: &[String], base: f64) {
-        let cost = if kind == Kind::Noop { 0.0 } else { self.cost(base) };
-        self.nodes.push(NodeSpec {
-            name: name.into(),
-            source: src.into(),
-            kind,
-            wgrad: false,
-            inputs: ins.to_vec(),
-            outputs: outs.iter().map(|o| OutputSpec::Sized { value: o.clone(), bytes: MIB64 }).collect(),
-            mutates: vec![],
-            launch: None,
-            cost,
-        });
-    }
-    fn wgrad(&mut self, name: &str, src: &str, ins: &[String], base: f64) {
-        self.add(name, src, Kind::Compute, ins, &[format!("{name}.grad")], base);
-        self.nodes.last_mut().expect("added").wgrad = true;
-    }
-    fn comm(&mut self, name: &str, src: &str, ins: &[String], out: &str, base: f64) {
-        self.add(name, src, Kind::CommLaunch, ins, &[out.to_string()], base);
-        self.add(&format!("{name}.wait"), src, Kind::CommWait, &[], &[], 0.0);
-        self.nodes.last_mut().expect("added").launch = Some(name.into());
-    }
-}
-
 fn s(x: impl Into<String>) -> String {
     x.into()
 }
@@ -95,86 +59,84 @@ fn s(x: impl Into<String>) -> String {
 /// The member's graph table: sources F1 (forward), B0 (backward) and, with `third`, W2.
 pub fn build(f: &FamilySpec) -> GraphSpec {
     let comm = f.ratio * (ATTN + MLP) / 2.0;
-    let mut b = B { nodes: Vec::new(), rng: f.jitter.map(Rng::new) };
+    let mut b = Builder::new(f.jitter.map(Rng::new));
     // Forward.
     let mut x = s("F.x0");
     for l in 0..f.f_layers {
         let p = format!("F.L{l}");
         let a = format!("{p}.a");
-        b.add(&format!("{p}.attn"), "F1", Kind::Compute, &[x.clone()], &[a.clone()], ATTN);
+        b.add(&format!("{p}.attn"), "F1", Kind::Compute, &[&x], &[&a], ATTN);
         if l < f.dense {
             let out = format!("{p}.out");
-            b.add(&format!("{p}.mlp"), "F1", Kind::Compute, &[a], &[out.clone()], MLP);
+            b.add(&format!("{p}.mlp"), "F1", Kind::Compute, &[&a], &[&out], MLP);
             x = out;
             continue;
         }
-        let mut dins = vec![a.clone()];
+        let r = format!("{p}.r");
+        let mut dins = vec![a.as_str()];
         if f.router {
-            let r = format!("{p}.r");
-            b.add(&format!("{p}.router"), "F1", Kind::Compute, &[a.clone()], &[r.clone()], ROUTER);
-            dins.push(r);
+            b.add(&format!("{p}.router"), "F1", Kind::Compute, &[&a], &[&r], ROUTER);
+            dins.push(&r);
         }
         let (d, m, c) = (format!("{p}.d"), format!("{p}.m"), format!("{p}.c"));
-        b.comm(&format!("{p}.dispatch"), "F1", &dins, &d, comm);
-        b.add(&format!("{p}.mlp"), "F1", Kind::Compute, &[d], &[m.clone()], MLP);
-        b.comm(&format!("{p}.combine"), "F1", &[m], &c, comm);
+        b.comm(&format!("{p}.dispatch"), "F1", &dins, &d, comm, false);
+        b.add(&format!("{p}.mlp"), "F1", Kind::Compute, &[&d], &[&m], MLP);
+        b.comm(&format!("{p}.combine"), "F1", &[&m], &c, comm, false);
         if f.shared {
             let (sh, out) = (format!("{p}.s"), format!("{p}.out"));
-            b.add(&format!("{p}.shared"), "F1", Kind::Compute, &[a], &[sh.clone()], SHARED);
-            b.add(&format!("{p}.post"), "F1", Kind::Compute, &[c, sh], &[out.clone()], POST);
+            b.add(&format!("{p}.shared"), "F1", Kind::Compute, &[&a], &[&sh], SHARED);
+            b.add(&format!("{p}.post"), "F1", Kind::Compute, &[&c, &sh], &[&out], POST);
             x = out;
         } else {
             x = c;
         }
     }
     if f.mtp {
-        b.add("F.mtp.attn", "F1", Kind::Compute, &[x.clone()], &[s("F.mtp.a")], ATTN);
-        b.add("F.mtp.mlp", "F1", Kind::Compute, &[s("F.mtp.a")], &[s("F.mtp.out")], MLP);
+        b.add("F.mtp.attn", "F1", Kind::Compute, &[&x], &["F.mtp.a"], ATTN);
+        b.add("F.mtp.mlp", "F1", Kind::Compute, &["F.mtp.a"], &["F.mtp.out"], MLP);
     }
     // Backward, last layer first.
     let mut g = s("B.g.top");
     if f.mtp {
-        b.add("B.mtp.mlp", "B0", Kind::Compute, &[g.clone()], &[s("B.mtp.gm")], MLP);
-        b.add("B.mtp.attn", "B0", Kind::Compute, &[s("B.mtp.gm")], &[s("B.mtp.g")], ATTN);
+        b.add("B.mtp.mlp", "B0", Kind::Compute, &[&g], &["B.mtp.gm"], MLP);
+        b.add("B.mtp.attn", "B0", Kind::Compute, &["B.mtp.gm"], &["B.mtp.g"], ATTN);
         g = s("B.mtp.g");
     }
     for l in (0..f.b_layers).rev() {
         let p = format!("B.L{l}");
         let ga = format!("{p}.ga");
         if l < f.dense {
-            b.add(&format!("{p}.mlp"), "B0", Kind::Compute, &[g.clone()], &[ga.clone()], MLP);
-            b.wgrad(&format!("{p}.mlp.dw"), "B0", &[g.clone()], MLP / 2.0);
+            b.add(&format!("{p}.mlp"), "B0", Kind::Compute, &[&g], &[&ga], MLP);
+            b.wgrad(&format!("{p}.mlp.dw"), "B0", &[&g], MLP / 2.0);
         } else {
-            let mut gc = g.clone();
-            let mut gs = None;
-            if f.shared {
-                let (c, sh) = (format!("{p}.gc"), format!("{p}.gs"));
-                b.add(&format!("{p}.post"), "B0", Kind::Compute, &[g.clone()], &[c.clone(), sh.clone()], POST);
-                gc = c;
-                gs = Some(sh);
-            }
+            let (gc, gs) = (format!("{p}.gc"), format!("{p}.gs"));
+            let into_combine = if f.shared {
+                b.add(&format!("{p}.post"), "B0", Kind::Compute, &[&g], &[&gc, &gs], POST);
+                &gc
+            } else {
+                &g
+            };
             let (gm, gd, gx) = (format!("{p}.gm"), format!("{p}.gd"), format!("{p}.gx"));
-            b.comm(&format!("{p}.combine"), "B0", &[gc], &gm, comm);
-            b.add(&format!("{p}.mlp"), "B0", Kind::Compute, &[gm.clone()], &[gd.clone()], MLP);
-            b.wgrad(&format!("{p}.mlp.dw"), "B0", &[gm], MLP / 2.0);
-            b.comm(&format!("{p}.dispatch"), "B0", &[gd], &gx, comm);
-            let mut ains = vec![gx];
+            b.comm(&format!("{p}.combine"), "B0", &[into_combine], &gm, comm, false);
+            b.add(&format!("{p}.mlp"), "B0", Kind::Compute, &[&gm], &[&gd], MLP);
+            b.wgrad(&format!("{p}.mlp.dw"), "B0", &[&gm], MLP / 2.0);
+            b.comm(&format!("{p}.dispatch"), "B0", &[&gd], &gx, comm, false);
+            let (gr, gsh) = (format!("{p}.gr"), format!("{p}.gsh"));
+            let mut ains = vec![gx.as_str()];
             if f.router {
-                let gr = format!("{p}.gr");
-                b.add(&format!("{p}.router"), "B0", Kind::Compute, &[ains[0].clone()], &[gr.clone()], ROUTER);
-                ains.push(gr);
+                b.add(&format!("{p}.router"), "B0", Kind::Compute, &[&gx], &[&gr], ROUTER);
+                ains.push(&gr);
             }
-            if let Some(sh) = gs {
-                let gsh = format!("{p}.gsh");
-                b.add(&format!("{p}.shared"), "B0", Kind::Compute, &[sh.clone()], &[gsh.clone()], SHARED);
-                b.wgrad(&format!("{p}.shared.dw"), "B0", &[sh], SHARED / 2.0);
-                ains.push(gsh);
+            if f.shared {
+                b.add(&format!("{p}.shared"), "B0", Kind::Compute, &[&gs], &[&gsh], SHARED);
+                b.wgrad(&format!("{p}.shared.dw"), "B0", &[&gs], SHARED / 2.0);
+                ains.push(&gsh);
             }
-            b.add(&format!("{p}.mlp.x"), "B0", Kind::Noop, &ains, &[ga.clone()], 0.0);
+            b.add(&format!("{p}.mlp.x"), "B0", Kind::Noop, &ains, &[&ga], 0.0);
         }
         let out = format!("{p}.g");
-        b.add(&format!("{p}.attn"), "B0", Kind::Compute, &[ga.clone()], &[out.clone()], ATTN);
-        b.wgrad(&format!("{p}.attn.dw"), "B0", &[ga], ATTN / 2.0);
+        b.add(&format!("{p}.attn"), "B0", Kind::Compute, &[&ga], &[&out], ATTN);
+        b.wgrad(&format!("{p}.attn.dw"), "B0", &[&ga], ATTN / 2.0);
         g = out;
     }
     let mut sources = vec![Source { name: s("F1"), microbatch: 1, phase: Phase::F, priority: 0 }, Source { name: s("B0"), microbatch: 0, phase: Phase::B, priority: 0 }];
@@ -184,8 +146,8 @@ pub fn build(f: &FamilySpec) -> GraphSpec {
         for l in 0..f.b_layers.max(1) {
             let gin = format!("W.L{l}.g");
             inputs.push(OutputSpec::Sized { value: gin.clone(), bytes: MIB64 });
-            b.wgrad(&format!("W.L{l}.attn.dw"), "W2", &[gin.clone()], ATTN / 2.0);
-            b.wgrad(&format!("W.L{l}.mlp.dw"), "W2", &[gin], MLP / 2.0);
+            b.wgrad(&format!("W.L{l}.attn.dw"), "W2", &[&gin], ATTN / 2.0);
+            b.wgrad(&format!("W.L{l}.mlp.dw"), "W2", &[&gin], MLP / 2.0);
         }
     }
     GraphSpec { sources, nodes: b.nodes, control: vec![], reuse: vec![], inputs }
@@ -234,12 +196,6 @@ pub fn pairing_order(spec: &FamilySpec, budgets: Budgets) -> Result<Option<Vec<N
     Ok(Some(schedule(&barred, budgets)?.order))
 }
 
-/// (makespan, exposed comm) of `order` through the simulator with the real lifetime manager.
-pub fn simulate(g: &Graph, order: &[NodeId], serial: bool) -> Result<(f64, f64)> {
-    let r = sim::simulate(&Program::new(lower(g, order, serial))?, SimOptions::new(Policy::Scheduled))?;
-    Ok((r.makespan_us, r.exposed_comm_us))
-}
-
 /// One row of the family sweep (SIMULATED).
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct FamilyRow {
@@ -259,6 +215,8 @@ pub struct FamilyRow {
     pub pairing: Option<(f64, f64)>,
     /// Our schedule.
     pub ours: (f64, f64),
+    /// Reuse hazards the race checker found over every simulated order (must be 0).
+    pub hazards: usize,
 }
 
 /// The named members: the symmetric chunk, router + shared expert, dense first, MTP, unequal
@@ -286,8 +244,15 @@ pub fn row(name: &str, spec: &FamilySpec, budget: u32) -> Result<FamilyRow> {
     let comm: f64 = g.nodes.iter().filter(|n| n.kind.is_launch()).map(|n| n.cost).sum();
     let ours = schedule(&g, budgets)?.order;
     let table: Vec<NodeId> = g.node_ids().collect();
+    let mut hazards = 0;
+    // Our drain points for every order; the serial one drains at every node, as in the sweep.
+    let mut sim = |order: &[NodeId], serial: bool| -> Result<(f64, f64)> {
+        let (makespan, exposed, _, h) = simulate_order(&g, order, serial, !serial)?;
+        hazards += h;
+        Ok((makespan, exposed))
+    };
     let pairing = match pairing_order(spec, budgets)? {
-        Some(o) => Some(simulate(&g, &finish(&g, o, budgets).order, false)?),
+        Some(o) => Some(sim(&finish(&g, o, budgets).order, false)?),
         None => None,
     };
     Ok(FamilyRow {
@@ -295,9 +260,10 @@ pub fn row(name: &str, spec: &FamilySpec, budget: u32) -> Result<FamilyRow> {
         ratio: spec.ratio,
         budget,
         bound_us: compute.max(comm),
-        serial: simulate(&g, &finish(&g, table, budgets).order, true)?,
-        b_then_f: simulate(&g, &super::moe::backward_then_forward(&g), false)?,
+        serial: sim(&finish(&g, table, budgets).order, true)?,
+        b_then_f: sim(&super::moe::backward_then_forward(&g), false)?,
         pairing,
-        ours: simulate(&g, &ours, false)?,
+        ours: sim(&ours, false)?,
+        hazards,
     })
 }

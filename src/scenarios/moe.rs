@@ -9,6 +9,7 @@
 
 use std::collections::HashMap;
 
+use super::Rng;
 use crate::ir::{Graph, GraphSpec, Kind, NodeId, NodeSpec, OutputSpec, Phase, Source};
 
 /// Shape of a chunk; durations in microseconds (only the simulator reads them).
@@ -37,12 +38,27 @@ impl Shape {
     }
 }
 
-struct Builder {
-    nodes: Vec<NodeSpec>,
+/// Builds graph tables for the generated shapes (here and in `family`): every value 64 MiB,
+/// costs as given or, with a seeded `rng`, each times U(0.5, 1.5) (one draw per node but noops,
+/// which cost 0; waits are given 0).
+pub(super) struct Builder {
+    pub(super) nodes: Vec<NodeSpec>,
+    rng: Option<Rng>,
 }
 
 impl Builder {
-    fn add(&mut self, name: &str, source: &str, kind: Kind, ins: &[&str], outs: &[&str], cost: f64) {
+    pub(super) fn new(rng: Option<Rng>) -> Self {
+        Builder { nodes: Vec::new(), rng }
+    }
+    fn cost(&mut self, kind: Kind, base: f64) -> f64 {
+        match &mut self.rng {
+            _ if kind == Kind::Noop => 0.0,
+            Some(r) => base * (0.5 + r.below(1001) as f64 / 1000.0),
+            None => base,
+        }
+    }
+    pub(super) fn add(&mut self, name: &str, source: &str, kind: Kind, ins: &[&str], outs: &[&str], cost: f64) {
+        let cost = self.cost(kind, cost);
         self.nodes.push(NodeSpec {
             name: name.to_string(),
             source: source.to_string(),
@@ -55,16 +71,16 @@ impl Builder {
             cost,
         });
     }
-    fn wgrad(&mut self, name: &str, source: &str, ins: &[&str], cost: f64) {
+    pub(super) fn wgrad(&mut self, name: &str, source: &str, ins: &[&str], cost: f64) {
         self.add(name, source, Kind::Compute, ins, &[&format!("{name}.grad")], cost);
         self.nodes.last_mut().expect("just added").wgrad = true;
     }
     /// A comm launch + wait pair, or a noop for dense layers.
-    fn comm(&mut self, name: &str, source: &str, input: &str, output: &str, cost: f64, dense: bool) {
+    pub(super) fn comm(&mut self, name: &str, source: &str, ins: &[&str], output: &str, cost: f64, dense: bool) {
         if dense {
-            self.add(name, source, Kind::Noop, &[input], &[output], 0.0);
+            self.add(name, source, Kind::Noop, ins, &[output], 0.0);
         } else {
-            self.add(name, source, Kind::CommLaunch, &[input], &[output], cost);
+            self.add(name, source, Kind::CommLaunch, ins, &[output], cost);
             self.add(&format!("{name}.wait"), source, Kind::CommWait, &[], &[], 0.0);
             self.nodes.last_mut().expect("just added").launch = Some(name.to_string());
         }
@@ -73,7 +89,7 @@ impl Builder {
 
 /// The chunk's graph table.
 pub fn chunk(shape: Shape) -> GraphSpec {
-    let mut b = Builder { nodes: Vec::new() };
+    let mut b = Builder::new(None);
     let (f, bw) = ("F1", "B0");
     let l_n = shape.layers;
     // Forward.
@@ -81,9 +97,9 @@ pub fn chunk(shape: Shape) -> GraphSpec {
         let dense = l < shape.dense;
         let p = format!("F.L{l}");
         b.add(&format!("{p}.attn"), f, Kind::Compute, &[&format!("F.x{l}")], &[&format!("F.a{l}")], shape.attn_us);
-        b.comm(&format!("{p}.dispatch"), f, &format!("F.a{l}"), &format!("F.d{l}"), shape.comm_us, dense);
+        b.comm(&format!("{p}.dispatch"), f, &[&format!("F.a{l}")], &format!("F.d{l}"), shape.comm_us, dense);
         b.add(&format!("{p}.mlp"), f, Kind::Compute, &[&format!("F.d{l}")], &[&format!("F.m{l}")], shape.mlp_us);
-        b.comm(&format!("{p}.combine"), f, &format!("F.m{l}"), &format!("F.x{}", l + 1), shape.comm_us, dense);
+        b.comm(&format!("{p}.combine"), f, &[&format!("F.m{l}")], &format!("F.x{}", l + 1), shape.comm_us, dense);
     }
     if shape.mtp {
         b.add("F.mtp.attn", f, Kind::Compute, &[&format!("F.x{l_n}")], &["F.mtp.a"], shape.attn_us);
@@ -99,10 +115,10 @@ pub fn chunk(shape: Shape) -> GraphSpec {
         let dense = l < shape.dense;
         let p = format!("B.L{l}");
         let (gc, gm, gd, g_out) = (format!("B.gc{l}"), format!("B.gm{l}"), format!("B.gd{l}"), format!("B.g{l}"));
-        b.comm(&format!("{p}.combine"), bw, &g_in, &gc, shape.comm_us, dense);
+        b.comm(&format!("{p}.combine"), bw, &[&g_in], &gc, shape.comm_us, dense);
         b.add(&format!("{p}.mlp"), bw, Kind::Compute, &[&gc], &[&gm], shape.mlp_us);
         b.wgrad(&format!("{p}.mlp.dw"), bw, &[&gc], shape.mlp_us * shape.dw_fraction);
-        b.comm(&format!("{p}.dispatch"), bw, &gm, &gd, shape.comm_us, dense);
+        b.comm(&format!("{p}.dispatch"), bw, &[&gm], &gd, shape.comm_us, dense);
         b.add(&format!("{p}.attn"), bw, Kind::Compute, &[&gd], &[&g_out], shape.attn_us);
         b.wgrad(&format!("{p}.attn.dw"), bw, &[&gd], shape.attn_us * shape.dw_fraction);
         g_in = g_out;

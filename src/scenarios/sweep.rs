@@ -37,7 +37,7 @@ pub struct SweepRow {
 }
 
 /// Simulated with the real lifetime manager: (makespan, exposed comm, max reserved, hazards).
-fn simulate_order(g: &Graph, order: &[NodeId], serial: bool, scheduled_drains: bool) -> Result<(f64, f64, u64, usize)> {
+pub(super) fn simulate_order(g: &Graph, order: &[NodeId], serial: bool, scheduled_drains: bool) -> Result<(f64, f64, u64, usize)> {
     let plan = Program::new(lower_drained(g, order, serial, scheduled_drains))?;
     let r = sim::simulate(&plan, SimOptions::new(Policy::Scheduled))?;
     Ok((r.makespan_us, r.exposed_comm_us, r.reserved_peak.bytes, r.hazards.len()))

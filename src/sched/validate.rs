@@ -162,18 +162,42 @@ pub fn drains_adding_waits(g: &Graph, s: &Schedule) -> Vec<String> {
         .collect()
 }
 
+/// Node names to ids, with the error for a name the graph does not have.
+struct Names<'g>(std::collections::HashMap<&'g str, NodeId>);
+
+impl<'g> Names<'g> {
+    fn new(g: &'g Graph) -> Self {
+        Names(g.node_ids().map(|i| (g.nodes[i].name.as_str(), i)).collect())
+    }
+    fn id(&self, n: &str) -> Result<NodeId> {
+        self.0.get(n).copied().ok_or_else(|| bad(format!("schedule names node '{n}', which is not in the graph")))
+    }
+    /// Every node exactly once, or an error naming the node.
+    fn order(&self, g: &Graph, order: &[String]) -> Result<Vec<NodeId>> {
+        let ids = order.iter().map(|n| self.id(n)).collect::<Result<Vec<_>>>()?;
+        if ids.len() != g.len() {
+            return Err(bad(format!("schedule has {} nodes, the graph {}", ids.len(), g.len())));
+        }
+        let mut seen = vec![false; g.len()];
+        for &u in &ids {
+            if std::mem::replace(&mut seen[u.ix()], true) {
+                return Err(bad(format!("node '{}' is issued twice", g.nodes[u].name)));
+            }
+        }
+        Ok(ids)
+    }
+}
+
 /// Validate a schedule given by names: the order, and the record/wait pairs (None: the
 /// minimal ones for that order are derived, so only topology and budgets are checked).
 pub fn validate_named(g: &Graph, order: &[String], syncs: Option<&[(String, String)]>, budgets: Budgets) -> Result<()> {
-    let ix: std::collections::HashMap<&str, NodeId> = g.node_ids().map(|i| (g.nodes[i].name.as_str(), i)).collect();
-    let id = |n: &str| ix.get(n).copied().ok_or_else(|| bad(format!("schedule names node '{n}', which is not in the graph")));
-    let ids = order_by_names(g, order)?;
-    let mut s = finish(g, ids, budgets);
+    let names = Names::new(g);
+    let mut s = finish(g, names.order(g, order)?, budgets);
     if let Some(pairs) = syncs {
         s.syncs = pairs
             .iter()
             .map(|(p, c)| {
-                let (p, c) = (id(p)?, id(c)?);
+                let (p, c) = (names.id(p)?, names.id(c)?);
                 Ok(SyncEdge { producer: p, consumer: c, from: s.stream[p], to: s.stream[c] })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -183,19 +207,5 @@ pub fn validate_named(g: &Graph, order: &[String], syncs: Option<&[(String, Stri
 
 /// Node ids of an order given by names: every node exactly once, or an error naming the node.
 pub fn order_by_names(g: &Graph, order: &[String]) -> Result<Vec<NodeId>> {
-    let ix: std::collections::HashMap<&str, NodeId> = g.node_ids().map(|i| (g.nodes[i].name.as_str(), i)).collect();
-    let ids = order
-        .iter()
-        .map(|n| ix.get(n.as_str()).copied().ok_or_else(|| bad(format!("schedule names node '{n}', which is not in the graph"))))
-        .collect::<Result<Vec<_>>>()?;
-    if ids.len() != g.len() {
-        return Err(bad(format!("schedule has {} nodes, the graph {}", ids.len(), g.len())));
-    }
-    let mut seen = vec![false; g.len()];
-    for &u in &ids {
-        if std::mem::replace(&mut seen[u.ix()], true) {
-            return Err(bad(format!("node '{}' is issued twice", g.nodes[u].name)));
-        }
-    }
-    Ok(ids)
+    Names::new(g).order(g, order)
 }

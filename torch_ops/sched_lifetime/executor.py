@@ -16,6 +16,7 @@ inputs through unchanged (rule 6: the same objects, their bindings kept).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
@@ -112,7 +113,6 @@ class Executor:
         self._source = {name: n["source"] for name, n in nodes.items()}
         self._ins = {name: [_value_name(v) for v in n.get("inputs", [])] for name, n in nodes.items()}
         self._outs = {name: [_value_name(o) for o in n.get("outputs", [])] for name, n in nodes.items()}
-        self._launch_of = {name: n["launch"] for name, n in nodes.items() if n.get("launch")}
         self._producer = {v: name for name, outs in self._outs.items() for v in outs}
         # Last use of each value (in issue order) frees the executor's reference.
         consumed: dict[str, str] = {}
@@ -192,13 +192,11 @@ class Executor:
                 if streams[role] is not comp:
                     comp.wait_stream(streams[role])
             self.last_stats = {p: m.finalize() for p, m in managers.items()}
-        except BaseException:
-            # Nothing left behind: parked tensors take the record_stream fallback on close.
+        finally:
+            # Nothing left behind: after an error, parked tensors take the record_stream
+            # fallback on close; after finalize, close only drops the handle.
             for m in managers.values():
                 m.close()
-            raise
-        for m in managers.values():
-            m.close()
         return env
 
     def _timed_issue(self, name: str, streams: dict, env: dict, managers: dict) -> None:
@@ -275,17 +273,7 @@ class Executor:
 
 def _stream_ctx(s: torch.Stream):
     """`torch.cuda.stream` for CUDA streams; nothing to switch on CPU."""
-    if isinstance(s, torch.cuda.Stream):
-        return torch.cuda.stream(s)
-    return _NullCtx()
-
-
-class _NullCtx:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+    return torch.cuda.stream(s) if isinstance(s, torch.cuda.Stream) else contextlib.nullcontext()
 
 
 def sized_graph(graph: Mapping[str, Any], value_bytes: Mapping[str, int]) -> dict:
@@ -316,16 +304,4 @@ def _device(device: Union[str, torch.device, None]) -> torch.device:
 
 def _value_name(v: Union[str, Mapping[str, Any]]) -> str:
     return v if isinstance(v, str) else v["value"]
-
-
-def run_schedule(
-    graph: Mapping[str, Any],
-    schedule: Mapping[str, Any],
-    callables: Mapping[str, NodeFn],
-    inputs: Mapping[str, torch.Tensor],
-    device: Union[str, torch.device, None] = None,
-    lifetime: str = "scheduled",
-) -> dict[str, Any]:
-    """One-shot `Executor(...).run(inputs)`."""
-    return Executor(graph, schedule, callables, device, lifetime).run(inputs)
 
