@@ -65,11 +65,15 @@ def new_ep_group(ranks: Optional[Sequence[int]] = None) -> Any:
 
 
 class AllToAll:
-    """`torch.distributed.all_to_all_single` over an EP group (or one rank, no group)."""
+    """`torch.distributed.all_to_all_single` over an EP group (or one rank, no group).
+    `local=True`: EP of one rank (a copy) even when torch.distributed is initialized for
+    something else (pipeline stages on other ranks)."""
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, local: bool = False) -> None:
+        if local and group is not None:
+            raise ValueError("AllToAll(local=True) takes no group")
         self.group = group
-        on = dist.is_available() and dist.is_initialized()
+        on = not local and dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(group) if on else 1
         self.rank = dist.get_rank(group) if on else 0
 

@@ -55,6 +55,8 @@ class MicrobatchState:
 
     index: int
     saved: dict[str, Any] = field(default_factory=dict)
+    #: Backward parts (dI, dW) of a node still to run, once the first has run.
+    parts_left: dict[str, int] = field(default_factory=dict)
     loss: Optional[torch.Tensor] = None
 
 
@@ -110,6 +112,9 @@ class Chunk:
             for v in n.grad_inputs:
                 self._grad_consumers.setdefault(v, []).append(n.name)
         self.ctx = _Ctx()
+        #: When a list, dW nodes queue their work here instead of running it (the caller runs
+        #: it later: a pipeline schedule's BACKWARD_WEIGHT).
+        self.deferred_dw: Optional[list[Callable[[], None]]] = None
         self._forward_table = self._forward_nodes()
         self._backward_table = self._backward_nodes()
         self._executors: dict[tuple, Executor] = {}
@@ -171,27 +176,12 @@ class Chunk:
 
     def graph(self, forward: bool, backward: bool) -> dict:
         """The graph table of a forward source, a backward source, or both multiplexed."""
-        sources, nodes, inputs = [], [], []
-        if backward:
-            sources.append({"name": "B", "phase": "B"})
-            nodes += self._backward_table
-            inputs.append(f"B.g.{self.loss_output}")
-        if forward:
-            sources.append({"name": "F", "phase": "F"})
-            nodes += self._forward_table
-            inputs += [f"F.{v}" for v in self.inputs]
-        return {"sources": sources, "inputs": inputs, "nodes": nodes}
+        return _pair_graph(self if forward else None, self if backward else None)
 
     def order_schedule(self, forward: bool, backward: bool, order: str) -> dict:
         """Our schedule, or a baseline's: `b_then_f` (every backward node, then every forward
         node) or `sequential` (the same, each comm waited at once: table order)."""
-        g = self.graph(forward, backward)
-        if order == "ours":
-            return schedule(g)
-        if order in ("b_then_f", "sequential"):
-            # Table order lists B first, and each wait right after its launch.
-            return schedule_order(g, [n["name"] for n in g["nodes"]])
-        raise ValueError(f"order must be one of {self.ORDERS}, got {order!r}")
+        return _order_schedule(self.graph(forward, backward), order)
 
     # -- callables ---------------------------------------------------------------------
 
@@ -251,19 +241,26 @@ class Chunk:
             fns[f"B.{n.name}"] = comm_b
             return fns
         has_dw = bool(n.params)
+        parts = int(bool(n.grad_inputs)) + int(has_dw)
+
+        def saved_for_part(st: MicrobatchState) -> tuple:
+            """The node's saved graph; the last of its dI/dW parts (either order: the
+            scheduler may run dW first) frees it."""
+            left = st.parts_left.pop(n.name, parts) - 1
+            if left:
+                st.parts_left[n.name] = left
+                return st.saved[n.name], True
+            return st.saved.pop(n.name), False
 
         def d_input(*grads: torch.Tensor) -> Any:
-            leaves, outs = ctx.bwd.saved[n.name]
-            g = summed(grads)
-            res = torch.autograd.grad(outs, leaves, g, retain_graph=has_dw, allow_unused=True)
-            if not has_dw:
-                del ctx.bwd.saved[n.name]
+            (leaves, outs), retain = saved_for_part(ctx.bwd)
+            res = torch.autograd.grad(outs, leaves, summed(grads), retain_graph=retain, allow_unused=True)
             return tuple(torch.zeros_like(leaf) if r is None else r for r, leaf in zip(res, leaves))
 
-        def d_weight(*grads: torch.Tensor) -> Any:
-            _, outs = ctx.bwd.saved.pop(n.name)
+        def weight_grads(st: MicrobatchState, grads: Sequence[torch.Tensor]) -> None:
+            (_, outs), retain = saved_for_part(st)
             params = list(n.params)
-            res = torch.autograd.grad(outs, params, summed(grads), allow_unused=True)
+            res = torch.autograd.grad(outs, params, summed(grads), retain_graph=retain, allow_unused=True)
             for p, r in zip(params, res):
                 if r is None:
                     continue
@@ -271,6 +268,13 @@ class Chunk:
                     p.grad = r
                 else:
                     p.grad.add_(r)
+
+        def d_weight(*grads: torch.Tensor) -> Any:
+            st = ctx.bwd
+            if self.deferred_dw is not None:  # dW later (a pipeline's BACKWARD_WEIGHT)
+                self.deferred_dw.append(lambda: weight_grads(st, grads))
+            else:
+                weight_grads(st, grads)
             return None
 
         if n.grad_inputs:
@@ -293,15 +297,7 @@ class Chunk:
 
     def executor(self, forward: bool, backward: bool, order: str = "ours", lifetime: str = "scheduled") -> Executor:
         """The executor of one multiplexing (made once, reused every step)."""
-        key = (forward, backward, order, lifetime, self.timing)
-        ex = self._executors.get(key)
-        if ex is None:
-            g = self.graph(forward, backward)
-            s = self.order_schedule(forward, backward, order)
-            ex = self._executors[key] = Executor(
-                g, s, self.callables(forward, backward), device=self.device, lifetime=lifetime, timing=self.timing
-            )
-        return ex
+        return _executor(self if forward else None, self if backward else None, order, lifetime)
 
     def node_times_us(self) -> dict[str, float]:
         """Median time of each node over the timed runs so far (µs, by graph node name): the
@@ -320,30 +316,103 @@ class Chunk:
     ) -> dict[str, Any]:
         """Forward of one microbatch (`fwd`: its state and chunk inputs), backward of another
         (`bwd`), or both multiplexed in one schedule."""
-        if fwd is None and bwd is None:
-            raise ValueError("nothing to run: give a forward, a backward, or both")
-        if bwd is not None and not bwd.saved:
+        grad = None
+        if bwd is not None and bwd.loss is not None:
+            grad = torch.full((), grad_scale, device=self.device, dtype=bwd.loss.dtype)
+        return run_pair(self if fwd else None, fwd, self if bwd else None, bwd, grad, order, lifetime)
+
+
+def _pair_graph(fchunk: Optional[Chunk], bchunk: Optional[Chunk]) -> dict:
+    """The graph table of F of `fchunk` multiplexed with B of `bchunk` (either may be None)."""
+    sources, nodes, inputs = [], [], []
+    if bchunk is not None:
+        sources.append({"name": "B", "phase": "B"})
+        nodes += bchunk._backward_table
+        inputs.append(f"B.g.{bchunk.loss_output}")
+    if fchunk is not None:
+        sources.append({"name": "F", "phase": "F"})
+        nodes += fchunk._forward_table
+        inputs += [f"F.{v}" for v in fchunk.inputs]
+    return {"sources": sources, "inputs": inputs, "nodes": nodes}
+
+
+def _order_schedule(g: dict, order: str) -> dict:
+    if order == "ours":
+        return schedule(g)
+    if order in ("b_then_f", "sequential"):
+        # Table order lists B first, and each wait right after its launch.
+        return schedule_order(g, [n["name"] for n in g["nodes"]])
+    raise ValueError(f"order must be one of {Chunk.ORDERS}, got {order!r}")
+
+
+def _executor(fchunk: Optional[Chunk], bchunk: Optional[Chunk], order: str, lifetime: str) -> Executor:
+    """The executor of F of `fchunk` with B of `bchunk` (made once per pair, cached on the
+    backward chunk, or the forward one when there is no backward)."""
+    home = bchunk if bchunk is not None else fchunk
+    assert home is not None
+    timing = bool((fchunk and fchunk.timing) or (bchunk and bchunk.timing))
+    key = (id(fchunk), id(bchunk), order, lifetime, timing)
+    ex = home._executors.get(key)
+    if ex is None:
+        g = _pair_graph(fchunk, bchunk)
+        s = _order_schedule(g, order)
+        calls = {}
+        if fchunk is not None:
+            calls.update(fchunk.callables(True, False))
+        if bchunk is not None:
+            calls.update(bchunk.callables(False, True))
+        ex = home._executors[key] = Executor(g, s, calls, device=home.device, lifetime=lifetime, timing=timing)
+    return ex
+
+
+def run_pair(
+    fchunk: Optional[Chunk],
+    fwd: Optional[tuple[MicrobatchState, dict[str, Any]]],
+    bchunk: Optional[Chunk],
+    bwd: Optional[MicrobatchState],
+    out_grad: Optional[torch.Tensor],
+    order: str = "ours",
+    lifetime: str = "scheduled",
+) -> dict[str, Any]:
+    """Forward of one microbatch on `fchunk` with the backward of another on `bchunk` (the
+    same chunk, or another: a pipeline's F of stage a with B of stage b), multiplexed in one
+    schedule. `out_grad`: the gradient of the backward chunk's output (`loss_output`).
+    Returns the executor's values: the forward's outputs (`F.<name>`) and the backward's
+    input gradients (`B.g.<input>@<consumer>`, one partial per consumer)."""
+    if fwd is None and bwd is None:
+        raise ValueError("nothing to run: give a forward, a backward, or both")
+    if (fwd is None) != (fchunk is None) or (bwd is None) != (bchunk is None):
+        raise ValueError("a forward needs its chunk and a backward its chunk")
+    if bwd is not None:
+        if not bwd.saved:
             raise ValueError(f"microbatch {bwd.index} has no saved forward to run a backward on")
-        ex = self.executor(fwd is not None, bwd is not None, order, lifetime)
-        self.ctx.fwd = fwd[0] if fwd else None
-        self.ctx.bwd = bwd
-        self.ctx.compute = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        inputs: dict[str, Any] = {}
-        if fwd is not None:
-            missing = sorted(set(self.inputs) - set(fwd[1]))
-            if missing:
-                raise ValueError(f"chunk inputs missing: {missing}")
-            inputs.update({f"F.{k}": v for k, v in fwd[1].items()})
-        if bwd is not None:
-            inputs[f"B.g.{self.loss_output}"] = torch.full((), grad_scale, device=self.device, dtype=bwd.loss.dtype)
-        try:
-            out = ex.run(inputs)
-            if self.timing:
-                for n, us in ex.node_times_us().items():
-                    self._times.setdefault(n, []).append(us)
-            return out
-        finally:
-            self.ctx.fwd = self.ctx.bwd = None
+        if out_grad is None:
+            raise ValueError(f"the backward of microbatch {bwd.index} needs the gradient of its output")
+    ex = _executor(fchunk, bchunk, order, lifetime)
+    inputs: dict[str, Any] = {}
+    if fwd is not None:
+        missing = sorted(set(fchunk.inputs) - set(fwd[1]))
+        if missing:
+            raise ValueError(f"chunk inputs missing: {missing}")
+        inputs.update({f"F.{k}": v for k, v in fwd[1].items()})
+    if bwd is not None:
+        inputs[f"B.g.{bchunk.loss_output}"] = out_grad
+    touched = [c for c in (fchunk, bchunk) if c is not None]
+    for c in touched:
+        c.ctx.compute = torch.cuda.current_stream(c.device) if c.device.type == "cuda" else None
+    if fchunk is not None:
+        fchunk.ctx.fwd = fwd[0]
+    if bchunk is not None:
+        bchunk.ctx.bwd = bwd
+    try:
+        out = ex.run(inputs)
+        if ex._timing:
+            for n, us in ex.node_times_us().items():
+                touched[0]._times.setdefault(n, []).append(us)
+        return out
+    finally:
+        for c in touched:
+            c.ctx.fwd = c.ctx.bwd = None
 
 
 def combined_step(

@@ -217,6 +217,18 @@ class MoELayer(nn.Module):
             None if cfg.capacity_factor is None else max(1, math.ceil(tokens * cfg.topk / cfg.experts * cfg.capacity_factor))
         )
 
+    def forward(self, t: Transport, h: torch.Tensor) -> torch.Tensor:
+        """The plain layer (the reference the nodes must match)."""
+        if self.dense:
+            x, z = self.pre(h)
+            return x + self.mlp(z)
+        x, z, w, send, r = self.pre(h)
+        s = self.shared(z) if self.shared is not None else None
+        (recv, rx), _ = self.dispatch(t, send, r)
+        eout = self.run_experts(recv, rx)
+        (back,), _ = self.combine(t, eout, rx, r)
+        return self.post(x, w, back, r, s)
+
     def dropped_assignments(self, r: "Routing") -> int:
         """Assignments beyond capacity in one routing (a host sync: call it outside steps)."""
         return 0 if self.capacity is None else int((r.back == r.rows).sum().item())
@@ -347,64 +359,14 @@ class MoEModel(nn.Module):
         t = self.transport
         h = self.embed(tokens.reshape(-1))
         for layer in self.layers:
-            if layer.dense:
-                x, z = layer.pre(h)
-                h = x + layer.mlp(z)
-                continue
-            x, z, w, send, r = layer.pre(h)
-            s = layer.shared(z) if layer.shared is not None else None
-            (recv, rx), _ = layer.dispatch(t, send, r)
-            eout = layer.run_experts(recv, rx)
-            (back,), _ = layer.combine(t, eout, rx, r)
-            h = layer.post(x, w, back, r, s)
+            h = layer.forward(t, h)
         return F.cross_entropy(self.head(self.norm(h)).float(), labels.reshape(-1))
 
     def nodes(self) -> list[NodeDef]:
         t = self.transport
-        nodes = [NodeDef("embed", "compute", ["tokens"], ["h0"], lambda tok: self.embed(tok.reshape(-1)), list(self.embed.parameters()), (), ["h0"])]
+        nodes = [embed_node(self.embed, "tokens", "h0")]
         for i, layer in enumerate(self.layers):
-            h, nxt, p = f"h{i}", f"h{i + 1}", f"L{i}"
-            own = [q for n, q in layer.named_parameters() if n.split(".")[0] in ("norm1", "attn", "norm2", "router")]
-            if layer.dense:
-                nodes.append(NodeDef(f"{p}.attn", "compute", [h], [f"{p}.x", f"{p}.z"], layer.pre, own, [h], [f"{p}.x", f"{p}.z"]))
-                nodes.append(
-                    NodeDef(f"{p}.mlp", "compute", [f"{p}.x", f"{p}.z"], [nxt], lambda x, z, L=layer: x + L.mlp(z), list(layer.mlp.parameters()), [f"{p}.x", f"{p}.z"], [nxt])
-                )
-                continue
-            x, z, w, send, meta, s = (f"{p}.{k}" for k in ("x", "z", "w", "send", "meta", "s"))
-            recv, rmeta, eout, back = (f"{p}.{k}" for k in ("recv", "rmeta", "eout", "back"))
-            nodes.append(NodeDef(f"{p}.attn", "compute", [h], [x, z, w, send, meta], layer.pre, own, [h], [x, z, w, send]))
-            if layer.shared is not None:
-                nodes.append(NodeDef(f"{p}.shared", "compute", [z], [s], layer.shared, list(layer.shared.parameters()), [z], [s]))
-            nodes.append(
-                NodeDef(
-                    f"{p}.dispatch", "comm", [send, meta], [recv, rmeta],
-                    lambda send_, r, alloc_stream=None, L=layer: L.dispatch(t, send_, r, alloc_stream),
-                    grad_inputs=[send], grad_outputs=[recv], consumer_alloc=[recv],
-                    transpose=lambda rx, g, alloc_stream=None, L=layer: (
-                        t.all_to_all(g, sum(rx.send_splits) if rx.send_splits else g.shape[0], rx.send_splits, rx.recv_splits, alloc_stream),
-                    ),
-                )
-            )
-            nodes.append(
-                NodeDef(f"{p}.experts", "compute", [recv, rmeta], [eout], layer.run_experts, list(layer.experts.parameters()), [recv], [eout])
-            )
-            nodes.append(
-                NodeDef(
-                    f"{p}.combine", "comm", [eout, rmeta, meta], [back],
-                    lambda e, rx, r, alloc_stream=None, L=layer: L.combine(t, e, rx, r, alloc_stream),
-                    grad_inputs=[eout], grad_outputs=[back], consumer_alloc=[back],
-                    transpose=lambda rx, g, alloc_stream=None: (
-                        t.all_to_all(g, sum(rx.recv_splits) if rx.recv_splits else g.shape[0], rx.recv_splits, rx.send_splits, alloc_stream),
-                    ),
-                )
-            )
-            post_in = [x, w, back, meta] + ([s] if layer.shared is not None else [])
-            post_fn = (lambda x_, w_, b_, r_, s_, L=layer: L.post(x_, w_, b_, r_, s_)) if layer.shared is not None else (
-                lambda x_, w_, b_, r_, L=layer: L.post(x_, w_, b_, r_, None)
-            )
-            grads = [x, w, back] + ([s] if layer.shared is not None else [])
-            nodes.append(NodeDef(f"{p}.post", "compute", post_in, [nxt], post_fn, (), grads, [nxt]))
+            nodes += layer_nodes(layer, t, f"h{i}", f"h{i + 1}", f"L{i}")
         last = f"h{len(self.layers)}"
         nodes.append(
             NodeDef(
@@ -427,6 +389,102 @@ class MoEModel(nn.Module):
         lab = torch.randint(0, c.vocab, (c.batch, c.seq), generator=g)
         dev = device if device is not None else next(self.parameters()).device
         return {"tokens": tok.to(dev), "labels": lab.to(dev)}
+
+
+class MoEStage(nn.Module):
+    """Layers `[start, stop)` of a model as one pipeline stage (it takes those modules over):
+    the first stage embeds tokens, the last ends with the final norm and the head (logits; the
+    pipeline schedule's `loss_fn` takes them). `nodes()` is its description for the node API;
+    `forward` is the plain module the no-handler reference runs."""
+
+    def __init__(self, model: MoEModel, start: int, stop: int) -> None:
+        super().__init__()
+        if not 0 <= start < stop <= len(model.layers):
+            raise ValueError(f"stage layers [{start}, {stop}) outside the model's {len(model.layers)} layers")
+        self.transport = model.transport
+        self.first, self.last = start == 0, stop == len(model.layers)
+        self.embed = model.embed if self.first else None
+        self.layers = nn.ModuleList(model.layers[start:stop])
+        self.norm = model.norm if self.last else None
+        self.head = model.head if self.last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x.reshape(-1)) if self.embed is not None else x
+        t = self.transport
+        for layer in self.layers:
+            h = layer.forward(t, h)
+        if self.head is not None:
+            h = self.head(self.norm(h)).float()
+        return h
+
+    def nodes(self) -> list[NodeDef]:
+        """Input `x`, output `out`."""
+        nodes = [embed_node(self.embed, "x", "h0")] if self.embed is not None else []
+        first = "h0" if self.embed is not None else "x"
+        names = [first] + [f"h{i + 1}" for i in range(len(self.layers))]
+        if self.head is None:
+            names[-1] = "out"
+        for i, layer in enumerate(self.layers):
+            nodes += layer_nodes(layer, self.transport, names[i], names[i + 1], f"L{i}")
+        if self.head is not None:
+            last = names[-1]
+            nodes.append(NodeDef("head", "compute", [last], ["out"], lambda h_: self.head(self.norm(h_)).float(),
+                                 list(self.norm.parameters()) + list(self.head.parameters()), [last], ["out"]))
+        return nodes
+
+
+def embed_node(embed: nn.Embedding, tokens: str, out: str) -> NodeDef:
+    """The token embedding as a node (tokens of any shape -> rows)."""
+    return NodeDef("embed", "compute", [tokens], [out], lambda tok: embed(tok.reshape(-1)), list(embed.parameters()), (), [out])
+
+
+def layer_nodes(layer: "MoELayer", t: Transport, h: str, nxt: str, p: str) -> list[NodeDef]:
+    """One layer as schedule nodes, reading `h` and writing `nxt`, names prefixed `p`: a dense
+    layer is attention then MLP; an MoE layer is attention/router (pre-dispatch), shared
+    expert, dispatch, experts, combine, post-combine."""
+    nodes: list[NodeDef] = []
+    own = [q for n, q in layer.named_parameters() if n.split(".")[0] in ("norm1", "attn", "norm2", "router")]
+    if layer.dense:
+        nodes.append(NodeDef(f"{p}.attn", "compute", [h], [f"{p}.x", f"{p}.z"], layer.pre, own, [h], [f"{p}.x", f"{p}.z"]))
+        nodes.append(
+            NodeDef(f"{p}.mlp", "compute", [f"{p}.x", f"{p}.z"], [nxt], lambda x, z, L=layer: x + L.mlp(z), list(layer.mlp.parameters()), [f"{p}.x", f"{p}.z"], [nxt])
+        )
+        return nodes
+    x, z, w, send, meta, s = (f"{p}.{k}" for k in ("x", "z", "w", "send", "meta", "s"))
+    recv, rmeta, eout, back = (f"{p}.{k}" for k in ("recv", "rmeta", "eout", "back"))
+    nodes.append(NodeDef(f"{p}.attn", "compute", [h], [x, z, w, send, meta], layer.pre, own, [h], [x, z, w, send]))
+    if layer.shared is not None:
+        nodes.append(NodeDef(f"{p}.shared", "compute", [z], [s], layer.shared, list(layer.shared.parameters()), [z], [s]))
+    nodes.append(
+        NodeDef(
+            f"{p}.dispatch", "comm", [send, meta], [recv, rmeta],
+            lambda send_, r, alloc_stream=None, L=layer: L.dispatch(t, send_, r, alloc_stream),
+            grad_inputs=[send], grad_outputs=[recv], consumer_alloc=[recv],
+            transpose=lambda rx, g, alloc_stream=None, L=layer: (
+                t.all_to_all(g, sum(rx.send_splits) if rx.send_splits else g.shape[0], rx.send_splits, rx.recv_splits, alloc_stream),
+            ),
+        )
+    )
+    nodes.append(
+        NodeDef(f"{p}.experts", "compute", [recv, rmeta], [eout], layer.run_experts, list(layer.experts.parameters()), [recv], [eout])
+    )
+    nodes.append(
+        NodeDef(
+            f"{p}.combine", "comm", [eout, rmeta, meta], [back],
+            lambda e, rx, r, alloc_stream=None, L=layer: L.combine(t, e, rx, r, alloc_stream),
+            grad_inputs=[eout], grad_outputs=[back], consumer_alloc=[back],
+            transpose=lambda rx, g, alloc_stream=None: (
+                t.all_to_all(g, sum(rx.recv_splits) if rx.recv_splits else g.shape[0], rx.recv_splits, rx.send_splits, alloc_stream),
+            ),
+        )
+    )
+    post_in = [x, w, back, meta] + ([s] if layer.shared is not None else [])
+    post_fn = (lambda x_, w_, b_, r_, s_, L=layer: L.post(x_, w_, b_, r_, s_)) if layer.shared is not None else (
+        lambda x_, w_, b_, r_, L=layer: L.post(x_, w_, b_, r_, None)
+    )
+    grads = [x, w, back] + ([s] if layer.shared is not None else [])
+    nodes.append(NodeDef(f"{p}.post", "compute", post_in, [nxt], post_fn, (), grads, [nxt]))
+    return nodes
 
 
 def with_overrides(cfg: MoEConfig, **kw: Any) -> MoEConfig:

@@ -1,0 +1,231 @@
+"""torch.distributed.pipelining with our OVERLAP_F_B handler (CPU, 2 gloo ranks, in CI): the
+embedded MoE model as stages; losses and every gradient bit-exact against the same schedule
+run on the plain stage modules with no handler, over several optimizer steps."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import sched_lifetime as sl
+from sched_lifetime.ep import AllToAll
+from sched_lifetime.models.moe import CONFIGS, MoEModel, MoEStage, with_overrides
+from sched_lifetime.nodes import NodeDef
+from sched_lifetime.pipelining import NodeStage, describe, enable_overlap, overlapped
+
+N_MB = 4
+STEPS = 3
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _no_self_p2p() -> None:
+    """gloo cannot send to its own rank, and with a V mapping a neighbour stage can sit on the
+    same rank: drop those warm-up ops (test-only; NCCL does not need it)."""
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    orig = _PipelineStageBase._get_init_p2p_neighbors_ops
+
+    def ops(self):
+        me = dist.get_rank()
+        return [op for op in orig(self) if op.peer != me]
+
+    _PipelineStageBase._get_init_p2p_neighbors_ops = ops
+
+
+def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, labels.reshape(-1))
+
+
+def _stage_shapes(cfg, k: int, n_stages: int):
+    tokens = cfg.batch * cfg.seq
+    inp = torch.zeros(cfg.batch, cfg.seq, dtype=torch.long) if k == 0 else torch.zeros(tokens, cfg.hidden)
+    out = torch.zeros(tokens, cfg.vocab) if k == n_stages - 1 else torch.zeros(tokens, cfg.hidden)
+    return inp, out
+
+
+def _run_arm(kind: str, cfg, stage_ids, n_stages: int, handler: bool, steps: int):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
+
+    model = MoEModel(cfg, transport=AllToAll(local=True), seed=0)
+    per = len(model.layers) // n_stages
+    mods, stages = [], []
+    for k in stage_ids:
+        m = MoEStage(model, k * per, (k + 1) * per)
+        m = NodeStage(m) if handler else m
+        mods.append(m)
+        inp, out = _stage_shapes(cfg, k, n_stages)
+        stages.append(PipelineStage(m, k, n_stages, torch.device("cpu"), input_args=inp, output_args=out))
+    if kind == "dualpipev":
+        sched = ScheduleDualPipeV(stages, N_MB, loss_fn=_loss)
+    elif kind == "interleaved":
+        sched = ScheduleInterleaved1F1B(stages, N_MB, loss_fn=_loss)
+    else:
+        sched = Schedule1F1B(stages[0], N_MB, loss_fn=_loss)
+    registered = enable_overlap(sched) if handler else None
+    params = [p for m in mods for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=0.05)
+    losses, grads = [], []
+    rank = dist.get_rank()
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 + step)
+        tok = torch.randint(0, cfg.vocab, (N_MB * cfg.batch, cfg.seq), generator=g)
+        lab = torch.randint(0, cfg.vocab, (N_MB * cfg.batch, cfg.seq), generator=g)
+        opt.zero_grad(set_to_none=True)
+        out: list = []
+        has_first = any(s.is_first for s in stages)
+        has_last = any(s.is_last for s in stages)
+        sched.step(*((tok,) if has_first else ()), **({"target": lab, "losses": out} if has_last else {}))
+        losses.append([x.detach().clone() for x in out])
+        grads.append([None if p.grad is None else p.grad.clone() for p in params])
+        opt.step()
+    overlaps = [m.overlapped for m in mods] if handler else []
+    return losses, grads, registered, overlaps, rank
+
+
+def _worker(rank: int, port: int, out: str, kind: str) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.use_deterministic_algorithms(True)
+    _no_self_p2p()
+    try:
+        if kind == "1f1b":
+            n_stages, ids = 2, [rank]
+        elif kind == "dualpipev":
+            n_stages, ids = 4, [rank, 3 - rank]
+        else:
+            n_stages, ids = 4, [rank, rank + 2]
+        cfg = with_overrides(CONFIGS["tiny"], layers=n_stages, batch=1)
+        ref = _run_arm(kind, cfg, ids, n_stages, False, STEPS)
+        ours = _run_arm(kind, cfg, ids, n_stages, True, STEPS)
+        torch.save({"ref": ref, "ours": ours}, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["dualpipev", "interleaved", "1f1b"])
+def test_pipeline_schedules_bit_exact_with_the_handler(tmp_path, kind):
+    mp.spawn(_worker, args=(_port(), str(tmp_path), kind), nprocs=2, join=True)
+    loss_ranks = []
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        (rl, rg, _, _, _), (ol, og, registered, overlaps, _) = got["ref"], got["ours"]
+        assert len(rl) == STEPS and len(og) == STEPS
+        for a, b in zip(rl, ol):
+            assert len(a) == len(b)
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), f"rank {rank}: losses differ"
+        for step, (a, b) in enumerate(zip(rg, og)):
+            assert any(x is not None for x in a), "no gradient at all: the test would prove nothing"
+            for i, (x, y) in enumerate(zip(a, b)):
+                assert (x is None) == (y is None), f"rank {rank} step {step} param {i}: grad presence differs"
+                assert x is None or torch.equal(x, y), f"rank {rank} step {step} param {i}: gradients differ"
+        if kind == "dualpipev":
+            assert registered is True
+            # Overlap really happened on both stages of the rank (a forward ran inside a backward).
+            assert all(n > 0 for n in overlaps), overlaps
+        else:
+            assert registered is False  # no OVERLAP_F_B in these schedules: the handler stays out
+            assert overlaps == [0] * len(overlaps)
+        if rl[0]:
+            loss_ranks.append(rank)
+            assert len(rl[0]) == N_MB
+    assert len(loss_ranks) == 1  # the last stage's rank has every microbatch's loss
+
+
+def _two_stage_chunks():
+    cfg = with_overrides(CONFIGS["tiny"], layers=2, batch=1)
+    model = MoEModel(cfg, transport=AllToAll(local=True), seed=0)
+    return cfg, MoEStage(model, 0, 1), MoEStage(model, 1, 2)
+
+
+def test_overlapped_forward_backward_matches_forward_then_backward():
+    """DualPipe's hook, one process: F of stage 0 (microbatch 1) with B of stage 1
+    (microbatch 0) gives the same outputs, loss and gradients as running them one after the
+    other on the plain modules."""
+    torch.use_deterministic_algorithms(True)
+    results = []
+    for wrap in (False, True):
+        cfg, s0, s1 = _two_stage_chunks()
+        m0, m1 = (NodeStage(s0), NodeStage(s1)) if wrap else (s0, s1)
+        g = torch.Generator().manual_seed(3)
+        tok = [torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=g) for _ in range(2)]
+        lab = [torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=g) for _ in range(2)]
+        h = m0(tok[0]).detach().requires_grad_(True)
+        loss1 = _loss(m1(h), lab[0])
+        if wrap:
+            outs, loss0 = NodeStage.overlapped_forward_backward(m0, [tok[1]], None, None, m1, loss1, None, None)
+            assert m0.overlapped == 1
+        else:
+            loss1.backward()
+            outs, loss0 = [m0(tok[1])], None
+        assert loss0 is None
+        grads = [p.grad.clone() for p in list(m1.parameters()) if p.grad is not None]
+        results.append((outs[0].detach(), h.grad.clone(), grads))
+    (o_a, h_a, g_a), (o_b, h_b, g_b) = results
+    assert torch.equal(o_a, o_b) and torch.equal(h_a, h_b)
+    assert len(g_a) == len(g_b) > 0 and all(torch.equal(x, y) for x, y in zip(g_a, g_b))
+
+
+def test_overlapped_with_a_plain_backward_stage_runs_the_forward_alone():
+    """When the backward reaches no NodeStage, nothing is lost: the forward runs afterwards."""
+    cfg, s0, s1 = _two_stage_chunks()
+    m0 = NodeStage(s0)
+    tok = torch.zeros(cfg.batch, cfg.seq, dtype=torch.long)
+    h = torch.randn(cfg.batch * cfg.seq, cfg.hidden, requires_grad=True)
+    loss = _loss(s1(h), torch.zeros(cfg.batch, cfg.seq, dtype=torch.long))
+    out = overlapped(m0, (tok,), loss.backward)
+    assert m0.overlapped == 0 and out.shape == (cfg.batch * cfg.seq, cfg.hidden)
+    assert torch.equal(out, s0(tok))
+
+
+def test_describe_and_non_reentrant_checkpoint_compose():
+    """`describe` turns plain layers into nodes; a layer under non-reentrant activation
+    checkpointing gives the same gradients through a NodeStage."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Ckpt(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    def build(ckpt: bool):
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8)]
+        if ckpt:
+            layers[2] = Ckpt(layers[2])
+        return torch.nn.Sequential(*layers)
+
+    x = torch.randn(4, 8)
+    ref = build(False)
+    ref(x).square().sum().backward()
+    seq = build(True)
+    stage = NodeStage(seq, nodes=describe(list(seq)))
+    assert [n.name for n in stage.chunk.nodes] == ["L0", "L1", "L2"]
+    xi = x.clone().requires_grad_(True)
+    stage(xi).square().sum().backward()
+    for (n, a), b in zip(ref.named_parameters(), seq.parameters()):
+        assert torch.equal(a.grad, b.grad), n
+
+
+def test_refusals_name_what_is_wrong():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    seq = torch.nn.Sequential(torch.nn.Linear(4, 4), checkpoint_wrapper(torch.nn.Linear(4, 4), checkpoint_impl=CheckpointImpl.REENTRANT))
+    with pytest.raises(ValueError, match="layer '1'.*reentrant"):
+        NodeStage(seq, nodes=describe(list(seq)))
+    with pytest.raises(ValueError, match="no nodes"):
+        NodeStage(torch.nn.Linear(2, 2))
+    stage = NodeStage(torch.nn.Linear(2, 2), nodes=[NodeDef("l", "compute", ["x"], ["out"], torch.nn.Linear(2, 2), (), ["x"], ["out"])])
+    with pytest.raises(ValueError, match="takes 1 inputs"):
+        stage(torch.zeros(1, 2), torch.zeros(1, 2))

@@ -1,0 +1,317 @@
+"""Pipelines (wiring only): an OVERLAP_F_B handler for `torch.distributed.pipelining` and an
+`overlapped_forward_backward` for deepseek-ai's DualPipe/DualPipeV, both running the forward
+of one stage and the backward of another as one multiplexed schedule (the scheduler's order,
+streams and lifetime points, all from Rust) in one thread.
+
+A stage module takes part by being a `NodeStage`: its module described as nodes (`NodeDef`s;
+`describe` makes them from a list of layers, where a layer that knows its dispatch and combine
+gives its own nodes). `NodeStage.forward` runs those nodes and joins autograd through one
+function whose backward runs the nodes' backward, so the runtime's ordinary forward and
+backward calls (and any schedule without OVERLAP_F_B) work unchanged, with the same ops.
+
+The overlap itself: the handler does the F and B sub-actions' bookkeeping as the runtime's
+default path does (recv waits, loss, backward counters, same-rank hand-off), but arms the
+forward stage and its inputs before it starts the backward. When the backward reaches the
+backward stage's nodes, they run multiplexed with the armed forward's nodes (`run_pair`); the
+forward call that follows finds its result ready and returns it. If the backward never reaches
+a `NodeStage` (a plain stage), the forward runs on its own afterwards: same results, no overlap
+(`NodeStage.overlapped` counts the overlaps that happened).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .nodes import Chunk, MicrobatchState, NodeDef, run_pair
+
+
+class _Armed:
+    """The forward waiting to run inside the next backward (one pipeline thread arms it; the
+    autograd engine may run the backward on its device thread, so this is not thread-local)."""
+
+    stage: Optional["NodeStage"] = None
+    args: tuple = ()
+
+
+_ARMED = _Armed()
+
+
+class _Chain(torch.autograd.Function):
+    """A stage's nodes as one autograd function: forward runs the nodes (or takes the result
+    an overlapped backward computed), backward runs their backward (with the armed forward)."""
+
+    @staticmethod
+    def forward(ctx: Any, stage: "NodeStage", n_args: int, *args_and_params: Any) -> torch.Tensor:
+        # The parameters come in only so that the output requires grad whenever they do (a
+        # first stage's inputs are tokens); their gradients are accumulated by the nodes.
+        args = args_and_params[:n_args]
+        ctx.n_params = len(args_and_params) - n_args
+        state, out = stage._take_ready(args)
+        if state is None:
+            state = MicrobatchState(next(stage._count))
+            out = stage._forward(state, args)
+        ctx.stage, ctx.state = stage, state
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        stage: NodeStage = ctx.stage
+        fstage, fargs = _ARMED.stage, _ARMED.args
+        _ARMED.stage, _ARMED.args = None, ()
+        fwd = None
+        if fstage is not None:
+            fstate = MicrobatchState(next(fstage._count))
+            fwd = (fstate, fstage._inputs(fargs))
+        if stage.split_dw:
+            stage.chunk.deferred_dw = []
+        try:
+            out = run_pair(fstage.chunk if fstage else None, fwd, stage.chunk, ctx.state, grad, stage.order, stage.lifetime)
+        finally:
+            stage._dw_jobs, stage.chunk.deferred_dw = stage.chunk.deferred_dw, None
+        if fstage is not None:
+            fstage._ready = (fargs, fstate, out[f"F.{fstage.chunk.loss_output}"])
+            fstage.overlapped += 1
+        return (None, None, *stage._input_grads(out), *([None] * ctx.n_params))
+
+
+class NodeStage(nn.Module):
+    """A pipeline stage module described as nodes.
+
+    `nodes`: the description (defaults to `module.nodes()`); `inputs`: the names of the
+    forward's positional arguments; `output`: the value it returns (one tensor). `order`:
+    "ours" (the scheduler's) or a baseline ("b_then_f", "sequential"); `lifetime`:
+    "scheduled" or "record_stream" (the executor's modes)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        nodes: Optional[Sequence[NodeDef]] = None,
+        inputs: Sequence[str] = ("x",),
+        output: str = "out",
+        device: Any = None,
+        order: str = "ours",
+        lifetime: str = "scheduled",
+    ) -> None:
+        super().__init__()
+        self.module = module
+        if nodes is None:
+            if not hasattr(module, "nodes"):
+                raise ValueError(f"{type(module).__name__} has no nodes(): pass nodes=, or build them with sl.pipelining.describe")
+            nodes = module.nodes()
+        _refuse_reentrant_checkpoint(module)
+        dev = torch.device(device) if device is not None else _module_device(module)
+        self.chunk = Chunk(nodes, inputs, output, dev)
+        self._params = [p for n in self.chunk.nodes for p in n.params]
+        self.order, self.lifetime = order, lifetime
+        self._count = itertools.count()
+        self._ready: Optional[tuple] = None
+        #: How many of this stage's forwards ran multiplexed with another stage's backward.
+        self.overlapped = 0
+        #: Defer dW to `dw_builder()`'s runner (set by `enable_overlap`: the pipeline stage
+        #: then runs dI at BACKWARD_INPUT and dW at BACKWARD_WEIGHT).
+        self.split_dw = False
+        self._dw_jobs: Optional[list[Callable[[], None]]] = None
+
+    def dw_builder(self) -> Callable[[], None]:
+        """`PipelineStage(dw_builder=...)`'s hook: called right after a backward, returns
+        what runs that backward's deferred weight gradients."""
+        jobs, self._dw_jobs = self._dw_jobs or [], None
+
+        def run() -> None:
+            for job in jobs:
+                job()
+
+        return run
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        if len(args) != len(self.chunk.inputs):
+            raise ValueError(f"stage takes {len(self.chunk.inputs)} inputs {self.chunk.inputs}, got {len(args)}")
+        return _Chain.apply(self, len(args), *args, *self._params)
+
+    def _inputs(self, args: Sequence[Any]) -> dict[str, Any]:
+        return dict(zip(self.chunk.inputs, args))
+
+    def _forward(self, state: MicrobatchState, args: Sequence[Any]) -> torch.Tensor:
+        out = run_pair(self.chunk, (state, self._inputs(args)), None, None, None, self.order, self.lifetime)
+        return out[f"F.{self.chunk.loss_output}"]
+
+    def _take_ready(self, args: Sequence[Any]) -> tuple:
+        ready, self._ready = self._ready, None
+        if ready is None:
+            return None, None
+        rargs, state, out = ready
+        if len(rargs) != len(args) or any(a is not b for a, b in zip(rargs, args)):
+            raise RuntimeError("an overlapped forward was computed for other inputs than this call's (the armed forward must be called next)")
+        return state, out
+
+    def _input_grads(self, out: dict[str, Any]) -> list[Optional[torch.Tensor]]:
+        grads: list[Optional[torch.Tensor]] = []
+        for v in self.chunk.inputs:
+            parts = [out[f"B.g.{v}@{c}"] for c in self.chunk._grad_consumers.get(v, ())]
+            g = parts[0] if parts else None
+            for p in parts[1:]:
+                g = g + p
+            grads.append(g)
+        return grads
+
+    @classmethod
+    def overlapped_forward_backward(
+        cls,
+        module0: "NodeStage",
+        inputs0: Sequence[torch.Tensor],
+        criterion0: Optional[Callable[..., torch.Tensor]],
+        labels0: Optional[Sequence[torch.Tensor]],
+        module1: "NodeStage",
+        loss1: Optional[torch.Tensor],
+        outputs1: Optional[Sequence[torch.Tensor]],
+        output_grads1: Optional[Sequence[torch.Tensor]],
+    ) -> tuple[list[torch.Tensor], Optional[torch.Tensor]]:
+        """deepseek-ai DualPipe/DualPipeV's hook: forward of `module0` on `inputs0` (and its
+        loss when `criterion0` is given) multiplexed with the backward of `module1` (from
+        `loss1`, or `outputs1` with `output_grads1`)."""
+
+        def backward() -> None:
+            if loss1 is not None:
+                loss1.backward()
+                loss1.detach_()
+            else:
+                outs = [o for o in outputs1 or () if o.requires_grad]
+                grads = [g for o, g in zip(outputs1 or (), output_grads1 or ()) if o.requires_grad]
+                torch.autograd.backward(outs, grad_tensors=grads)
+
+        outputs0 = overlapped(module0, tuple(inputs0), backward)
+        outputs0 = [outputs0] if isinstance(outputs0, torch.Tensor) else list(outputs0)
+        loss0 = criterion0(*outputs0, *(labels0 or ())) if criterion0 is not None else None
+        return outputs0, loss0
+
+
+def overlapped(fstage: nn.Module, fargs: tuple, backward: Callable[[], None]) -> Any:
+    """Run `backward()` with the forward `fstage(*fargs)` armed, then return that forward's
+    output (computed inside the backward when it reached a `NodeStage`, else now)."""
+    with _armed(fstage, fargs):
+        backward()
+    # Ready if the backward reached a NodeStage; otherwise it runs on its own now.
+    return fstage(*fargs)
+
+
+@contextlib.contextmanager
+def _armed(fstage: Any, fargs: tuple) -> Iterator[None]:
+    """Arm `fstage(*fargs)` for the next NodeStage backward; disarmed on the way out."""
+    if _ARMED.stage is not None:
+        raise RuntimeError("a forward is already armed: overlapped calls do not nest")
+    if isinstance(fstage, NodeStage):
+        _ARMED.stage, _ARMED.args = fstage, fargs
+    try:
+        yield
+    finally:
+        _ARMED.stage, _ARMED.args = None, ()
+
+
+def describe(layers: Sequence[nn.Module], input: str = "x", output: str = "out") -> list[NodeDef]:
+    """Nodes for a stage that applies `layers` in sequence: a layer with
+    `sched_nodes(inp, out, prefix)` gives its own nodes (where its dispatch and combine are);
+    any other layer is one compute node with its parameters."""
+    names = [input] + [f"h{i + 1}" for i in range(len(layers) - 1)] + [output]
+    nodes: list[NodeDef] = []
+    for i, layer in enumerate(layers):
+        a, b, p = names[i], names[i + 1], f"L{i}"
+        if hasattr(layer, "sched_nodes"):
+            nodes += layer.sched_nodes(a, b, p)
+        else:
+            nodes.append(NodeDef(p, "compute", [a], [b], layer, list(layer.parameters()), [a], [b]))
+    return nodes
+
+
+def enable_overlap(schedule: Any) -> bool:
+    """Set a `torch.distributed.pipelining` schedule up for NodeStage stages: their weight
+    gradients split off to the dW hook (BACKWARD_INPUT / BACKWARD_WEIGHT actions), and the
+    OVERLAP_F_B handler registered. Returns whether the handler was registered:
+    False for schedules that never emit OVERLAP_F_B (single-stage
+    schedules such as Schedule1F1B, or multi-stage ones whose order has none): the runtime's
+    default path runs them, and a NodeStage there is an ordinary module. Raises when the
+    schedule emits OVERLAP_F_B but its stages are not NodeStages (nothing to multiplex)."""
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+    stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
+    for st in stages:
+        if isinstance(st.submod, NodeStage):
+            # dI at BACKWARD_INPUT, dW at BACKWARD_WEIGHT: the runtime calls the stage's
+            # dw_builder right after the input backward and runs it at the weight action.
+            st.submod.split_dw = True
+            st.dw_builder = st.submod.dw_builder
+    if not hasattr(schedule, "register_custom_function"):
+        return False
+    order = getattr(schedule, "pipeline_order", {}) or {}
+    emits = any(a is not None and a.computation_type == OVERLAP_F_B for acts in order.values() for a in acts)
+    if not emits:
+        return False
+    plain = [s.stage_index for s in stages if not isinstance(s.submod, NodeStage)]
+    if plain:
+        raise ValueError(
+            f"stages {plain} are not NodeStage modules: wrap each stage's module as "
+            "sl.pipelining.NodeStage(module, nodes) so its forward and backward can be multiplexed"
+        )
+    schedule.register_custom_function(OVERLAP_F_B, _overlap_f_b)
+    return True
+
+
+def _overlap_f_b(action: Any, ctx: Any) -> None:
+    """OVERLAP_F_B(F of stage a, B of stage b): the default path's bookkeeping for both, with
+    the forward armed inside the backward."""
+    from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, _wait_batch_p2p
+
+    sched = ctx.schedule_ref
+    f_act, b_act = action.sub_actions
+    if f_act.computation_type != FORWARD or b_act.computation_type != FULL_BACKWARD:
+        raise ValueError(f"the OVERLAP_F_B handler runs (FORWARD, FULL_BACKWARD) pairs, got {action}")
+    stages = {s.stage_index: s for s in sched._stages}
+    fs, bs = stages[f_act.stage_index], stages[b_act.stage_index]
+    fi, bi = f_act.microbatch_index, b_act.microbatch_index
+    # Forward's input: received, handed over by the previous stage on this rank, or the batch.
+    if not fs.is_first and fs.stage_index - 1 not in stages:
+        _wait_batch_p2p(sched.fwd_recv_ops.pop((fs.stage_index, fi)))
+    # Backward's output gradient.
+    if not bs.is_last and bs.stage_index + 1 not in stages:
+        _wait_batch_p2p(sched.bwd_recv_ops.pop((bs.stage_index, bi)))
+    if hasattr(sched, "_assert_unsharded"):
+        sched._assert_unsharded(fs)
+        sched._assert_unsharded(bs)
+    loss = sched._maybe_get_loss(bs, bi)
+    sched.backward_counter[bs.stage_index] += 1
+    last = sched.backward_counter[bs.stage_index] == sched._n_microbatches
+    fargs = ctx.arg_mbs[fi] if fs.is_first else fs._retrieve_recv_activations(fi)
+    kwargs = ctx.kwarg_mbs[fi] if ctx.kwarg_mbs else None
+    if kwargs:
+        raise ValueError("NodeStage forwards take positional inputs only; the schedule passed kwargs")
+
+    with _armed(fs.submod, tuple(fargs)):
+        bs.backward_one_chunk(bi, loss=loss, full_backward=True, last_backward=last)
+    if bs.stage_index - 1 in stages:
+        stages[bs.stage_index - 1].set_local_bwd_input(bs.get_local_bwd_output(bi), bi)
+    output = fs.forward_one_chunk(fi, ctx.arg_mbs[fi], kwargs)
+    sched._maybe_compute_loss(fs, output, ctx.target_mbs, fi)
+    if fs.stage_index + 1 in stages:
+        stages[fs.stage_index + 1].set_local_fwd_input(output, fi)
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    p = next(module.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _refuse_reentrant_checkpoint(module: nn.Module) -> None:
+    """A layer wrapped by torch's reentrant activation checkpoint (the old `CheckpointWrapper`
+    with `CheckpointImpl.REENTRANT`) runs its backward through a nested autograd call that
+    would re-run its forward outside the schedule: refuse it, naming the layer."""
+    for name, m in module.named_modules():
+        impl = getattr(m, "checkpoint_impl", None)
+        if impl is not None and getattr(impl, "name", "") == "REENTRANT":
+            raise ValueError(
+                f"layer '{name}' uses reentrant activation checkpointing, which NodeStage does not "
+                "schedule; use non-reentrant checkpointing (use_reentrant=False) for whole layers"
+            )
