@@ -15,10 +15,11 @@ def grads(m: MoEModel) -> dict:
     return {k: p.grad.clone() for k, p in m.named_parameters()}
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("budget", [0.5, 1.0, {"bytes": 1 << 14}])
-def test_paging_on_vs_off_is_bit_exact_over_steps(budget):
+def test_paging_on_vs_off_is_bit_exact_over_steps(budget, device):
     cfg = replace(CONFIGS["tiny"], capacity_factor=1.0)
-    ref, paged = MoEModel(cfg), MoEModel(cfg)
+    ref, paged = MoEModel(cfg, device=device), MoEModel(cfg, device=device)
     opt_r = torch.optim.SGD(ref.parameters(), lr=0.05)
     opt_p = torch.optim.SGD(paged.parameters(), lr=0.05)
     pager = sl.Pager(budget, min_distance=0, min_bytes=1024)

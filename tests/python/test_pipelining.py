@@ -11,9 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-import sched_lifetime as sl
 from sched_lifetime.ep import AllToAll
-from sched_lifetime.models.moe import CONFIGS, MoEModel, MoEStage, with_overrides
+from sched_lifetime.models.moe import CONFIGS, MoEModel, MoEStage, stage_io, with_overrides
 from sched_lifetime.nodes import NodeDef
 from sched_lifetime.pipelining import NodeStage, describe, enable_overlap, overlapped
 
@@ -45,13 +44,6 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, labels.reshape(-1))
 
 
-def _stage_shapes(cfg, k: int, n_stages: int):
-    tokens = cfg.batch * cfg.seq
-    inp = torch.zeros(cfg.batch, cfg.seq, dtype=torch.long) if k == 0 else torch.zeros(tokens, cfg.hidden)
-    out = torch.zeros(tokens, cfg.vocab) if k == n_stages - 1 else torch.zeros(tokens, cfg.hidden)
-    return inp, out
-
-
 def _run_arm(kind: str, cfg, stage_ids, n_stages: int, handler: bool, steps: int):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
 
@@ -62,7 +54,7 @@ def _run_arm(kind: str, cfg, stage_ids, n_stages: int, handler: bool, steps: int
         m = MoEStage(model, k * per, (k + 1) * per)
         m = NodeStage(m) if handler else m
         mods.append(m)
-        inp, out = _stage_shapes(cfg, k, n_stages)
+        inp, out = stage_io(cfg, k, n_stages)
         stages.append(PipelineStage(m, k, n_stages, torch.device("cpu"), input_args=inp, output_args=out))
     if kind == "dualpipev":
         sched = ScheduleDualPipeV(stages, N_MB, loss_fn=_loss)

@@ -433,6 +433,15 @@ class MoEStage(nn.Module):
         return nodes
 
 
+def stage_io(cfg: MoEConfig, k: int, n_stages: int, device: Any = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Example input and output of pipeline stage `k` of `n_stages` (one microbatch): what
+    `PipelineStage(input_args=, output_args=)` takes, so no shape inference runs."""
+    rows, dt = cfg.batch * cfg.seq, _dtype(cfg)
+    inp = torch.zeros(cfg.batch, cfg.seq, dtype=torch.long, device=device) if k == 0 else torch.zeros(rows, cfg.hidden, dtype=dt, device=device)
+    out = torch.zeros(rows, cfg.vocab, device=device) if k == n_stages - 1 else torch.zeros(rows, cfg.hidden, dtype=dt, device=device)
+    return inp, out
+
+
 def embed_node(embed: nn.Embedding, tokens: str, out: str) -> NodeDef:
     """The token embedding as a node (tokens of any shape -> rows)."""
     return NodeDef("embed", "compute", [tokens], [out], lambda tok: embed(tok.reshape(-1)), list(embed.parameters()), (), [out])
