@@ -37,14 +37,34 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, labels.reshape(-1))
 
 
-def build(cfg, rank: int, dev: torch.device, handler: bool, n_mb: int):
+def compute_busy_ms(prof) -> float:
+    """GPU time with at least one non-NCCL kernel running (union of intervals), ms."""
+    iv = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" not in e.name.lower()
+    )
+    busy, cur = 0.0, None
+    for s, t in iv:
+        if cur and s <= cur[1]:
+            cur[1] = max(cur[1], t)
+        else:
+            if cur:
+                busy += cur[1] - cur[0]
+            cur = [s, t]
+    if cur:
+        busy += cur[1] - cur[0]
+    return busy / 1e3
+
+
+def build(cfg, rank: int, dev: torch.device, handler: bool, n_mb: int, lifetime: str = "scheduled"):
     from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
 
     model = MoEModel(cfg, transport=AllToAll(local=True), seed=0, device=dev)
     mods, stages = [], []
     for k in (rank, 3 - rank):
         m = MoEStage(model, k, k + 1)
-        m = NodeStage(m, device=dev) if handler else m
+        m = NodeStage(m, device=dev, lifetime=lifetime) if handler else m
         inp, out = stage_io(cfg, k, 4, dev)
         mods.append(m)
         stages.append(PipelineStage(m, k, 4, dev, input_args=inp, output_args=out))
@@ -80,7 +100,11 @@ def main() -> None:
     import sched_lifetime.models.moe as moe
 
     moe.SDPA_BACKENDS = deterministic_sdpa(dev, moe._dtype(cfg))
-    arms = {"no handler": build(cfg, rank, dev, False, a.microbatches), "ours": build(cfg, rank, dev, True, a.microbatches)}
+    arms = {
+        "no handler": build(cfg, rank, dev, False, a.microbatches),
+        "ours": build(cfg, rank, dev, True, a.microbatches),
+        "ours+record": build(cfg, rank, dev, True, a.microbatches, "record_stream"),
+    }
     g = torch.Generator().manual_seed(7)
     tok = torch.randint(0, cfg.vocab, (a.microbatches * cfg.batch, cfg.seq), generator=g).to(dev)
     lab = torch.randint(0, cfg.vocab, (a.microbatches * cfg.batch, cfg.seq), generator=g).to(dev)
@@ -104,8 +128,63 @@ def main() -> None:
                 first[name] = ([x.detach().clone() for x in losses], [p.grad.clone() for m in mods for p in m.parameters()])
             else:
                 times[name].append(dt)
+    # One more step per arm, measured alone: pending-free peak (sampled after every
+    # OVERLAP_F_B action), and a profile (GPU compute busy time vs the step's wall time).
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+    pending: dict[str, int] = {}
+    busy: dict[str, float] = {}
+    wall: dict[str, float] = {}
+    cpu_top: dict[str, list] = {}
+    for name, (mods, sched) in arms.items():
+        peak = [0]
+        fmap = sched._comp_type_to_function_map if hasattr(sched, "_comp_type_to_function_map") else {}
+        orig = fmap.get(OVERLAP_F_B)
+        if cuda and orig is not None:
+            from sched_lifetime.ab import _pending_free_bytes
+
+            def sampled(act, ctx, f=orig, p=peak):
+                f(act, ctx)
+                p[0] = max(p[0], _pending_free_bytes())
+
+            fmap[OVERLAP_F_B] = sampled
+        for m in mods:
+            m.zero_grad(set_to_none=True)
+        sched.step(tok, target=lab, losses=[]) if rank == 0 else sched.step()
+        torch.cuda.synchronize()
+        if orig is not None:
+            fmap[OVERLAP_F_B] = orig
+        pending[name] = peak[0]
+        if cuda:
+            from torch.profiler import ProfilerActivity, profile
+
+            for m in mods:
+                m.zero_grad(set_to_none=True)
+            dist.barrier()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                t0 = time.perf_counter()
+                sched.step(tok, target=lab, losses=[]) if rank == 0 else sched.step()
+                torch.cuda.synchronize()
+                wall[name] = (time.perf_counter() - t0) * 1e3
+            busy[name] = compute_busy_ms(prof)
+            cpu_top[name] = [(e.key[:40], round(e.self_cpu_time_total / 1e3, 1)) for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:6]]
+    if cuda:
+        # Host syncs in our path (each synchronizing call site warns once, with its location).
+        import warnings
+
+        mods, sched = arms["ours"]
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sched.step(tok, target=lab, losses=[]) if rank == 0 else sched.step()
+        torch.cuda.set_sync_debug_mode(0)
+        sites = sorted({f"{w.filename.split('site-packages/')[-1]}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
+        if rank == 0:
+            print(f"host syncs in one 'ours' step: {len([w for w in caught if 'synchroniz' in str(w.message)])} at {sites[:8]}")
     (la, ga), (lb, gb) = first["no handler"], first["ours"]
     equal = len(la) == len(lb) and all(torch.equal(x, y) for x, y in zip(la, lb)) and all(torch.equal(x, y) for x, y in zip(ga, gb))
+    lc, gc = first["ours+record"]
+    equal &= all(torch.equal(x, y) for x, y in zip(la, lc)) and all(torch.equal(x, y) for x, y in zip(ga, gc))
     eq = [None, None]
     dist.all_gather_object(eq, equal)
     overlaps = [m.overlapped for m in arms["ours"][0]]
@@ -114,15 +193,19 @@ def main() -> None:
         rows = [
             f"DualPipeV, 2 x {torch.cuda.get_device_name(dev)}, config {a.config}, {a.microbatches} microbatches, "
             f"medians of {a.steps} interleaved steps; parity (torch.equal, all ranks): {eq}; overlapped forwards on rank 0: {overlaps}",
-            "| arm | step ms | speed-up | max alloc MiB (rank 0) |",
-            "|---|---:|---:|---:|",
+            "| arm | step ms | speed-up | max alloc MiB (rank 0) | pending-free peak MiB | profiled step: wall ms / GPU compute busy ms |",
+            "|---|---:|---:|---:|---:|---:|",
         ]
         for k in arms:
-            rows.append(f"| {k} | {med[k]:.1f} | {med['no handler'] / med[k]:.3f} | {peaks[k] / 2**20:.0f} |")
+            prof_col = f"{wall[k]:.1f} / {busy[k]:.1f}" if k in wall else "-"
+            rows.append(f"| {k} | {med[k]:.1f} | {med['no handler'] / med[k]:.3f} | {peaks[k] / 2**20:.0f} | {pending[k] / 2**20:.0f} | {prof_col} |")
         print("\n".join(rows))
+        for k, top in cpu_top.items():
+            print(f"{k}: top self-CPU ops (ms): {top}")
         if a.out:
             with open(os.path.join(a.out, "pipeline_ab.json"), "w") as f:
-                json.dump({"config": a.config, "times_ms": times, "median_ms": med, "parity": eq, "peak_alloc": peaks, "overlaps": overlaps}, f, indent=1)
+                json.dump({"config": a.config, "times_ms": times, "median_ms": med, "parity": eq, "peak_alloc": peaks, "overlaps": overlaps,
+                           "pending_free_peak": pending, "profiled_wall_ms": wall, "gpu_compute_busy_ms": busy, "cpu_top": cpu_top}, f, indent=1)
     dist.destroy_process_group()
 
 
