@@ -55,8 +55,6 @@ class MicrobatchState:
 
     index: int
     saved: dict[str, Any] = field(default_factory=dict)
-    #: Backward parts (dI, dW) of a node still to run, once the first has run.
-    parts_left: dict[str, int] = field(default_factory=dict)
     loss: Optional[torch.Tensor] = None
 
 
@@ -154,7 +152,8 @@ class Chunk:
         return table
 
     def _backward_nodes(self) -> list[dict]:
-        table = []
+        table: list[dict] = []
+        self._backward_control: list[list[str]] = []
         for n in reversed(self.nodes):
             grads = self._grads_into(n)
             if not grads:
@@ -168,7 +167,10 @@ class Chunk:
             if partials:
                 table.append({"name": f"B.{n.name}", "source": "B", "kind": "compute", "inputs": grads, "outputs": partials})
             if n.params:
-                # dW reads what dI reads, so dI's live-ins stay until dW has run.
+                # dW reads what dI reads, so dI's live-ins stay until dW has run; it runs
+                # after dI (a control edge), from the gradients dI computed.
+                if partials:
+                    self._backward_control.append([f"B.{n.name}", f"B.{n.name}.dw"])
                 table.append(
                     {"name": f"B.{n.name}.dw", "source": "B", "kind": "compute", "wgrad": True, "inputs": grads, "outputs": [f"B.w.{n.name}"]}
                 )
@@ -241,26 +243,28 @@ class Chunk:
             fns[f"B.{n.name}"] = comm_b
             return fns
         has_dw = bool(n.params)
-        parts = int(bool(n.grad_inputs)) + int(has_dw)
-
-        def saved_for_part(st: MicrobatchState) -> tuple:
-            """The node's saved graph; the last of its dI/dW parts (either order: the
-            scheduler may run dW first) frees it."""
-            left = st.parts_left.pop(n.name, parts) - 1
-            if left:
-                st.parts_left[n.name] = left
-                return st.saved[n.name], True
-            return st.saved.pop(n.name), False
+        params = list(n.params)
 
         def d_input(*grads: torch.Tensor) -> Any:
-            (leaves, outs), retain = saved_for_part(ctx.bwd)
-            res = torch.autograd.grad(outs, leaves, summed(grads), retain_graph=retain, allow_unused=True)
+            st = ctx.bwd
+            leaves, outs = st.saved[n.name] if has_dw else st.saved.pop(n.name)
+            g = summed(grads)
+            if not has_dw:
+                res = torch.autograd.grad(outs, leaves, g, allow_unused=True)
+            else:
+                # dW follows (a control edge orders it): split where the weights join the
+                # input's graph, so dW reuses the gradients computed here instead of redoing them.
+                split = _WeightSplit(outs, leaves, params)
+                res = split.input_grads(g)
+                st.saved[n.name] = split
             return tuple(torch.zeros_like(leaf) if r is None else r for r, leaf in zip(res, leaves))
 
         def weight_grads(st: MicrobatchState, grads: Sequence[torch.Tensor]) -> None:
-            (_, outs), retain = saved_for_part(st)
-            params = list(n.params)
-            res = torch.autograd.grad(outs, params, summed(grads), retain_graph=retain, allow_unused=True)
+            saved = st.saved.pop(n.name)
+            if isinstance(saved, _WeightSplit):
+                res = saved.weight_grads()
+            else:  # no dI part (no input takes a gradient): the whole backward is dW
+                res = torch.autograd.grad(saved[1], params, summed(grads), allow_unused=True)
             for p, r in zip(params, res):
                 if r is None:
                     continue
@@ -324,16 +328,20 @@ class Chunk:
 
 def _pair_graph(fchunk: Optional[Chunk], bchunk: Optional[Chunk]) -> dict:
     """The graph table of F of `fchunk` multiplexed with B of `bchunk` (either may be None)."""
-    sources, nodes, inputs = [], [], []
+    sources, nodes, inputs, control = [], [], [], []
     if bchunk is not None:
         sources.append({"name": "B", "phase": "B"})
         nodes += bchunk._backward_table
+        control += bchunk._backward_control
         inputs.append(f"B.g.{bchunk.loss_output}")
     if fchunk is not None:
         sources.append({"name": "F", "phase": "F"})
         nodes += fchunk._forward_table
         inputs += [f"F.{v}" for v in fchunk.inputs]
-    return {"sources": sources, "inputs": inputs, "nodes": nodes}
+    g = {"sources": sources, "inputs": inputs, "nodes": nodes}
+    if control:
+        g["control"] = control
+    return g
 
 
 def _order_schedule(g: dict, order: str) -> dict:
@@ -413,6 +421,78 @@ def run_pair(
     finally:
         for c in touched:
             c.ctx.fwd = c.ctx.bwd = None
+
+
+class _WeightSplit:
+    """A node's backward split into dI now and dW later, as torch.distributed.pipelining's
+    stage_backward_input / stage_backward_weight split a stage: hooks on the autograd nodes
+    where the weights join the inputs' graph keep the gradients dI computes there, and dW
+    starts from them (so dW does only the weight-gradient work). Weights whose graph never
+    joins the inputs' (none in the embedded model) get theirs from the outputs at dW."""
+
+    def __init__(self, outs: Sequence[torch.Tensor], leaves: Sequence[torch.Tensor], params: Sequence[torch.nn.Parameter]) -> None:
+        from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, construct_reverse_graph, get_param_groups
+
+        self.outs, self.leaves, self.params = list(outs), list(leaves), list(params)
+        with torch.enable_grad():  # leaves' grad accumulators are found through a view
+            out_fns = [f for f in map(_get_grad_fn_or_grad_acc, self.outs) if f is not None]
+            leaf_fns = [f for f in map(_get_grad_fn_or_grad_acc, self.leaves) if f is not None]
+            self.acc = {}
+            for i, p in enumerate(self.params):
+                f = _get_grad_fn_or_grad_acc(p)
+                if f is not None:
+                    self.acc[f] = i
+            self.groups = get_param_groups(leaf_fns, list(self.acc), construct_reverse_graph(out_fns))
+            covered = set().union(*(grp["params"] for grp in self.groups)) if self.groups else set()
+            self.rest = [i for f, i in self.acc.items() if f not in covered]
+        self.grads: Optional[list[torch.Tensor]] = None
+
+    def input_grads(self, grads: list[torch.Tensor]) -> tuple:
+        handles = []
+        for grp in self.groups:
+            grp["intermediates"] = list(grp["intermediates"])
+            grp["grads"] = [None] * len(grp["intermediates"])
+            for i, node in enumerate(grp["intermediates"]):
+
+                def hook(grad_inputs: tuple, grp: dict = grp, i: int = i) -> None:
+                    grp["grads"][i] = grad_inputs
+
+                handles.append(node.register_prehook(hook))
+        try:
+            res = torch.autograd.grad(self.outs, self.leaves, grads, retain_graph=True, allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
+        if self.rest:
+            self.grads = grads
+        return res
+
+    def weight_grads(self) -> list[Optional[torch.Tensor]]:
+        from torch.autograd.graph import GradientEdge
+
+        res: list[Optional[torch.Tensor]] = [None] * len(self.params)
+        for grp in self.groups:
+            edges, gouts = [], []
+            for grads_tuple, node in zip(grp["grads"], grp["intermediates"]):
+                present = [g for g in (grads_tuple or ()) if g is not None]
+                if present:
+                    total = present[0]
+                    for extra in present[1:]:
+                        total = total + extra
+                    edges.append(GradientEdge(node, 0))
+                    gouts.append(total)
+            if not edges:
+                continue
+            accs = list(grp["params"])
+            dws = torch.autograd.grad(edges, tuple(GradientEdge(a, 0) for a in accs), grad_outputs=gouts, retain_graph=True)
+            for a, dw in zip(accs, dws):
+                res[self.acc[a]] = dw
+        if self.rest:
+            dws = torch.autograd.grad(self.outs, [self.params[i] for i in self.rest], self.grads, allow_unused=True)
+            for i, dw in zip(self.rest, dws):
+                res[i] = dw
+        self.groups, self.outs, self.grads = [], [], None
+        return res
 
 
 def combined_step(
