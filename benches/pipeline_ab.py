@@ -136,6 +136,7 @@ def main() -> None:
     busy: dict[str, float] = {}
     wall: dict[str, float] = {}
     cpu_top: dict[str, list] = {}
+    kern: dict[str, list] = {}
     for name, (mods, sched) in arms.items():
         peak = [0]
         fmap = sched._comp_type_to_function_map if hasattr(sched, "_comp_type_to_function_map") else {}
@@ -167,6 +168,9 @@ def main() -> None:
                 torch.cuda.synchronize()
                 wall[name] = (time.perf_counter() - t0) * 1e3
             busy[name] = compute_busy_ms(prof)
+            from sched_lifetime.train import top_kernels
+
+            kern[name] = top_kernels(prof, 10)
             cpu_top[name] = [(e.key[:40], round(e.self_cpu_time_total / 1e3, 1)) for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:6]]
     if cuda:
         # Host syncs in our path (each synchronizing call site warns once, with its location).
@@ -202,10 +206,12 @@ def main() -> None:
         print("\n".join(rows))
         for k, top in cpu_top.items():
             print(f"{k}: top self-CPU ops (ms): {top}")
+        for k, top in kern.items():
+            print(f"{k}: top kernels (ms): {[(n, round(ms, 1)) for n, ms in top]}")
         if a.out:
             with open(os.path.join(a.out, "pipeline_ab.json"), "w") as f:
                 json.dump({"config": a.config, "times_ms": times, "median_ms": med, "parity": eq, "peak_alloc": peaks, "overlaps": overlaps,
-                           "pending_free_peak": pending, "profiled_wall_ms": wall, "gpu_compute_busy_ms": busy, "cpu_top": cpu_top}, f, indent=1)
+                           "pending_free_peak": pending, "profiled_wall_ms": wall, "gpu_compute_busy_ms": busy, "cpu_top": cpu_top, "top_kernels": kern}, f, indent=1)
     dist.destroy_process_group()
 
 
