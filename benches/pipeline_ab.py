@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from sched_lifetime.ep import AllToAll
 from sched_lifetime.models.moe import CONFIGS, MoEModel, MoEStage, deterministic_sdpa, stage_io, with_overrides
 from sched_lifetime.pipelining import NodeStage, enable_overlap
+from sched_lifetime.train import _is_kernel
 
 CONFIGS_PP = {
     "pp_tiny": with_overrides(CONFIGS["tiny"], layers=4, batch=1),
@@ -42,7 +43,7 @@ def compute_busy_ms(prof) -> float:
     iv = sorted(
         (e.time_range.start, e.time_range.end)
         for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" not in e.name.lower()
+        if _is_kernel(e) and "nccl" not in e.name.lower()
     )
     busy, cur = 0.0, None
     for s, t in iv:

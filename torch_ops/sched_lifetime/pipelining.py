@@ -180,9 +180,11 @@ class NodeStage(nn.Module):
                 loss1.backward()
                 loss1.detach_()
             else:
-                outs = [o for o in outputs1 or () if o.requires_grad]
-                grads = [g for o, g in zip(outputs1 or (), output_grads1 or ()) if o.requires_grad]
-                torch.autograd.backward(outs, grad_tensors=grads)
+                outs = tuple(o for o in outputs1 or () if o.requires_grad)
+                grads = tuple(g for o, g in zip(outputs1 or (), output_grads1 or ()) if o.requires_grad)
+                # DualPipe frees sent outputs' data (Megatron's deallocation), so call the engine
+                # directly: torch.autograd.backward would reject the emptied shapes.
+                torch.autograd.Variable._execution_engine.run_backward(outs, grads, False, False, (), True, True)
 
         outputs0 = overlapped(module0, tuple(inputs0), backward)
         outputs0 = [outputs0] if isinstance(outputs0, torch.Tensor) else list(outputs0)

@@ -48,11 +48,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _is_kernel(e: Any) -> bool:
+    """A GPU kernel or copy of a profile, not a user annotation (record_function ranges, such
+    as the executor's node labels or c10d's `nccl:*`, also appear on the GPU timeline)."""
+    return e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+
+
 def exposed_comm_us(prof: Any) -> tuple[float, float]:
     """(exposed, total) NCCL kernel time in us from a profiler's CUDA kernel events."""
     comm, comp = [], []
     for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
+        if not _is_kernel(e):
             continue
         start = e.time_range.start
         end = e.time_range.end
@@ -84,7 +90,7 @@ def top_kernels(prof: Any, n: int = 8) -> list:
     """The `n` kernels with the most GPU time in a profile: [(name, ms)]."""
     agg: dict[str, float] = {}
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+        if _is_kernel(e):
             agg[e.name[:70]] = agg.get(e.name[:70], 0.0) + (e.time_range.end - e.time_range.start) / 1e3
     return sorted(agg.items(), key=lambda kv: -kv[1])[:n]
 
