@@ -7,6 +7,7 @@
 from ._ops import INFO, LIBRARY, STATS_FIELDS, ops
 from .lifetime import ACTIONS, LifetimeManager, current_stream
 from .executor import Executor, SideStreams
+from .compile import backend as compile_backend  # registers torch.compile(backend="sched_lifetime")
 from .paging import Pager, page_plan
 from .schedule import lower, schedule, schedule_order, simulate_schedule, validate
 from .sim import compare, scenario_graph, scenario_program, simulate
@@ -21,6 +22,7 @@ __all__ = [
     "STATS_FIELDS",
     "SideStreams",
     "compare",
+    "compile_backend",
     "current_stream",
     "ops",
     "page_plan",

@@ -113,6 +113,37 @@ class AllToAll:
         return out
 
 
+class FunctionalAllToAll:
+    """The same transport through `torch.distributed._functional_collectives` (autograd-aware
+    `all_to_all_single` + `wait_tensor`): what torch.compile traces, so the compile backend
+    sees each dispatch/combine as a launch and its wait. Eager use waits at once."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group if group is not None else dist.group.WORLD
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+
+    def all_to_all(
+        self,
+        x: torch.Tensor,
+        out_rows: int,
+        out_splits: Optional[Sequence[int]],
+        in_splits: Optional[Sequence[int]],
+        alloc_stream: Optional[torch.Stream] = None,
+    ) -> torch.Tensor:
+        import torch.distributed._functional_collectives as funcol
+
+        out = funcol.all_to_all_single_autograd(
+            x.contiguous(), None if out_splits is None else list(out_splits), None if in_splits is None else list(in_splits), self.group
+        )
+        return funcol.wait_tensor(out)
+
+    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.wait_tensor(funcol.all_to_all_single(counts.contiguous(), None, None, self.group))
+
+
 def digest(*parts: Any) -> str:
     """A stable digest of JSON-able parts (graph tables, budgets, configs)."""
     h = hashlib.sha256()

@@ -1,0 +1,260 @@
+"""torch.compile backend "sched_lifetime" (wiring only: the order comes from Rust's scheduler).
+
+    model = torch.compile(model, backend="sched_lifetime", options={"explain": True})
+
+AOTAutograd gives a forward and a backward FX graph (no Inductor). Each graph becomes an IR
+table (`to_ir`): call nodes are compute nodes; functional collectives (`_c10d_functional.*`)
+are comm launches and their `wait_tensor` the matching wait; views and `getitem` are noops;
+ops that write an input give mutation edges; `node.meta["custom"]` (as
+`torch.fx.traceback.annotate` writes it) can name a node's source (`"sched_lifetime_source"`)
+and mark EP regions (`"ep": "dispatch" | "combine"` with a `"layer"`); RNG and other
+side-effecting ops keep their relative order (control edges), so results stay bit-exact. Rust schedules the
+table and the graph is rebuilt in that order (`rewrite`): launches as early and waits as late
+as the policy and the launch budget allow. The result is a plain GraphModule.
+
+Streams: a functional collective is issued on the caller's stream and runs on its process
+group's own (high-priority, for `ep.new_ep_group`) NCCL stream; c10d holds its inputs until
+`wait_tensor`, so no cross-stream value is left for the lifetime manager in these graphs, and
+none of its calls is inserted. Not yet: nodes on our own side streams (page nodes), the paging
+and CUDA-graph options (they raise), and multiplexing a forward with another microbatch's
+backward into one module.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+
+from .schedule import format_explain, schedule
+
+#: Options and their defaults; anything else is an error listing these.
+OPTIONS: dict[str, Any] = {
+    "overlap": True,  # schedule the graph (False: keep AOTAutograd's order)
+    "explain": False,  # print each graph's schedule and what each launch ran under
+    "ep_budget": None,  # launches in flight (None: SCHED_LIFETIME_EP_LAUNCH_BUDGET, else 2)
+    "lifetime": "scheduled",  # cross-stream lifetime; compiled graphs have no side-stream values yet
+    "paging": False,  # activation paging (not in the compile path yet)
+    "cudagraphs": False,  # capture the compiled graphs (not in the compile path yet)
+}
+
+_COLLECTIVES = "_c10d_functional"
+
+#: The last compiled graphs (phase, IR, schedule, GraphModule), newest last: for tests and
+#: for looking at what the backend did.
+history: list[dict] = []
+_SOURCE_KEY = "sched_lifetime_source"
+
+
+def check_options(options: Optional[dict]) -> dict:
+    """The options with defaults filled in; ValueError on an unknown name or a bad value."""
+    opts = dict(OPTIONS)
+    for k, v in (options or {}).items():
+        if k not in OPTIONS:
+            raise ValueError(f"sched_lifetime backend: unknown option {k!r}; valid options: {sorted(OPTIONS)}")
+        opts[k] = v
+    for k in ("overlap", "explain", "paging", "cudagraphs"):
+        if not isinstance(opts[k], bool):
+            raise ValueError(f"sched_lifetime backend: option {k!r} must be a bool, got {opts[k]!r}")
+    if opts["lifetime"] not in ("scheduled", "record_stream"):
+        raise ValueError(f"sched_lifetime backend: option 'lifetime' must be 'scheduled' or 'record_stream', got {opts['lifetime']!r}")
+    if opts["paging"]:
+        raise ValueError("sched_lifetime backend: paging=True is not available in the compile path yet (use sl.Pager around eager steps)")
+    if opts["cudagraphs"]:
+        raise ValueError("sched_lifetime backend: cudagraphs=True is not available in the compile path yet")
+    return opts
+
+
+def backend(gm: fx.GraphModule, example_inputs: list, options: Optional[dict] = None) -> Callable:
+    """The torch.compile backend (registered as "sched_lifetime")."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import default_partition
+
+    opts = check_options(options)
+
+    def compiler(phase: str) -> Callable:
+        def compile_graph(g: fx.GraphModule, inputs: list) -> Callable:
+            return make_boxed_func(compile_fx_graph(g, phase, opts))
+
+        return compile_graph
+
+    return aot_autograd(fw_compiler=compiler("fwd"), bw_compiler=compiler("bwd"), inference_compiler=compiler("fwd"), partition_fn=default_partition)(
+        gm, example_inputs
+    )
+
+
+def compile_fx_graph(gm: fx.GraphModule, phase: str, opts: dict) -> fx.GraphModule:
+    """One AOT graph: IR, Rust's order, the rebuilt GraphModule (`gm.sched_lifetime` holds
+    the IR and the schedule)."""
+    table = to_ir(gm, phase)
+    result = None
+    if opts["overlap"]:
+        result = schedule(table, ep_budget=opts["ep_budget"], explain=opts["explain"])
+        order = list(result["order"])
+    else:
+        order = [n["name"] for n in table["nodes"]]
+    out = rewrite(gm, order)
+    out.sched_lifetime = {"ir": table, "schedule": result, "phase": phase, "order": order}
+    history.append({**out.sched_lifetime, "module": out})
+    del history[:-64]
+    if opts["explain"]:
+        launches = sum(1 for n in table["nodes"] if n["kind"] == "comm_launch")
+        print(f"[sched_lifetime] {phase} graph: {len(table['nodes'])} nodes, {launches} comm launches")
+        if result is not None:
+            text = format_explain(result)
+            print(text if text else "  (no launches)")
+    return out
+
+
+def _is_collective(t: Any) -> bool:
+    return isinstance(t, torch._ops.OpOverload) and t.namespace == _COLLECTIVES
+
+
+def _is_wait(t: Any) -> bool:
+    return _is_collective(t) and t.__name__.startswith("wait_tensor")
+
+
+def _is_view(t: Any) -> bool:
+    if t is operator.getitem:
+        return True
+    if not isinstance(t, torch._ops.OpOverload):
+        return False
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in t._schema.returns)
+
+
+def _is_seeded(t: Any) -> bool:
+    """Ops that draw from the RNG: reordering them would change the random numbers."""
+    return isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
+
+
+def _written_args(n: fx.Node) -> list[fx.Node]:
+    t = n.target
+    if not isinstance(t, torch._ops.OpOverload):
+        return []
+    out = []
+    for i, a in enumerate(t._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+            for x in v if isinstance(v, (list, tuple)) else [v]:
+                if isinstance(x, fx.Node):
+                    out.append(x)
+    return out
+
+
+def _inputs(n: fx.Node) -> list[fx.Node]:
+    seen: list[fx.Node] = []
+    for x in n.all_input_nodes:
+        if x not in seen:
+            seen.append(x)
+    return seen
+
+
+def to_ir(gm: fx.GraphModule, phase: str) -> dict:
+    """The IR table of an AOT graph (see the module docstring). Raises ValueError naming the
+    FX node when the graph breaks a contract: a collective whose result is never waited, a
+    wait of something that is not a collective, an EP dispatch region without its combine."""
+    g = gm.graph
+    src_phase = "F" if phase == "fwd" else "B"
+    default_source = phase
+    sources: dict[str, str] = {default_source: src_phase}
+    inputs: list[str] = []
+    nodes: list[dict] = []
+    value_of: dict[fx.Node, str] = {}  # FX node -> the IR value it reads as
+    waited: set[fx.Node] = set()
+    regions: dict[Any, dict[str, str]] = {}
+    control: list[list[str]] = []
+    last_ordered: Optional[str] = None  # RNG and side-effecting ops keep their order
+    for n in g.nodes:
+        if n.op in ("placeholder", "get_attr"):
+            inputs.append(n.name)
+            value_of[n] = n.name
+            continue
+        if n.op == "output":
+            continue
+        if n.op != "call_function":
+            raise ValueError(f"FX node '{n.name}': op {n.op!r} is not supported by the sched_lifetime backend")
+        custom = n.meta.get("custom") or {}
+        source = str(custom.get(_SOURCE_KEY, default_source))
+        sources.setdefault(source, src_phase)
+        ep = custom.get("ep")
+        if ep is not None:
+            if ep not in ("dispatch", "combine"):
+                raise ValueError(f"FX node '{n.name}': annotation ep={ep!r}, expected 'dispatch' or 'combine'")
+            regions.setdefault(custom.get("layer"), {}).setdefault(ep, n.name)
+        ins = [value_of[x] for x in _inputs(n) if x in value_of]
+        if _is_wait(n.target) and isinstance(n.args[0] if n.args else None, fx.Node) and _is_wait(n.args[0].target):
+            # Waiting again for a waited tensor is a no-op (a user's explicit wait after the
+            # autograd collective's own).
+            nodes.append({"name": n.name, "source": source, "kind": "noop", "inputs": ins, "outputs": [n.name]})
+            value_of[n] = n.name
+            continue
+        if _is_wait(n.target):
+            launch = n.args[0] if n.args else None
+            if not isinstance(launch, fx.Node) or not _is_collective(launch.target) or _is_wait(launch.target):
+                raise ValueError(f"FX node '{n.name}' waits for '{getattr(launch, 'name', launch)}', which is not a functional collective")
+            waited.add(launch)
+            nodes.append({"name": n.name, "source": source, "kind": "comm_wait", "launch": launch.name})
+            value_of[n] = value_of[launch]  # the launch's output, usable from here on
+            continue
+        node: dict[str, Any] = {"name": n.name, "source": source, "inputs": ins, "outputs": [n.name]}
+        if _is_collective(n.target):
+            node["kind"] = "comm_launch"
+            # Allocated by the collective on the caller's (compute) stream at launch.
+            node["outputs"] = [{"value": n.name, "alloc": "consumer"}]
+        elif _is_view(n.target):
+            node["kind"] = "noop"
+        else:
+            node["kind"] = "compute"
+        written = [value_of[x] for x in _written_args(n) if x in value_of]
+        if written:
+            node["mutates"] = written
+        nodes.append(node)
+        value_of[n] = n.name
+        if not _is_collective(n.target) and (_is_seeded(n.target) or n.is_impure()):
+            if last_ordered is not None:
+                control.append([last_ordered, n.name])
+            last_ordered = n.name
+    for n in g.nodes:
+        if n.op == "call_function" and _is_collective(n.target) and not _is_wait(n.target) and n not in waited:
+            raise ValueError(f"FX node '{n.name}' ({n.target}) is a collective whose result is never waited (no wait_tensor)")
+    for layer, kinds in regions.items():
+        if "dispatch" in kinds and "combine" not in kinds:
+            raise ValueError(f"FX node '{kinds['dispatch']}' opens an EP dispatch region (layer {layer!r}) with no combine")
+    table = {"sources": [{"name": s, "phase": p} for s, p in sources.items()], "inputs": inputs, "nodes": nodes}
+    if control:
+        table["control"] = control
+    return table
+
+
+def rewrite(gm: fx.GraphModule, order: list[str]) -> fx.GraphModule:
+    """A new GraphModule with the call nodes in `order` (placeholders first, output last)."""
+    old = {n.name: n for n in gm.graph.nodes}
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "get_attr"):
+            env[n] = graph.node_copy(n, lambda x: env[x])
+    for name in order:
+        n = old[name]
+        env[n] = graph.node_copy(n, lambda x: env[x])
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            graph.node_copy(n, lambda x: env[x])
+    missing = [n.name for n in gm.graph.nodes if n not in env and n.op != "output"]
+    if missing:
+        raise ValueError(f"the schedule's order leaves out FX nodes {missing[:5]}")
+    graph.lint()
+    return fx.GraphModule(gm, graph)
+
+
+def _register() -> None:
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if "sched_lifetime" not in _BACKENDS:
+        register_backend(name="sched_lifetime")(backend)
+
+
+_register()
