@@ -192,9 +192,25 @@ def _moe_worker(rank: int, port: int, out: str) -> None:
                 return [sum(kind[x] == "compute" for x in order[pos[l] : pos[w]]) for l, w in sorted(waits.items())]
 
             moved.append((h["phase"], len(waits), under(orig), under(h["order"])))
+        # A forward graph multiplexed with a backward graph: equal to running them apart,
+        # and each source's transfers run under the other's compute.
+        torch._dynamo.reset()
+        m = MoEModel(cfg, transport=FunctionalAllToAll(), seed=0)
+        run = torch.compile(m, backend="sched_lifetime")
+        fwd, bwd, fargs, bargs = _capture_pair(run, m, [tuple(m.batch(s, 0).values()) for s in range(2)])
+        mux = _check_multiplexed(fwd, bwd, fargs, bargs)
+        kinds = {n["name"]: (n["kind"], n["source"]) for n in mux.sched_lifetime["ir"]["nodes"]}
+        waits = {n["launch"]: n["name"] for n in mux.sched_lifetime["ir"]["nodes"] if n["kind"] == "comm_wait"}
+        order = mux.sched_lifetime["order"]
+        pos = {n: i for i, n in enumerate(order)}
+        cross = sum(
+            1
+            for l, w in waits.items()
+            if any(kinds[x] == ("compute", "B" if kinds[l][1] == "F" else "F") for x in order[pos[l] : pos[w]])
+        )
         orders = [None, None]
-        dist.all_gather_object(orders, [h["order"] for h in graphs])
-        torch.save({"ok": ok, "moved": moved, "same_order": orders[0] == orders[1]}, os.path.join(out, f"rank{rank}.pt"))
+        dist.all_gather_object(orders, [h["order"] for h in graphs] + [order])
+        torch.save({"ok": ok, "moved": moved, "same_order": orders[0] == orders[1], "cross": (cross, len(waits))}, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -208,7 +224,69 @@ def test_moe_model_with_ep_over_two_gloo_ranks(tmp_path):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         assert all(got["ok"].values()), got["ok"]
         assert got["same_order"]  # every rank issues the collectives in the same order
+        cross, launches = got["cross"]
+        assert launches == 8 and cross >= 4, got["cross"]  # transfers under the other source's compute
         for phase, launches, orig, ours in got["moved"]:
             assert launches == 4, (phase, launches)  # 2 MoE layers x dispatch + combine
             assert all(o >= a for o, a in zip(ours, orig)), (phase, orig, ours)
             assert sum(ours) > sum(orig), (phase, orig, ours)  # more compute under the transfers
+
+
+def _capture_pair(run, model, batches):
+    """Compile on the first batch; on the second, record the real arguments of the forward
+    and backward graphs; return (fwd module, bwd module, fwd args, bwd args)."""
+    out = run(*batches[0])
+    (out.sum() if out.dim() else out).backward()
+    fwd, bwd = slc.history[-2]["module"], slc.history[-1]["module"]
+    assert (slc.history[-2]["phase"], slc.history[-1]["phase"]) == ("fwd", "bwd")
+    rec: dict = {}
+
+    def keep(key):
+        def hook(mod, args):
+            rec.setdefault(key, [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args])  # returns None: args unchanged
+
+        return hook
+
+    hooks = [fwd.register_forward_pre_hook(keep("f")), bwd.register_forward_pre_hook(keep("b"))]
+    out = run(*batches[1])
+    (out.sum() if out.dim() else out).backward()
+    for h in hooks:
+        h.remove()
+    return fwd, bwd, rec["f"], rec["b"]
+
+
+def _check_multiplexed(fwd, bwd, fargs, bargs):
+    ref = list(fwd(*fargs)) + list(bwd(*bargs))
+    m = slc.multiplex(fwd, bwd)
+    got = m(*fargs, *bargs)
+    assert len(got) == len(ref)
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert (a is None and b is None) or torch.equal(a, b), f"output {i} differs"
+    return m
+
+
+def test_multiplexed_forward_and_backward_graphs_equal_separate_runs():
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    torch._dynamo.reset()
+    run = torch.compile(model, backend="sched_lifetime")
+    batches = [(torch.randn(8, 16, generator=torch.Generator().manual_seed(s)),) for s in range(2)]
+    m = _check_multiplexed(*_capture_pair(run, model, batches))
+    assert {n["source"] for n in m.sched_lifetime["ir"]["nodes"]} == {"F", "B"}
+
+
+def test_rewritten_graphs_trace_again_with_fake_tensors():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    torch._dynamo.reset()
+    run = torch.compile(model, backend="sched_lifetime")
+    batches = [(torch.randn(4, 16, generator=torch.Generator().manual_seed(s)),) for s in range(2)]
+    fwd, bwd, fargs, bargs = _capture_pair(run, model, batches)
+    mux = slc.multiplex(fwd, bwd)
+    for gm, args in ((fwd, fargs), (bwd, bargs), (mux, fargs + bargs)):
+        traced = make_fx(gm, tracing_mode="fake")(*args)
+        calls = [n for n in traced.graph.nodes if n.op == "call_function"]
+        assert len(calls) >= len([n for n in gm.graph.nodes if n.op == "call_function"]) - 2  # views may fold
