@@ -49,6 +49,24 @@ def test_poison_control_unprotected_free_is_caught(mode):
     assert r["corrupt"] > 0, r
 
 
+def test_rule4_fallback_with_a_lagging_consumer_is_intact():
+    # An unbound tensor retired through the manager takes record_stream; with the consumer
+    # lagging and a poison block allocated at once, nothing is corrupted (the control above,
+    # the same harness with no protection, is).
+    r = _worker("fallback", "")
+    print("fallback", r)
+    assert r["corrupt"] == 0, r
+
+
+def test_rule9_capture_with_a_lagging_consumer_is_intact_and_the_control_corrupts():
+    ok = _worker("capture_scheduled", "")
+    bad = _worker("capture_unsafe", "")
+    print("capture", ok, bad)
+    assert bad["reused"] > 0 and bad["corrupt"] > 0, bad  # the harness can see a missing wait
+    assert ok["reused"] > 0, ok  # the poison took the released block inside the graph, too
+    assert ok["corrupt"] == 0, ok
+
+
 def test_memory_ab_scheduled_beats_record_stream():
     res = ab.run_ab(n=16, mib=64, lag=LAG, steps=3, device="cuda")
     print(ab.format_table(res))
