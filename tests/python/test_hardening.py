@@ -166,16 +166,18 @@ def test_executor_drains_each_plans_own_manager(monkeypatch):
     assert got == want, (got, want)
 
 
-def test_many_training_steps_leak_nothing():
-    """60 steps of the embedded model (tiny, one rank, the node API and the executor with the
-    lifetime manager): after a warm-up, no growth in live managers, tensors held by managers,
-    live Python tensors or process memory."""
+@pytest.mark.parametrize("device,steps", [("cpu", 60), pytest.param("cuda", 1000, marks=pytest.mark.cuda)])
+def test_many_training_steps_leak_nothing(device, steps):
+    """Many steps of the embedded model (tiny, one rank, the node API and the executor with
+    the lifetime manager; 60 on CPU, 1000 on a GPU with real side streams): after a warm-up,
+    no growth in live managers, tensors held by managers, live Python tensors, process memory
+    or GPU memory allocated."""
     import resource
 
     from sched_lifetime.models import CONFIGS, MoEModel
     from sched_lifetime.nodes import train_step
 
-    m = MoEModel(CONFIGS["tiny"])
+    m = MoEModel(CONFIGS["tiny"], device=device)
     ch = m.chunk()
     opt = torch.optim.SGD(m.parameters(), lr=1e-3)
 
@@ -188,12 +190,21 @@ def test_many_training_steps_leak_nothing():
         gc.collect()
         return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
 
+    def gpu() -> int:
+        if device != "cuda":
+            return 0
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+
     for i in range(10):
         step(i)
-    base = (json.loads(ops.live()), tensors(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-    for i in range(10, 70):
+    base = (json.loads(ops.live()), tensors(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, gpu())
+    for i in range(10, 10 + steps):
         step(i)
-    after = (json.loads(ops.live()), tensors(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    after = (json.loads(ops.live()), tensors(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, gpu())
+    print(f"{steps} steps on {device}: live {after[0]}, tensors {base[1]} -> {after[1]}, "
+          f"max RSS +{(after[2] - base[2]) / 1024:.1f} MiB, GPU allocated {base[3]} -> {after[3]} bytes")
     assert after[0] == base[0] == {"managers": 0, "tensors": 0}, (base, after)
     assert after[1] == base[1], f"live tensors {base[1]} -> {after[1]}"
-    assert after[2] - base[2] < 64 * 1024, f"max RSS grew {(after[2] - base[2]) / 1024:.0f} MiB over 60 steps"
+    assert after[2] - base[2] < 64 * 1024, f"max RSS grew {(after[2] - base[2]) / 1024:.0f} MiB over {steps} steps"
+    assert after[3] == base[3], f"GPU allocated {base[3]} -> {after[3]} bytes over {steps} steps"
