@@ -5,6 +5,7 @@
 
 pub mod family;
 pub mod moe;
+pub mod optimum;
 pub mod programs;
 mod rng;
 pub mod sweep;
