@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from sched_lifetime.ep import AllToAll
+from sched_lifetime.ep import AllToAll, FunctionalAllToAll
 from sched_lifetime.models.moe import CONFIGS, MoEModel, MoEStage, stage_io, with_overrides
 from sched_lifetime.nodes import NodeDef
 from sched_lifetime.pipelining import NodeStage, describe, enable_overlap, overlapped
@@ -44,10 +44,13 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, labels.reshape(-1))
 
 
-def _run_arm(kind: str, cfg, stage_ids, n_stages: int, handler: bool, steps: int):
+def _run_arm(kind: str, cfg, stage_ids, n_stages: int, handler: bool, steps: int, pp_group=None, ep_group=None):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
 
-    model = MoEModel(cfg, transport=AllToAll(local=True), seed=0)
+    # With EP, the autograd-aware functional all-to-all: the plain reference module must
+    # differentiate through dispatch and combine (dist.all_to_all_single does not).
+    transport = AllToAll(local=True) if ep_group is None else FunctionalAllToAll(ep_group)
+    model = MoEModel(cfg, transport=transport, seed=0)
     per = len(model.layers) // n_stages
     mods, stages = [], []
     for k in stage_ids:
@@ -55,8 +58,8 @@ def _run_arm(kind: str, cfg, stage_ids, n_stages: int, handler: bool, steps: int
         m = NodeStage(m) if handler else m
         mods.append(m)
         inp, out = stage_io(cfg, k, n_stages)
-        stages.append(PipelineStage(m, k, n_stages, torch.device("cpu"), input_args=inp, output_args=out))
-    if kind == "dualpipev":
+        stages.append(PipelineStage(m, k, n_stages, torch.device("cpu"), input_args=inp, output_args=out, group=pp_group))
+    if kind.startswith("dualpipev"):
         sched = ScheduleDualPipeV(stages, N_MB, loss_fn=_loss)
     elif kind == "interleaved":
         sched = ScheduleInterleaved1F1B(stages, N_MB, loss_fn=_loss)
@@ -67,8 +70,9 @@ def _run_arm(kind: str, cfg, stage_ids, n_stages: int, handler: bool, steps: int
     opt = torch.optim.SGD(params, lr=0.05)
     losses, grads = [], []
     rank = dist.get_rank()
+    ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
     for step in range(steps):
-        g = torch.Generator().manual_seed(100 + step)
+        g = torch.Generator().manual_seed(100 + step + 1000 * ep_rank)  # EP ranks see different tokens
         tok = torch.randint(0, cfg.vocab, (N_MB * cfg.batch, cfg.seq), generator=g)
         lab = torch.randint(0, cfg.vocab, (N_MB * cfg.batch, cfg.seq), generator=g)
         opt.zero_grad(set_to_none=True)
@@ -85,10 +89,22 @@ def _run_arm(kind: str, cfg, stage_ids, n_stages: int, handler: bool, steps: int
 
 def _worker(rank: int, port: int, out: str, kind: str) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    world = 4 if kind == "dualpipev_ep2" else 2
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.use_deterministic_algorithms(True)
     _no_self_p2p()
     try:
+        if kind == "dualpipev_ep2":
+            # PP=2 x EP=2: pipeline rank = rank % 2, EP peers share a pipeline rank.
+            pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+            ep_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+            pp, ep = pp_groups[rank // 2], ep_groups[rank % 2]
+            pr = rank % 2
+            cfg = with_overrides(CONFIGS["tiny"], layers=4, batch=1)
+            ref = _run_arm(kind, cfg, [pr, 3 - pr], 4, False, STEPS, pp, ep)
+            ours = _run_arm(kind, cfg, [pr, 3 - pr], 4, True, STEPS, pp, ep)
+            torch.save({"ref": ref, "ours": ours}, os.path.join(out, f"rank{rank}.pt"))
+            return
         if kind == "1f1b":
             n_stages, ids = 2, [rank]
         elif kind == "dualpipev":
@@ -103,11 +119,12 @@ def _worker(rank: int, port: int, out: str, kind: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["dualpipev", "interleaved", "1f1b"])
+@pytest.mark.parametrize("kind", ["dualpipev", "dualpipev_ep2", "interleaved", "1f1b"])
 def test_pipeline_schedules_bit_exact_with_the_handler(tmp_path, kind):
-    mp.spawn(_worker, args=(_port(), str(tmp_path), kind), nprocs=2, join=True)
+    world = 4 if kind == "dualpipev_ep2" else 2
+    mp.spawn(_worker, args=(_port(), str(tmp_path), kind), nprocs=world, join=True)
     loss_ranks = []
-    for rank in range(2):
+    for rank in range(world):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         (rl, rg, _, _, _), (ol, og, registered, overlaps, _) = got["ref"], got["ours"]
         assert len(rl) == STEPS and len(og) == STEPS
@@ -119,7 +136,7 @@ def test_pipeline_schedules_bit_exact_with_the_handler(tmp_path, kind):
             for i, (x, y) in enumerate(zip(a, b)):
                 assert (x is None) == (y is None), f"rank {rank} step {step} param {i}: grad presence differs"
                 assert x is None or torch.equal(x, y), f"rank {rank} step {step} param {i}: gradients differ"
-        if kind == "dualpipev":
+        if kind.startswith("dualpipev"):
             assert registered is True
             # Overlap really happened on both stages of the rank (a forward ran inside a backward).
             assert all(n > 0 for n in overlaps), overlaps
@@ -129,7 +146,7 @@ def test_pipeline_schedules_bit_exact_with_the_handler(tmp_path, kind):
         if rl[0]:
             loss_ranks.append(rank)
             assert len(rl[0]) == N_MB
-    assert len(loss_ranks) == 1  # the last stage's rank has every microbatch's loss
+    assert len(loss_ranks) == world // 2  # the last stage's rank (per EP rank) has every loss
 
 
 def _two_stage_chunks():
