@@ -163,9 +163,12 @@ def test_graph_breaks_fall_back_to_eager_for_that_region():
     assert len(slc.history) - n0 >= 4  # two regions, each a forward and a backward graph
 
 
-def _moe_worker(rank: int, port: int, out: str) -> None:
+def _moe_worker(rank: int, port: int, out: str, device: str = "cpu") -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=2)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        torch.set_default_device(f"cuda:{rank}")
     torch.use_deterministic_algorithms(True)
     try:
         from sched_lifetime.ep import FunctionalAllToAll
@@ -174,7 +177,7 @@ def _moe_worker(rank: int, port: int, out: str) -> None:
         cfg = with_overrides(CONFIGS["tiny"], capacity_factor=1.0, layers=3, dense_layers=1)
         arms = {}
         for backend, options in ((None, None), ("aot_eager", None), ("sched_lifetime", {}), ("sched_lifetime", {"overlap": False})):
-            m = MoEModel(cfg, transport=FunctionalAllToAll(), seed=0)
+            m = MoEModel(cfg, transport=FunctionalAllToAll(), seed=0, device=device)
             n0 = len(slc.history)
             arms[(backend, str(options))] = _steps(m, lambda step, m=m: tuple(m.batch(step, 0).values()), backend, options)
             if backend == "sched_lifetime" and options == {}:
@@ -195,7 +198,7 @@ def _moe_worker(rank: int, port: int, out: str) -> None:
         # A forward graph multiplexed with a backward graph: equal to running them apart,
         # and each source's transfers run under the other's compute.
         torch._dynamo.reset()
-        m = MoEModel(cfg, transport=FunctionalAllToAll(), seed=0)
+        m = MoEModel(cfg, transport=FunctionalAllToAll(), seed=0, device=device)
         run = torch.compile(m, backend="sched_lifetime")
         fwd, bwd, fargs, bargs = _capture_pair(run, m, [tuple(m.batch(s, 0).values()) for s in range(2)])
         mux = _check_multiplexed(fwd, bwd, fargs, bargs)
@@ -215,11 +218,15 @@ def _moe_worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_moe_model_with_ep_over_two_gloo_ranks(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_moe_model_with_ep_over_two_ranks(tmp_path, device):
+    """gloo on CPU (CI); NCCL on 2 GPUs under the cuda marker."""
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_moe_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_moe_worker, args=(port, str(tmp_path), device), nprocs=2, join=True)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         assert all(got["ok"].values()), got["ok"]
