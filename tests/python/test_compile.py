@@ -168,7 +168,6 @@ def _moe_worker(rank: int, port: int, out: str, device: str = "cpu") -> None:
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=2)
     if device == "cuda":
         torch.cuda.set_device(rank)
-        torch.set_default_device(f"cuda:{rank}")
     torch.use_deterministic_algorithms(True)
     try:
         from sched_lifetime.ep import FunctionalAllToAll
