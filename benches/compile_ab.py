@@ -27,11 +27,50 @@ from sched_lifetime.train import exposed_comm_us
 CFGS = {"tiny": with_overrides(CONFIGS["tiny"], capacity_factor=1.0), "h200": CONFIGS["h200"]}
 
 
+def graph_step_ab(cfg, group, dev, a, rank, sync) -> None:
+    """GraphStep (compiled forward/backward graphs) over N microbatches: multiplexed vs
+    sequential, interleaved steps, medians, parity of the first step's losses and gradients."""
+    from sched_lifetime.compile import GraphStep
+
+    m = MoEModel(cfg, transport=FunctionalAllToAll(group), seed=0, device=dev)
+    gs = GraphStep(m, tuple(m.batch(0, 0).values()))
+    times: dict[str, list] = {"sequential": [], "multiplexed": []}
+    first = {}
+    for step in range(a.steps + 1):
+        mbs = [tuple(m.batch(step, k).values()) for k in range(a.graph_step)]
+        for name in times:
+            for p in m.parameters():
+                p.grad = None
+            sync()
+            dist.barrier()
+            t0 = time.perf_counter()
+            losses = gs.step(mbs, multiplexed=name == "multiplexed")
+            sync()
+            dt = (time.perf_counter() - t0) * 1e3
+            if step == 0:
+                first[name] = ([x.clone() for x in losses], [p.grad.clone() for p in m.parameters()])
+            else:
+                times[name].append(dt)
+    (la, ga), (lb, gb) = first["sequential"], first["multiplexed"]
+    same = all(torch.equal(x, y) for x, y in zip(la, lb)) and all(torch.equal(x, y) for x, y in zip(ga, gb))
+    everyone = [None, None]
+    dist.all_gather_object(everyone, same)
+    if rank == 0:
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(f"GraphStep, EP=2, config {a.config}, {a.graph_step} microbatches, medians of {a.steps} interleaved steps; parity {everyone}")
+        print("| arm | step ms | vs sequential |")
+        print("|---|---:|---:|")
+        for k, v in med.items():
+            print(f"| {k} | {v:.1f} | {med['sequential'] / v:.3f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="h200", choices=sorted(CFGS))
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--graph-step", type=int, default=0, metavar="N",
+                    help="instead: N microbatches per step on compiled graphs, multiplexed F(i+1)+B(i) vs F(i) then B(i)")
     a = ap.parse_args()
     assert "sched_lifetime" in torch._dynamo.list_backends(), sched_lifetime.__version__
     cuda = torch.cuda.is_available()
@@ -51,6 +90,10 @@ def main() -> None:
         m = MoEModel(cfg, transport=FunctionalAllToAll(group), seed=0, device=dev)
         arms[name] = (m, m if backend is None else torch.compile(m, backend=backend))
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if a.graph_step:
+        graph_step_ab(cfg, group, dev, a, rank, sync)
+        dist.destroy_process_group()
+        return
     times: dict[str, list] = {k: [] for k in arms}
     first: dict[str, tuple] = {}
     for step in range(a.steps + 1):
