@@ -86,15 +86,16 @@ def measure(kind: str, batch: int, iters: int, device: torch.device) -> tuple[fl
     """Microseconds per tensor: (bind + retire + acquire, retire + acquire alone)."""
     owner = sl.current_stream(device)
     consumer = torch.cuda.Stream(device) if device.type == "cuda" else owner
-    pool = [[torch.empty(16, device=device) for _ in range(batch)] for _ in range(4)]
     mgr = sl.LifetimeManager("bench") if kind == "ops" else PyManager()
     clock = time.perf_counter
     for warm in (True, False):
         n = max(iters // 10, 5) if warm else iters
+        # Fresh tensors every iteration: a retired tensor cannot be bound again (rule 8).
+        pool = [[torch.empty(16, device=device) for _ in range(batch)] for _ in range(n)]
         t0 = clock()
         part = 0.0
         for i in range(n):
-            ts = pool[i % 4]
+            ts = pool[i]
             mgr.bind(ts, owner)
             t1 = clock()
             mgr.retire(ts, consumer)
@@ -105,6 +106,39 @@ def measure(kind: str, batch: int, iters: int, device: torch.device) -> tuple[fl
         torch.cuda.synchronize()
     per = 1e6 / (iters * batch)
     return dt * per, part * per
+
+
+def pattern(kind: str, batch: int, iters: int, device: torch.device) -> float:
+    """Microseconds per tensor in the eager pattern (Megatron's): tensors produced one at a
+    time, then retired together and acquired. `bind_each`: a bind per tensor as produced, then
+    one retire + one acquire; `retire_owned`: no binds, one retire that names the owner, then
+    one acquire; `record_stream`: one record_stream per tensor (CUDA only)."""
+    owner = sl.current_stream(device)
+    consumer = torch.cuda.Stream(device) if device.type == "cuda" else owner
+    mgr = sl.LifetimeManager("pattern")
+    clock = time.perf_counter
+    for warm in (True, False):
+        n = max(iters // 10, 5) if warm else iters
+        pool = [[torch.empty(16, device=device) for _ in range(batch)] for _ in range(n)]
+        t0 = clock()
+        for i in range(n):
+            ts = pool[i]
+            if kind == "bind_each":
+                for t in ts:
+                    mgr.bind(t, owner)
+                mgr.retire(ts, consumer)
+                mgr.acquire(owner)
+            elif kind == "retire_owned":
+                mgr.retire(ts, consumer, owner_stream=owner)
+                mgr.acquire(owner)
+            else:
+                for t in ts:
+                    t.record_stream(consumer)
+        dt = clock() - t0
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    mgr.finalize()
+    return dt * 1e6 / (iters * batch)
 
 
 def main() -> None:
@@ -125,9 +159,18 @@ def main() -> None:
         rows.append({"batch": batch, "ops_us": ops_us, "python_us": py_us, "ops_retire_acquire_us": ops_ra,
                      "python_retire_acquire_us": py_ra})
         print(f"{batch:>6}{ops_us:>12.2f}{py_us:>14.2f}{ops_us / py_us:>12.2f}{ops_ra:>12.2f}{py_ra:>14.2f}{ops_ra / py_ra:>12.2f}")
+    print(f"\neager pattern on {device} (tensors produced one at a time, retired together), us per tensor")
+    kinds = ["bind_each", "retire_owned"] + (["record_stream"] if device.type == "cuda" else [])
+    print(f"{'batch':>6}" + "".join(f"{k:>16}" for k in kinds))
+    prow = []
+    for batch in (1, 8, 64):
+        iters = max(args.iters // batch, 50)
+        got = {k: pattern(k, batch, iters, device) for k in kinds}
+        prow.append({"batch": batch, **got})
+        print(f"{batch:>6}" + "".join(f"{got[k]:>16.2f}" for k in kinds))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": str(device), "rows": rows}, f, indent=1)
+            json.dump({"device": str(device), "rows": rows, "pattern": prow}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,11 @@ void op_retire(int64_t mgr, at::TensorList tensors, c10::Stream consumer, int64_
   guarded([&] { sl_retire(static_cast<uint64_t>(mgr), list, to_key(consumer), action); });
 }
 
+void op_retire_owned(int64_t mgr, at::TensorList tensors, c10::Stream owner, c10::Stream consumer, int64_t action) {
+  TensorList list{tensors};
+  guarded([&] { sl_retire_owned(static_cast<uint64_t>(mgr), list, to_key(owner), to_key(consumer), action); });
+}
+
 void op_passthrough(int64_t mgr, at::TensorList tensors) {
   TensorList list{tensors};
   guarded([&] { sl_passthrough(static_cast<uint64_t>(mgr), list); });
@@ -211,6 +216,7 @@ TORCH_LIBRARY(sched_lifetime, m) {
   // Ops on tensors: a real kernel for every backend, fakes registered from Python.
   m.def("bind(int mgr, Tensor[] tensors, Stream owner) -> ()");
   m.def("retire(int mgr, Tensor(a!)[] tensors, Stream consumer, int action) -> ()");
+  m.def("retire_owned(int mgr, Tensor(a!)[] tensors, Stream owner, Stream consumer, int action) -> ()");
   m.def("passthrough(int mgr, Tensor[] tensors) -> ()");
 }
 
@@ -218,5 +224,6 @@ TORCH_LIBRARY_IMPL(sched_lifetime, CompositeExplicitAutograd, m) {
   using namespace sched_lifetime;
   m.impl("bind", &op_bind);
   m.impl("retire", &op_retire);
+  m.impl("retire_owned", &op_retire_owned);
   m.impl("passthrough", &op_passthrough);
 }

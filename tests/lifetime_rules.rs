@@ -410,3 +410,33 @@ fn rule1_acquire_drains_only_the_acquiring_owners_queue() {
     assert_eq!(m.acquire(&mut rt, C).unwrap(), 1);
     assert_eq!(m.stats().pending_bytes, 0);
 }
+
+/// `retire_owned` (bind + retire in one call, the eager hot path) keeps rules 1 and 2 exactly
+/// as bind-then-retire does, and every check of both runs before any change.
+#[test]
+fn retire_owned_is_bind_then_retire_and_checks_first() {
+    // Cross-stream: parked until the owner's acquire, wait before release (rule 1).
+    let (mut m, mut rt) = mgr();
+    let x = t(1);
+    m.retire_owned(&mut rt, &[x], A, B, Action::EmptyStorage, |i| [x][i].tensor).unwrap();
+    assert!(!rt.ops.iter().any(|o| matches!(o, Op::Release(..))), "released before the owner's acquire");
+    assert_eq!(m.acquire(&mut rt, A).unwrap(), 1);
+    assert_waits_before_releases(&rt.ops, 1, A, B, 0);
+    let s = m.stats();
+    assert_eq!((s.bound, s.fallback_record_stream), (1, 0));
+    // Same stream: released at once (rule 2), no event.
+    let (mut m, mut rt) = mgr();
+    m.retire_owned(&mut rt, &[t(2)], A, A, Action::DropReference, |_| 2).unwrap();
+    assert_eq!(rt.ops, vec![Op::Release(2, Action::DropReference)]);
+    // Checks first: an alias in the call, or a binding to another owner, changes nothing.
+    let (mut m, mut rt) = mgr();
+    let mut v = t(4);
+    v.storage = t(3).storage;
+    let e = m.retire_owned(&mut rt, &[t(3), v], A, B, Action::EmptyStorage, |i| 3 + i as u64).unwrap_err();
+    assert!(e.to_string().contains("alias one storage"), "{e}");
+    bind(&mut m, &[t(5)], C);
+    let e = m.retire_owned(&mut rt, &[t(6), t(5)], A, B, Action::EmptyStorage, |i| 6 - i as u64).unwrap_err();
+    assert!(e.to_string().contains("already bound to"), "{e}");
+    assert_eq!(m.stats().bound, 1, "a failed retire_owned bound nothing");
+    assert!(rt.ops.is_empty());
+}

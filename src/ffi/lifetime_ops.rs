@@ -1,5 +1,5 @@
 //! The lifetime manager's ops (typed: `Tensor[]` and `Stream` arguments, so they trace and
-//! capture): create, bind, retire, passthrough, acquire, finalize, stats, destroy.
+//! capture): create, bind, retire, retire_owned, passthrough, acquire, finalize, stats, destroy.
 
 use super::bridge::ffi::{self, StreamKey, TensorList};
 use super::registry::enter;
@@ -22,6 +22,13 @@ pub(super) fn sl_retire(mgr: u64, tensors: &TensorList, consumer: StreamKey, act
     enter(|reg| {
         let action = Action::from_code(action)?;
         reg.get(mgr)?.retire(&mut TorchRuntime, &keys(tensors), consumer.into(), action, |i| ffi::list_take(tensors, i))
+    })
+}
+
+pub(super) fn sl_retire_owned(mgr: u64, tensors: &TensorList, owner: StreamKey, consumer: StreamKey, action: i64) -> Ret<()> {
+    enter(|reg| {
+        let action = Action::from_code(action)?;
+        reg.get(mgr)?.retire_owned(&mut TorchRuntime, &keys(tensors), owner.into(), consumer.into(), action, |i| ffi::list_take(tensors, i))
     })
 }
 

@@ -303,6 +303,36 @@ impl<P, E> Manager<P, E> {
         Ok(())
     }
 
+    /// `bind` to `owner`, then `retire` on `consumer`, in one call: the eager hot path, for a
+    /// caller that knows the owner stream when it retires (one call instead of a bind per
+    /// tensor as it is produced plus a retire). Every check of both runs before any change.
+    pub fn retire_owned<R: Runtime<Payload = P, Event = E>>(
+        &mut self,
+        rt: &mut R,
+        tensors: &[TensorKey],
+        owner: StreamId,
+        consumer: StreamId,
+        action: Action,
+        mut take: impl FnMut(usize) -> P,
+    ) -> Result<()> {
+        self.check_open()?;
+        self.check_distinct("retire", tensors, true)?;
+        for (i, t) in tensors.iter().enumerate() {
+            self.check_tensor("retire", "owner", i, t, owner)?;
+            self.check_tensor("retire", "consumer", i, t, consumer)?;
+            if let Some(b) = self.bindings.get(&t.tensor) {
+                if b.owner != owner {
+                    return Err(Error::Protocol(format!(
+                        "plan '{}': retire: tensor {i} is already bound to {}, not {owner}",
+                        self.name, b.owner
+                    )));
+                }
+            }
+        }
+        self.bind(tensors, owner, &mut take)?;
+        self.retire(rt, tensors, consumer, action, take)
+    }
+
     fn record_plan_event<R: Runtime<Payload = P, Event = E>>(&mut self, rt: &mut R, consumer: StreamId) -> Result<()> {
         let slot = match self.events.iter().position(|(s, _)| *s == consumer) {
             Some(i) => i,

@@ -213,6 +213,8 @@ def test_opcheck_passes():
     torch.library.opcheck(ops.passthrough.default, (m.handle, [x, y]))
     # Unbound + preserve: the fallback path, repeatable as opcheck needs.
     torch.library.opcheck(ops.retire.default, (m.handle, [y], CPU, 2), test_utils=STREAM_OPCHECK)
+    # Same stream + preserve: bound and released at once, repeatable too.
+    torch.library.opcheck(ops.retire_owned.default, (m.handle, [y], CPU, CPU, 2), test_utils=STREAM_OPCHECK)
     assert m.stats()["bound"] >= 1  # opcheck runs the kernel on copies too
 
 
@@ -225,3 +227,18 @@ def test_ops_trace_under_fake_tensors():
         ops.bind(m.handle, [x], CPU)
         ops.retire(m.handle, [x], CPU, 0)
     assert m.stats()["bound"] == 0, "fake kernels must not reach the manager"
+
+
+def test_retire_with_owner_binds_in_the_same_call():
+    m = sl.LifetimeManager("owned")
+    xs = [torch.ones(8) for _ in range(3)]
+    m.retire(xs, CPU, "empty_storage", owner_stream=CPU)
+    s = m.stats()
+    assert (s["bound"], s["immediate"], s["fallback_record_stream"]) == (3, 3, 0)
+    assert all(x.untyped_storage().nbytes() == 0 for x in xs)
+    before = m.stats()
+    y = torch.ones(4)
+    with pytest.raises(RuntimeError, match="alias one storage"):
+        m.retire([y, y.view(2, 2)], CPU, owner_stream=CPU)
+    assert m.stats() == before  # nothing bound by the failed call
+    m.finalize()

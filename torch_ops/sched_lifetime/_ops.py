@@ -43,11 +43,11 @@ def _no_output(*args: object) -> None:
     return None
 
 
-for _name in ("bind", "retire", "passthrough"):
+for _name in ("bind", "retire", "retire_owned", "passthrough"):
     torch.library.register_fake(f"sched_lifetime::{_name}")(_no_output)
 
 # None of the ops returns what it does: keep FX from dead-code-eliminating them.
-for _name in ("create", "bind", "retire", "passthrough", "acquire", "finalize", "destroy"):
+for _name in ("create", "bind", "retire", "retire_owned", "passthrough", "acquire", "finalize", "destroy"):
     torch.fx.node.has_side_effect(getattr(ops, _name).default)
 
 # torch 2.11's FX schema-to-signature table (used by opcheck's schema test and by FX

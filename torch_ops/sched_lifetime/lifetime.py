@@ -15,6 +15,7 @@ from ._ops import INFO, STATS_FIELDS, ops
 
 # Resolved overloads: calling them skips the packet's overload lookup (~0.8 us a call).
 _bind, _retire, _passthrough = ops.bind.default, ops.retire.default, ops.passthrough.default
+_retire_owned = ops.retire_owned.default
 _acquire, _finalize, _stats = ops.acquire.default, ops.finalize.default, ops.stats.default
 
 #: Action names accepted by `retire`, with their integer codes across the FFI (from Rust).
@@ -90,14 +91,21 @@ class LifetimeManager:
         tensors: Tensors,
         consumer_stream: Optional[torch.Stream] = None,
         action: Optional[str] = None,
+        owner_stream: Optional[torch.Stream] = None,
     ) -> None:
         """The consumer on `consumer_stream` (default: current) has queued its last use.
-        `action` defaults to Rust's default (`INFO["default_action"]`, emptying the storage)."""
+        `action` defaults to Rust's default (`INFO["default_action"]`, emptying the storage).
+        `owner_stream`: bind the tensors to it in the same call (the eager hot path: no
+        separate bind per tensor as it is produced)."""
         code = ACTIONS.get(INFO["default_action"] if action is None else action)
         if code is None:
             raise ValueError(f"retire: unknown action {action!r}; expected one of {sorted(ACTIONS)}")
         ts = _tensor_list(tensors, "retire")
-        _retire(self.handle, ts, _stream(consumer_stream, ts, "consumer_stream"), code)
+        consumer = _stream(consumer_stream, ts, "consumer_stream")
+        if owner_stream is None:
+            _retire(self.handle, ts, consumer, code)
+        else:
+            _retire_owned(self.handle, ts, _stream(owner_stream, ts, "owner_stream"), consumer, code)
 
     def acquire(self, stream: Optional[torch.Stream] = None, event: Optional[torch.Event] = None) -> int:
         """Before the next node on `stream`: wait on the plan event, then release the tensors
