@@ -317,17 +317,9 @@ impl<P, E> Manager<P, E> {
     ) -> Result<()> {
         self.check_open()?;
         self.check_distinct("retire", tensors, true)?;
+        // Retire's own checks, before bind changes anything (bind checks its own first).
         for (i, t) in tensors.iter().enumerate() {
-            self.check_tensor("retire", "owner", i, t, owner)?;
             self.check_tensor("retire", "consumer", i, t, consumer)?;
-            if let Some(b) = self.bindings.get(&t.tensor) {
-                if b.owner != owner {
-                    return Err(Error::Protocol(format!(
-                        "plan '{}': retire: tensor {i} is already bound to {}, not {owner}",
-                        self.name, b.owner
-                    )));
-                }
-            }
         }
         self.bind(tensors, owner, &mut take)?;
         self.retire(rt, tensors, consumer, action, take)
