@@ -345,13 +345,9 @@ class GraphStep:
         return out[0], list(out[1:])
 
     def _accumulate(self, grads: Any) -> None:
-        for p, g in zip(self.params, grads[: len(self.params)]):
-            if g is None:
-                continue
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad.add_(g)
+        from .nodes import accumulate_grads
+
+        accumulate_grads(self.params, grads[: len(self.params)])
 
     def step(self, microbatches: list[tuple], multiplexed: bool = True) -> list[torch.Tensor]:
         """One step over the microbatches (each a tuple of model inputs); returns the losses.

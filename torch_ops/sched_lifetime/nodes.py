@@ -265,13 +265,7 @@ class Chunk:
                 res = saved.weight_grads()
             else:  # no dI part (no input takes a gradient): the whole backward is dW
                 res = torch.autograd.grad(saved[1], params, summed(grads), allow_unused=True)
-            for p, r in zip(params, res):
-                if r is None:
-                    continue
-                if p.grad is None:
-                    p.grad = r
-                else:
-                    p.grad.add_(r)
+            accumulate_grads(params, res)
 
         def d_weight(*grads: torch.Tensor) -> Any:
             st = ctx.bwd
@@ -421,6 +415,18 @@ def run_pair(
     finally:
         for c in touched:
             c.ctx.fwd = c.ctx.bwd = None
+
+
+def accumulate_grads(params: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]) -> None:
+    """Add gradients into `.grad` as autograd's accumulation does (the first one is taken as
+    is, later ones added in place); None skips."""
+    for p, g in zip(params, grads):
+        if g is None:
+            continue
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad.add_(g)
 
 
 class _WeightSplit:
