@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from sched_lifetime.ep import AllToAll, FunctionalAllToAll
 from sched_lifetime.models.moe import CONFIGS, MoEModel, MoEStage, stage_io, with_overrides
 from sched_lifetime.nodes import NodeDef
-from sched_lifetime.pipelining import NodeStage, describe, enable_overlap, overlapped
+from sched_lifetime.pipelining import GraphStage, NodeStage, describe, enable_overlap, overlapped
 
 N_MB = 4
 STEPS = 3
@@ -55,9 +55,10 @@ def _run_arm(kind: str, cfg, stage_ids, n_stages: int, handler: bool, steps: int
     mods, stages = [], []
     for k in stage_ids:
         m = MoEStage(model, k * per, (k + 1) * per)
-        m = NodeStage(m) if handler else m
-        mods.append(m)
         inp, out = stage_io(cfg, k, n_stages)
+        if handler:
+            m = GraphStage(m, (inp,)) if kind.endswith("_graph") else NodeStage(m)
+        mods.append(m)
         stages.append(PipelineStage(m, k, n_stages, torch.device("cpu"), input_args=inp, output_args=out, group=pp_group))
     if kind.startswith("dualpipev"):
         sched = ScheduleDualPipeV(stages, N_MB, loss_fn=_loss)
@@ -107,11 +108,13 @@ def _worker(rank: int, port: int, out: str, kind: str) -> None:
             return
         if kind == "1f1b":
             n_stages, ids = 2, [rank]
-        elif kind == "dualpipev":
+        elif kind.startswith("dualpipev"):
             n_stages, ids = 4, [rank, 3 - rank]
         else:
             n_stages, ids = 4, [rank, rank + 2]
-        cfg = with_overrides(CONFIGS["tiny"], layers=n_stages, batch=1)
+        # Compiled graphs need the fixed-capacity dispatch (no host-read split sizes).
+        cap = 1.0 if kind.endswith("_graph") else None
+        cfg = with_overrides(CONFIGS["tiny"], layers=n_stages, batch=1, capacity_factor=cap)
         ref = _run_arm(kind, cfg, ids, n_stages, False, STEPS)
         ours = _run_arm(kind, cfg, ids, n_stages, True, STEPS)
         torch.save({"ref": ref, "ours": ours}, os.path.join(out, f"rank{rank}.pt"))
@@ -119,7 +122,7 @@ def _worker(rank: int, port: int, out: str, kind: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["dualpipev", "dualpipev_ep2", "interleaved", "1f1b"])
+@pytest.mark.parametrize("kind", ["dualpipev", "dualpipev_graph", "dualpipev_ep2", "interleaved", "1f1b"])
 def test_pipeline_schedules_bit_exact_with_the_handler(tmp_path, kind):
     world = 4 if kind == "dualpipev_ep2" else 2
     mp.spawn(_worker, args=(_port(), str(tmp_path), kind), nprocs=world, join=True)

@@ -293,6 +293,42 @@ def multiplex(fwd: fx.GraphModule, bwd: fx.GraphModule, ep_budget: Optional[int]
     return out
 
 
+def capture_graphs(model: torch.nn.Module, example_inputs: tuple) -> tuple:
+    """AOTAutograd's forward and backward graphs (no Inductor) of
+    `functional_call(model, params, inputs)`: the forward takes the parameters then the inputs
+    and returns the output then what the backward saves; the backward takes the saved values
+    then the output's gradient and returns one gradient per forward argument. Runs the model
+    once on `example_inputs` (forward and a zero backward) to capture both; the parameters'
+    `.grad` are left as they were. Returns (parameter names, parameters, {"fwd", "bwd"} graphs, output)."""
+    from functorch.compile import aot_function, make_boxed_func
+    from torch._functorch.partitioners import default_partition
+
+    names = [n for n, _ in model.named_parameters()]
+    params = [p for _, p in model.named_parameters()]
+    graphs: dict[str, fx.GraphModule] = {}
+    n_params = len(params)
+
+    def fn(*flat: Any) -> torch.Tensor:
+        return torch.func.functional_call(model, dict(zip(names, flat[:n_params])), tuple(flat[n_params:]))
+
+    def keep(phase: str) -> Callable:
+        def compiler(gm: fx.GraphModule, inputs: list) -> Callable:
+            graphs[phase] = gm
+            return make_boxed_func(gm)
+
+        return compiler
+
+    traced = aot_function(fn, fw_compiler=keep("fwd"), bw_compiler=keep("bwd"), partition_fn=default_partition)
+    out = traced(*params, *example_inputs)
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"the module must return one tensor, got {type(out).__name__}")
+    before = [p.grad for p in params]
+    out.backward(torch.zeros_like(out))  # the backward graph is compiled on first use
+    for p, g in zip(params, before):
+        p.grad = g
+    return names, params, graphs, out.detach()
+
+
 class GraphStep:
     """A training step on compiled graphs, in the steady state of combined 1F1B: the forward
     of microbatch 0, then the forward of i+1 multiplexed with the backward of i (one module
@@ -308,32 +344,10 @@ class GraphStep:
     returns the losses."""
 
     def __init__(self, model: torch.nn.Module, example_inputs: tuple, ep_budget: Optional[int] = None, explain: bool = False) -> None:
-        from functorch.compile import aot_function, make_boxed_func
-        from torch._functorch.partitioners import default_partition
-
         self.model = model
-        self.names = [n for n, _ in model.named_parameters()]
-        self.params = [p for _, p in model.named_parameters()]
-        self.graphs: dict[str, fx.GraphModule] = {}
-        n_params = len(self.params)
-
-        def fn(*flat: Any) -> torch.Tensor:
-            return torch.func.functional_call(model, dict(zip(self.names, flat[:n_params])), tuple(flat[n_params:]))
-
-        def keep(phase: str) -> Callable:
-            def compiler(gm: fx.GraphModule, inputs: list) -> Callable:
-                self.graphs[phase] = gm
-                return make_boxed_func(gm)
-
-            return compiler
-
-        traced = aot_function(fn, fw_compiler=keep("fwd"), bw_compiler=keep("bwd"), partition_fn=default_partition)
-        loss = traced(*self.params, *example_inputs)  # compiles both graphs
+        self.names, self.params, self.graphs, loss = capture_graphs(model, example_inputs)
         if loss.dim() != 0:
             raise ValueError(f"GraphStep needs a scalar loss, the model returned shape {tuple(loss.shape)}")
-        loss.backward(torch.zeros_like(loss))  # the backward graph is compiled on first use
-        for p in self.params:
-            p.grad = None
         self.fwd = compile_fx_graph(self.graphs["fwd"], "fwd", check_options({"ep_budget": ep_budget}))
         self.bwd = compile_fx_graph(self.graphs["bwd"], "bwd", check_options({"ep_budget": ep_budget}))
         self.mux = multiplex(self.graphs["fwd"], self.graphs["bwd"], ep_budget=ep_budget, explain=explain)

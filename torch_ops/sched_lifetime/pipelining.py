@@ -3,7 +3,11 @@
 of one stage and the backward of another as one multiplexed schedule (the scheduler's order,
 streams and lifetime points, all from Rust) in one thread.
 
-A stage module takes part by being a `NodeStage`: its module described as nodes (`NodeDef`s;
+Graph stages: `GraphStage(module, example_inputs)` runs the stage as compiled forward and
+backward graphs (AOTAutograd, no Inductor) in Rust's order, and an OVERLAP_F_B pair of graph
+stages as the one module `compile.multiplex` builds for that pair.
+
+An eager stage module takes part by being a `NodeStage`: its module described as nodes (`NodeDef`s;
 `describe` makes them from a list of layers, where a layer that knows its dispatch and combine
 gives its own nodes). `NodeStage.forward` runs those nodes and joins autograd through one
 function whose backward runs the nodes' backward, so the runtime's ordinary forward and
@@ -34,11 +38,21 @@ class _Armed:
     """The forward waiting to run inside the next backward (one pipeline thread arms it; the
     autograd engine may run the backward on its device thread, so this is not thread-local)."""
 
-    stage: Optional["NodeStage"] = None
+    stage: Any = None
     args: tuple = ()
 
 
 _ARMED = _Armed()
+
+
+def _take_armed(kind: type) -> tuple:
+    """The armed forward if it is a `kind` stage (a node stage pairs with a node stage, a
+    graph stage with a graph stage); else (None, ()) and it stays armed."""
+    if not isinstance(_ARMED.stage, kind):
+        return None, ()
+    stage, args = _ARMED.stage, _ARMED.args
+    _ARMED.stage, _ARMED.args = None, ()
+    return stage, args
 
 
 class _Chain(torch.autograd.Function):
@@ -61,8 +75,7 @@ class _Chain(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         stage: NodeStage = ctx.stage
-        fstage, fargs = _ARMED.stage, _ARMED.args
-        _ARMED.stage, _ARMED.args = None, ()
+        fstage, fargs = _take_armed(NodeStage)
         fwd = None
         if fstage is not None:
             fstate = MicrobatchState(next(fstage._count))
@@ -192,6 +205,90 @@ class NodeStage(nn.Module):
         return outputs0, loss0
 
 
+class _GraphChain(torch.autograd.Function):
+    """A graph stage's compiled forward as one autograd function: forward runs the forward
+    graph (or takes the result an overlapped backward computed), backward runs the backward
+    graph, or, with an armed graph stage, the module `compile.multiplex` built for the pair."""
+
+    @staticmethod
+    def forward(ctx: Any, stage: "GraphStage", n_args: int, *args_and_params: Any) -> torch.Tensor:
+        args = args_and_params[:n_args]
+        ctx.n_params = len(args_and_params) - n_args
+        ready, stage._ready = stage._ready, None
+        if ready is not None:
+            rargs, (out, saved) = ready
+            if len(rargs) != len(args) or any(a is not b for a, b in zip(rargs, args)):
+                raise RuntimeError("an overlapped forward was computed for other inputs than this call's (the armed forward must be called next)")
+        else:
+            res = stage.fwd(*stage.params, *args)
+            out, saved = res[0], list(res[1:])
+        ctx.stage, ctx.saved_values = stage, saved
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        from .nodes import accumulate_grads
+
+        stage: GraphStage = ctx.stage
+        fstage, fargs = _take_armed(GraphStage)
+        saved, ctx.saved_values = ctx.saved_values, None
+        if fstage is None:
+            grads = list(stage.bwd(*saved, grad))
+        else:
+            res = stage.multiplexed_with(fstage)(*fstage.params, *fargs, *saved, grad)
+            k = fstage.n_fwd_out
+            fstage._ready = (fargs, (res[0], list(res[1:k])))
+            fstage.overlapped += 1
+            grads = list(res[k:])
+        n = len(stage.params)
+        accumulate_grads(stage.params, grads[:n])
+        return (None, None, *grads[n:], *([None] * ctx.n_params))
+
+
+class GraphStage(nn.Module):
+    """A pipeline stage module run as compiled graphs (AOTAutograd, no Inductor; see
+    `compile.capture_graphs`), scheduled by Rust: forward and backward graphs in our order,
+    and for OVERLAP_F_B the forward graph of one stage multiplexed with the backward graph of
+    another (`compile.multiplex`, built once per pair). `example_inputs`: one microbatch's
+    inputs (the graphs are specialized to their shapes). The module's parameters stay its own;
+    their gradients are accumulated into `.grad`."""
+
+    def __init__(self, module: nn.Module, example_inputs: tuple, ep_budget: Optional[int] = None) -> None:
+        from .compile import capture_graphs, check_options, compile_fx_graph
+
+        super().__init__()
+        self.module = module
+        # A stage's floating-point inputs take gradients (activations from the previous stage).
+        example = tuple(x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x for x in example_inputs)
+        _, self.params, self.graphs, _ = capture_graphs(module, example)
+        opts = check_options({"ep_budget": ep_budget})
+        self.fwd = compile_fx_graph(self.graphs["fwd"], "fwd", opts)
+        self.bwd = compile_fx_graph(self.graphs["bwd"], "bwd", opts)
+        self.n_fwd_out = len(list(self.graphs["fwd"].graph.nodes)[-1].args[0])
+        self.ep_budget = ep_budget
+        self._mux: dict[int, Any] = {}
+        self._ready: Optional[tuple] = None
+        #: How many of this stage's forwards ran multiplexed with another stage's backward.
+        self.overlapped = 0
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        return _GraphChain.apply(self, len(args), *args, *self.params)
+
+    def multiplexed_with(self, fstage: "GraphStage") -> Any:
+        """The module running `fstage`'s forward graph with this stage's backward graph."""
+        from .compile import multiplex
+
+        m = self._mux.get(id(fstage))
+        if m is None:
+            m = self._mux[id(fstage)] = multiplex(fstage.graphs["fwd"], self.graphs["bwd"], ep_budget=self.ep_budget)
+        return m
+
+    @staticmethod
+    def dw_builder() -> Callable[[], None]:
+        """Nothing is deferred: the compiled backward computes the weight gradients too."""
+        return lambda: None
+
+
 def overlapped(fstage: nn.Module, fargs: tuple, backward: Callable[[], None]) -> Any:
     """Run `backward()` with the forward `fstage(*fargs)` armed, then return that forward's
     output (computed inside the backward when it reached a `NodeStage`, else now)."""
@@ -206,7 +303,7 @@ def _armed(fstage: Any, fargs: tuple) -> Iterator[None]:
     """Arm `fstage(*fargs)` for the next NodeStage backward; disarmed on the way out."""
     if _ARMED.stage is not None:
         raise RuntimeError("a forward is already armed: overlapped calls do not nest")
-    if isinstance(fstage, NodeStage):
+    if isinstance(fstage, (NodeStage, GraphStage)):
         _ARMED.stage, _ARMED.args = fstage, fargs
     try:
         yield
@@ -246,17 +343,22 @@ def enable_overlap(schedule: Any) -> bool:
             # dw_builder right after the input backward and runs it at the weight action.
             st.submod.split_dw = True
             st.dw_builder = st.submod.dw_builder
+        elif isinstance(st.submod, GraphStage):
+            # No split in a compiled backward: BACKWARD_INPUT runs all of it, the weight
+            # action has nothing left to do.
+            st.dw_builder = GraphStage.dw_builder
     if not hasattr(schedule, "register_custom_function"):
         return False
     order = getattr(schedule, "pipeline_order", {}) or {}
     emits = any(a is not None and a.computation_type == OVERLAP_F_B for acts in order.values() for a in acts)
     if not emits:
         return False
-    plain = [s.stage_index for s in stages if not isinstance(s.submod, NodeStage)]
+    plain = [s.stage_index for s in stages if not isinstance(s.submod, (NodeStage, GraphStage))]
     if plain:
         raise ValueError(
-            f"stages {plain} are not NodeStage modules: wrap each stage's module as "
-            "sl.pipelining.NodeStage(module, nodes) so its forward and backward can be multiplexed"
+            f"stages {plain} are neither NodeStage nor GraphStage modules: wrap each stage's module as "
+            "sl.pipelining.NodeStage(module, nodes) (eager) or GraphStage(module, example_inputs) "
+            "(compiled) so its forward and backward can be multiplexed"
         )
     schedule.register_custom_function(OVERLAP_F_B, _overlap_f_b)
     return True
