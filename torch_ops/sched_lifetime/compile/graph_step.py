@@ -1,0 +1,114 @@
+"""Training on compiled graphs without torch.compile's runtime: `capture_graphs` (AOTAutograd's
+forward and backward graphs of `functional_call`, arguments known) and `GraphStep` (the
+combined-1F1B steady state on them, through the multiplexing pass)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+
+from .multiplex_pass import multiplex
+
+
+def capture_graphs(model: torch.nn.Module, example_inputs: tuple) -> tuple:
+    """AOTAutograd's forward and backward graphs (no Inductor) of
+    `functional_call(model, params, inputs)`: the forward takes the parameters then the inputs
+    and returns the output then what the backward saves; the backward takes the saved values
+    then the output's gradient and returns one gradient per forward argument. Runs the model
+    once on `example_inputs` (forward and a zero backward) to capture both; the parameters'
+    `.grad` are left as they were. Returns (parameter names, parameters, {"fwd", "bwd"} graphs, output)."""
+    from functorch.compile import aot_function, make_boxed_func
+    from torch._functorch.partitioners import default_partition
+
+    names = [n for n, _ in model.named_parameters()]
+    params = [p for _, p in model.named_parameters()]
+    graphs: dict[str, fx.GraphModule] = {}
+    n_params = len(params)
+
+    def fn(*flat: Any) -> torch.Tensor:
+        return torch.func.functional_call(model, dict(zip(names, flat[:n_params])), tuple(flat[n_params:]))
+
+    def keep(phase: str) -> Callable:
+        def compiler(gm: fx.GraphModule, inputs: list) -> Callable:
+            graphs[phase] = gm
+            return make_boxed_func(gm)
+
+        return compiler
+
+    traced = aot_function(fn, fw_compiler=keep("fwd"), bw_compiler=keep("bwd"), partition_fn=default_partition)
+    out = traced(*params, *example_inputs)
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"the module must return one tensor, got {type(out).__name__}")
+    before = [p.grad for p in params]
+    out.backward(torch.zeros_like(out))  # the backward graph is compiled on first use
+    for p, g in zip(params, before):
+        p.grad = g
+    return names, params, graphs, out.detach()
+
+
+class GraphStep:
+    """A training step on compiled graphs, in the steady state of combined 1F1B: the forward
+    of microbatch 0, then the forward of i+1 multiplexed with the backward of i (one module
+    from `multiplex`, compiled once), then the backward of the last. What a graph pipeline
+    stage runs; here one stage (the whole model).
+
+    `model(*inputs)` must return a scalar loss. The forward and backward graphs come from
+    AOTAutograd (no Inductor) on `torch.func.functional_call(model, params, inputs)`, so their
+    arguments are known: the forward takes the parameters then the inputs and returns the loss
+    then what the backward saves; the backward takes the saved values then the loss's
+    gradient and returns one gradient per forward argument. `step` accumulates the
+    parameters' gradients into `.grad` (microbatch order, as eager accumulation does) and
+    returns the losses."""
+
+    def __init__(self, model: torch.nn.Module, example_inputs: tuple, ep_budget: Optional[int] = None, explain: bool = False) -> None:
+        from . import check_options, compile_fx_graph  # the package's pipeline of passes
+
+        self.model = model
+        self.names, self.params, self.graphs, loss = capture_graphs(model, example_inputs)
+        if loss.dim() != 0:
+            raise ValueError(f"GraphStep needs a scalar loss, the model returned shape {tuple(loss.shape)}")
+        self.fwd = compile_fx_graph(self.graphs["fwd"], "fwd", check_options({"ep_budget": ep_budget}))
+        self.bwd = compile_fx_graph(self.graphs["bwd"], "bwd", check_options({"ep_budget": ep_budget}))
+        self.mux = multiplex(self.graphs["fwd"], self.graphs["bwd"], ep_budget=ep_budget, explain=explain)
+        self.n_fwd_out = len(list(self.graphs["fwd"].graph.nodes)[-1].args[0])
+
+    def _forward(self, inputs: tuple) -> tuple:
+        with torch.no_grad():
+            out = self.fwd(*self.params, *inputs)
+        return out[0], list(out[1:])
+
+    def _accumulate(self, grads: Any) -> None:
+        from ..nodes import accumulate_grads
+
+        accumulate_grads(self.params, grads[: len(self.params)])
+
+    def step(self, microbatches: list[tuple], multiplexed: bool = True) -> list[torch.Tensor]:
+        """One step over the microbatches (each a tuple of model inputs); returns the losses.
+        `multiplexed=False`: F(i) then B(i), one microbatch at a time (the baseline)."""
+        if not microbatches:
+            raise ValueError("GraphStep.step needs at least one microbatch")
+        losses = []
+        if not multiplexed:
+            for mb in microbatches:
+                loss, saved = self._forward(mb)
+                losses.append(loss)
+                with torch.no_grad():
+                    self._accumulate(self.bwd(*saved, torch.ones_like(loss)))
+            return losses
+        loss, saved = self._forward(microbatches[0])
+        losses.append(loss)
+        n_saved = self.n_fwd_out - 1
+        for nxt in microbatches[1:]:
+            one = torch.ones_like(loss)
+            with torch.no_grad():
+                out = self.mux(*self.params, *nxt, *saved, one)
+            f_out, grads = out[: self.n_fwd_out], out[self.n_fwd_out :]
+            self._accumulate(grads)
+            loss, saved = f_out[0], list(f_out[1 : 1 + n_saved])
+            losses.append(loss)
+        with torch.no_grad():
+            grads = self.bwd(*saved, torch.ones_like(loss))
+        self._accumulate(grads)
+        return losses

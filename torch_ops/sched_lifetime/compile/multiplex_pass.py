@@ -1,0 +1,78 @@
+"""The multiplexing pass: a forward graph of one microbatch and a backward graph of another in,
+one GraphModule out, both scheduled together by Rust as two sources."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from ..schedule import format_explain, schedule
+from .to_ir import to_ir
+
+
+def multiplex(fwd: fx.GraphModule, bwd: fx.GraphModule, ep_budget: Optional[int] = None, explain: bool = False) -> fx.GraphModule:
+    """One GraphModule running a forward graph (of microbatch i) and a backward graph (of
+    microbatch j) as two sources scheduled together by Rust, so each one's transfers run
+    under the other's compute: `module(*fwd_args, *bwd_args) -> (*fwd_outputs,
+    *bwd_outputs)`. Both are AOT graphs (e.g. the `module`s in `history`), compiled once and
+    reused for every pair; the result is a plain GraphModule (`.sched_lifetime` holds the IR
+    and the schedule)."""
+    tables = [_prefixed(to_ir(fwd, "fwd"), "F", "f:"), _prefixed(to_ir(bwd, "bwd"), "B", "b:")]
+    table = {
+        "sources": [s for t in tables for s in t["sources"]],
+        "inputs": [v for t in tables for v in t["inputs"]],
+        "nodes": [n for t in tables for n in t["nodes"]],
+    }
+    control = [c for t in tables for c in t.get("control", [])]
+    if control:
+        table["control"] = control
+    result = schedule(table, ep_budget=ep_budget, explain=explain)
+    if explain:
+        print(format_explain(result) or "  (no launches)")
+    graph = fx.Graph()
+    envs: list[dict[fx.Node, fx.Node]] = [{}, {}]
+    parts = [(fwd, "f:"), (bwd, "b:")]
+    for k, (gm, _) in enumerate(parts):
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                envs[k][n] = graph.placeholder(f"{'fb'[k]}_{n.name}")
+            elif n.op == "get_attr":
+                raise ValueError(f"multiplex takes AOT graphs without get_attr nodes; '{n.name}' in the {('forward', 'backward')[k]} graph")
+    by_name = {p + n.name: (k, n) for k, (gm, p) in enumerate(parts) for n in gm.graph.nodes}
+    for name in result["order"]:
+        k, n = by_name[name]
+        envs[k][n] = graph.node_copy(n, lambda x, env=envs[k]: env[x])
+    outs: list[Any] = []
+    for k, (gm, _) in enumerate(parts):
+        (ret,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
+        outs += list(fx.map_arg(ret if isinstance(ret, (list, tuple)) else (ret,), lambda x, env=envs[k]: env[x]))
+    graph.output(tuple(outs))
+    graph.lint()
+    out = fx.GraphModule(torch.nn.Module(), graph)
+    out.sched_lifetime = {"ir": table, "schedule": result, "order": list(result["order"])}
+    return out
+
+
+def _prefixed(table: dict, source: str, p: str) -> dict:
+    """A graph's table with its node and value names prefixed and one source."""
+    def v(x: Any) -> Any:
+        return p + x if isinstance(x, str) else {**x, "value": p + x["value"]}
+
+    nodes = []
+    for n in table["nodes"]:
+        m = {**n, "name": p + n["name"], "source": source}
+        for key in ("inputs", "mutates"):
+            if key in m:
+                m[key] = [p + x for x in m[key]]
+        if "outputs" in m:
+            m["outputs"] = [v(x) for x in m["outputs"]]
+        if "launch" in m:
+            m["launch"] = p + m["launch"]
+        nodes.append(m)
+    phase = table["sources"][0]["phase"]
+    out = {"sources": [{"name": source, "phase": phase}], "inputs": [p + x for x in table["inputs"]], "nodes": nodes}
+    if table.get("control"):
+        out["control"] = [[p + a, p + b] for a, b in table["control"]]
+    return out

@@ -1,0 +1,137 @@
+"""FX -> IR: the analysis every pass reads. Call nodes become IR nodes; functional collectives
+(`_c10d_functional.*`) comm launches and their `wait_tensor` the matching wait; views and
+`getitem` noops; ops that write an input mutation edges; RNG and side-effecting ops keep their
+relative order (control edges); `node.meta["custom"]` (as `torch.fx.traceback.annotate` writes
+it) can set a node's source (`"sched_lifetime_source"`) and mark EP regions (`"ep": "dispatch" |
+"combine"` with a `"layer"`)."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+_COLLECTIVES = "_c10d_functional"
+_SOURCE_KEY = "sched_lifetime_source"
+
+
+def _is_collective(t: Any) -> bool:
+    return isinstance(t, torch._ops.OpOverload) and t.namespace == _COLLECTIVES
+
+
+def _is_wait(t: Any) -> bool:
+    return _is_collective(t) and t.__name__.startswith("wait_tensor")
+
+
+def _is_view(t: Any) -> bool:
+    if t is operator.getitem:
+        return True
+    if not isinstance(t, torch._ops.OpOverload):
+        return False
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in t._schema.returns)
+
+
+def _is_seeded(t: Any) -> bool:
+    """Ops that draw from the RNG: reordering them would change the random numbers."""
+    return isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
+
+
+def _written_args(n: fx.Node) -> list[fx.Node]:
+    t = n.target
+    if not isinstance(t, torch._ops.OpOverload):
+        return []
+    out = []
+    for i, a in enumerate(t._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+            for x in v if isinstance(v, (list, tuple)) else [v]:
+                if isinstance(x, fx.Node):
+                    out.append(x)
+    return out
+
+
+def _inputs(n: fx.Node) -> list[fx.Node]:
+    seen: list[fx.Node] = []
+    for x in n.all_input_nodes:
+        if x not in seen:
+            seen.append(x)
+    return seen
+
+
+def to_ir(gm: fx.GraphModule, phase: str) -> dict:
+    """The IR table of an AOT graph (see the module docstring). Raises ValueError naming the
+    FX node when the graph breaks a contract: a collective whose result is never waited, a
+    wait of something that is not a collective, an EP dispatch region without its combine."""
+    g = gm.graph
+    src_phase = "F" if phase == "fwd" else "B"
+    default_source = phase
+    sources: dict[str, str] = {default_source: src_phase}
+    inputs: list[str] = []
+    nodes: list[dict] = []
+    value_of: dict[fx.Node, str] = {}  # FX node -> the IR value it reads as
+    waited: set[fx.Node] = set()
+    regions: dict[Any, dict[str, str]] = {}
+    control: list[list[str]] = []
+    last_ordered: Optional[str] = None  # RNG and side-effecting ops keep their order
+    for n in g.nodes:
+        if n.op in ("placeholder", "get_attr"):
+            inputs.append(n.name)
+            value_of[n] = n.name
+            continue
+        if n.op == "output":
+            continue
+        if n.op != "call_function":
+            raise ValueError(f"FX node '{n.name}': op {n.op!r} is not supported by the sched_lifetime backend")
+        custom = n.meta.get("custom") or {}
+        source = str(custom.get(_SOURCE_KEY, default_source))
+        sources.setdefault(source, src_phase)
+        ep = custom.get("ep")
+        if ep is not None:
+            if ep not in ("dispatch", "combine"):
+                raise ValueError(f"FX node '{n.name}': annotation ep={ep!r}, expected 'dispatch' or 'combine'")
+            regions.setdefault(custom.get("layer"), {}).setdefault(ep, n.name)
+        ins = [value_of[x] for x in _inputs(n) if x in value_of]
+        if _is_wait(n.target) and isinstance(n.args[0] if n.args else None, fx.Node) and _is_wait(n.args[0].target):
+            # Waiting again for a waited tensor is a no-op (a user's explicit wait after the
+            # autograd collective's own).
+            nodes.append({"name": n.name, "source": source, "kind": "noop", "inputs": ins, "outputs": [n.name]})
+            value_of[n] = n.name
+            continue
+        if _is_wait(n.target):
+            launch = n.args[0] if n.args else None
+            if not isinstance(launch, fx.Node) or not _is_collective(launch.target) or _is_wait(launch.target):
+                raise ValueError(f"FX node '{n.name}' waits for '{getattr(launch, 'name', launch)}', which is not a functional collective")
+            waited.add(launch)
+            nodes.append({"name": n.name, "source": source, "kind": "comm_wait", "launch": launch.name})
+            value_of[n] = value_of[launch]  # the launch's output, usable from here on
+            continue
+        node: dict[str, Any] = {"name": n.name, "source": source, "inputs": ins, "outputs": [n.name]}
+        if _is_collective(n.target):
+            node["kind"] = "comm_launch"
+            # Allocated by the collective on the caller's (compute) stream at launch.
+            node["outputs"] = [{"value": n.name, "alloc": "consumer"}]
+        elif _is_view(n.target):
+            node["kind"] = "noop"
+        else:
+            node["kind"] = "compute"
+        written = [value_of[x] for x in _written_args(n) if x in value_of]
+        if written:
+            node["mutates"] = written
+        nodes.append(node)
+        value_of[n] = n.name
+        if not _is_collective(n.target) and (_is_seeded(n.target) or n.is_impure()):
+            if last_ordered is not None:
+                control.append([last_ordered, n.name])
+            last_ordered = n.name
+    for n in g.nodes:
+        if n.op == "call_function" and _is_collective(n.target) and not _is_wait(n.target) and n not in waited:
+            raise ValueError(f"FX node '{n.name}' ({n.target}) is a collective whose result is never waited (no wait_tensor)")
+    for layer, kinds in regions.items():
+        if "dispatch" in kinds and "combine" not in kinds:
+            raise ValueError(f"FX node '{kinds['dispatch']}' opens an EP dispatch region (layer {layer!r}) with no combine")
+    table = {"sources": [{"name": s, "phase": p} for s, p in sources.items()], "inputs": inputs, "nodes": nodes}
+    if control:
+        table["control"] = control
+    return table
