@@ -152,28 +152,32 @@ def test_pipeline_schedules_bit_exact_with_the_handler(tmp_path, kind):
     assert len(loss_ranks) == world // 2  # the last stage's rank (per EP rank) has every loss
 
 
-def _two_stage_chunks():
-    cfg = with_overrides(CONFIGS["tiny"], layers=2, batch=1)
+def _two_stage_chunks(capacity=None):
+    cfg = with_overrides(CONFIGS["tiny"], layers=2, batch=1, capacity_factor=capacity)
     model = MoEModel(cfg, transport=AllToAll(local=True), seed=0)
     return cfg, MoEStage(model, 0, 1), MoEStage(model, 1, 2)
 
 
-def test_overlapped_forward_backward_matches_forward_then_backward():
+@pytest.mark.parametrize("kind", ["node", "graph"])
+def test_overlapped_forward_backward_matches_forward_then_backward(kind):
     """DualPipe's hook, one process: F of stage 0 (microbatch 1) with B of stage 1
     (microbatch 0) gives the same outputs, loss and gradients as running them one after the
-    other on the plain modules."""
+    other on the plain modules; for NodeStage and for GraphStage."""
     torch.use_deterministic_algorithms(True)
     results = []
     for wrap in (False, True):
-        cfg, s0, s1 = _two_stage_chunks()
-        m0, m1 = (NodeStage(s0), NodeStage(s1)) if wrap else (s0, s1)
+        cfg, s0, s1 = _two_stage_chunks(1.0 if kind == "graph" else None)
+        if wrap and kind == "graph":
+            m0, m1 = GraphStage(s0, (stage_io(cfg, 0, 2)[0],)), GraphStage(s1, (stage_io(cfg, 1, 2)[0],))
+        else:
+            m0, m1 = (NodeStage(s0), NodeStage(s1)) if wrap else (s0, s1)
         g = torch.Generator().manual_seed(3)
         tok = [torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=g) for _ in range(2)]
         lab = [torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=g) for _ in range(2)]
         h = m0(tok[0]).detach().requires_grad_(True)
         loss1 = _loss(m1(h), lab[0])
         if wrap:
-            outs, loss0 = NodeStage.overlapped_forward_backward(m0, [tok[1]], None, None, m1, loss1, None, None)
+            outs, loss0 = type(m0).overlapped_forward_backward(m0, [tok[1]], None, None, m1, loss1, None, None)
             assert m0.overlapped == 1
         else:
             loss1.backward()

@@ -55,6 +55,43 @@ def _take_armed(kind: type) -> tuple:
     return stage, args
 
 
+class _DualPipeHook:
+    """deepseek-ai DualPipe/DualPipeV call `type(module0).overlapped_forward_backward` when both
+    stage modules are of one type that has it: NodeStage and GraphStage do."""
+
+    @classmethod
+    def overlapped_forward_backward(
+        cls,
+        module0: nn.Module,
+        inputs0: Sequence[torch.Tensor],
+        criterion0: Optional[Callable[..., torch.Tensor]],
+        labels0: Optional[Sequence[torch.Tensor]],
+        module1: nn.Module,
+        loss1: Optional[torch.Tensor],
+        outputs1: Optional[Sequence[torch.Tensor]],
+        output_grads1: Optional[Sequence[torch.Tensor]],
+    ) -> tuple[list[torch.Tensor], Optional[torch.Tensor]]:
+        """deepseek-ai DualPipe/DualPipeV's hook: forward of `module0` on `inputs0` (and its
+        loss when `criterion0` is given) multiplexed with the backward of `module1` (from
+        `loss1`, or `outputs1` with `output_grads1`)."""
+
+        def backward() -> None:
+            if loss1 is not None:
+                loss1.backward()
+                loss1.detach_()
+            else:
+                outs = tuple(o for o in outputs1 or () if o.requires_grad)
+                grads = tuple(g for o, g in zip(outputs1 or (), output_grads1 or ()) if o.requires_grad)
+                # DualPipe frees sent outputs' data (Megatron's deallocation), so call the engine
+                # directly: torch.autograd.backward would reject the emptied shapes.
+                torch.autograd.Variable._execution_engine.run_backward(outs, grads, False, False, (), True, True)
+
+        outputs0 = overlapped(module0, tuple(inputs0), backward)
+        outputs0 = [outputs0] if isinstance(outputs0, torch.Tensor) else list(outputs0)
+        loss0 = criterion0(*outputs0, *(labels0 or ())) if criterion0 is not None else None
+        return outputs0, loss0
+
+
 class _Chain(torch.autograd.Function):
     """A stage's nodes as one autograd function: forward runs the nodes (or takes the result
     an overlapped backward computed), backward runs their backward (with the armed forward)."""
@@ -92,7 +129,7 @@ class _Chain(torch.autograd.Function):
         return (None, None, *stage._input_grads(out), *([None] * ctx.n_params))
 
 
-class NodeStage(nn.Module):
+class NodeStage(_DualPipeHook, nn.Module):
     """A pipeline stage module described as nodes.
 
     `nodes`: the description (defaults to `module.nodes()`); `inputs`: the names of the
@@ -172,38 +209,6 @@ class NodeStage(nn.Module):
             grads.append(g)
         return grads
 
-    @classmethod
-    def overlapped_forward_backward(
-        cls,
-        module0: "NodeStage",
-        inputs0: Sequence[torch.Tensor],
-        criterion0: Optional[Callable[..., torch.Tensor]],
-        labels0: Optional[Sequence[torch.Tensor]],
-        module1: "NodeStage",
-        loss1: Optional[torch.Tensor],
-        outputs1: Optional[Sequence[torch.Tensor]],
-        output_grads1: Optional[Sequence[torch.Tensor]],
-    ) -> tuple[list[torch.Tensor], Optional[torch.Tensor]]:
-        """deepseek-ai DualPipe/DualPipeV's hook: forward of `module0` on `inputs0` (and its
-        loss when `criterion0` is given) multiplexed with the backward of `module1` (from
-        `loss1`, or `outputs1` with `output_grads1`)."""
-
-        def backward() -> None:
-            if loss1 is not None:
-                loss1.backward()
-                loss1.detach_()
-            else:
-                outs = tuple(o for o in outputs1 or () if o.requires_grad)
-                grads = tuple(g for o, g in zip(outputs1 or (), output_grads1 or ()) if o.requires_grad)
-                # DualPipe frees sent outputs' data (Megatron's deallocation), so call the engine
-                # directly: torch.autograd.backward would reject the emptied shapes.
-                torch.autograd.Variable._execution_engine.run_backward(outs, grads, False, False, (), True, True)
-
-        outputs0 = overlapped(module0, tuple(inputs0), backward)
-        outputs0 = [outputs0] if isinstance(outputs0, torch.Tensor) else list(outputs0)
-        loss0 = criterion0(*outputs0, *(labels0 or ())) if criterion0 is not None else None
-        return outputs0, loss0
-
 
 class _GraphChain(torch.autograd.Function):
     """A graph stage's compiled forward as one autograd function: forward runs the forward
@@ -245,7 +250,7 @@ class _GraphChain(torch.autograd.Function):
         return (None, None, *grads[n:], *([None] * ctx.n_params))
 
 
-class GraphStage(nn.Module):
+class GraphStage(_DualPipeHook, nn.Module):
     """A pipeline stage module run as compiled graphs (AOTAutograd, no Inductor; see
     `compile.capture_graphs`), scheduled by Rust: forward and backward graphs in our order,
     and for OVERLAP_F_B the forward graph of one stage multiplexed with the backward graph of
