@@ -15,6 +15,16 @@ use crate::sched::schedule;
 /// compute costs 100-1000 us, comm costs 100-1000 us times a comm/compute ratio of 0.25-2;
 /// at most `max_nodes` nodes (waits included).
 pub fn small_random(seed: u64, max_nodes: usize) -> GraphSpec {
+    random_chains(seed, max_nodes, false)
+}
+
+/// `small_random` with the MoE constraint that a transfer's result always feeds compute
+/// before the next transfer (dispatch -> experts -> combine), never another transfer at once.
+pub fn small_random_moe(seed: u64, max_nodes: usize) -> GraphSpec {
+    random_chains(seed, max_nodes, true)
+}
+
+fn random_chains(seed: u64, max_nodes: usize, compute_between: bool) -> GraphSpec {
     let mut r = Rng::new(seed);
     let ratio = [0.25, 0.5, 1.0, 2.0][r.below(4) as usize];
     let sources = vec![
@@ -27,6 +37,7 @@ pub fn small_random(seed: u64, max_nodes: usize) -> GraphSpec {
         let budget = max_nodes / 2;
         let mut used = 0usize;
         let mut last: Option<String> = None;
+        let mut last_was_comm = false;
         while used < budget {
             let name = format!("{src}.n{k}");
             let out = format!("{src}.v{k}");
@@ -44,7 +55,7 @@ pub fn small_random(seed: u64, max_nodes: usize) -> GraphSpec {
                 cost,
             };
             let pick = r.below(5);
-            if pick < 2 && used + 2 <= budget && last.is_some() {
+            if pick < 2 && used + 2 <= budget && last.is_some() && !(compute_between && last_was_comm) {
                 nodes.push(node(Kind::CommLaunch, (100 + r.below(900)) as f64 * ratio, false));
                 nodes.push(NodeSpec {
                     name: format!("{name}.wait"),
@@ -58,6 +69,7 @@ pub fn small_random(seed: u64, max_nodes: usize) -> GraphSpec {
                     cost: 0.0,
                 });
                 used += 2;
+                last_was_comm = true;
             } else if pick == 2 && src == "B0" && last.is_some() {
                 // dW off the chain: the chain continues from the previous value.
                 nodes.push(node(Kind::Compute, (50 + r.below(450)) as f64, true));
@@ -66,6 +78,7 @@ pub fn small_random(seed: u64, max_nodes: usize) -> GraphSpec {
             } else {
                 nodes.push(node(Kind::Compute, (100 + r.below(900)) as f64, false));
                 used += 1;
+                last_was_comm = false;
             }
             last = Some(out);
         }
@@ -175,7 +188,12 @@ impl Search<'_> {
 /// One seed's comparison: (ours, optimum, orders searched), makespans in us; None when the
 /// graph has too many orders to search.
 pub fn compare(seed: u64, max_nodes: usize, budgets: Budgets, cap: usize) -> Result<Option<(f64, f64, usize)>> {
-    let g = Graph::new(small_random(seed, max_nodes))?;
+    compare_on(small_random(seed, max_nodes), budgets, cap)
+}
+
+/// `compare` on a given graph table.
+pub fn compare_on(spec: GraphSpec, budgets: Budgets, cap: usize) -> Result<Option<(f64, f64, usize)>> {
+    let g = Graph::new(spec)?;
     let ours = schedule(&g, budgets)?;
     let (m, _, _, hazards) = simulate_order(&g, &ours.order, false, true)?;
     debug_assert_eq!(hazards, 0);
