@@ -296,16 +296,17 @@ class GraphStage(_DualPipeHook, nn.Module):
 
 def overlapped(fstage: nn.Module, fargs: tuple, backward: Callable[[], None]) -> Any:
     """Run `backward()` with the forward `fstage(*fargs)` armed, then return that forward's
-    output (computed inside the backward when it reached a `NodeStage`, else now)."""
+    output (computed inside the backward when it reached a stage of the same kind, else now)."""
     with _armed(fstage, fargs):
         backward()
-    # Ready if the backward reached a NodeStage; otherwise it runs on its own now.
+    # Ready if the backward reached a stage of fstage's kind; otherwise it runs on its own now.
     return fstage(*fargs)
 
 
 @contextlib.contextmanager
 def _armed(fstage: Any, fargs: tuple) -> Iterator[None]:
-    """Arm `fstage(*fargs)` for the next NodeStage backward; disarmed on the way out."""
+    """Arm `fstage(*fargs)` (a NodeStage or GraphStage) for the next backward of a stage of
+    the same kind; disarmed on the way out."""
     if _ARMED.stage is not None:
         raise RuntimeError("a forward is already armed: overlapped calls do not nest")
     if isinstance(fstage, (NodeStage, GraphStage)):
@@ -332,13 +333,14 @@ def describe(layers: Sequence[nn.Module], input: str = "x", output: str = "out")
 
 
 def enable_overlap(schedule: Any) -> bool:
-    """Set a `torch.distributed.pipelining` schedule up for NodeStage stages: their weight
-    gradients split off to the dW hook (BACKWARD_INPUT / BACKWARD_WEIGHT actions), and the
-    OVERLAP_F_B handler registered. Returns whether the handler was registered:
-    False for schedules that never emit OVERLAP_F_B (single-stage
-    schedules such as Schedule1F1B, or multi-stage ones whose order has none): the runtime's
-    default path runs them, and a NodeStage there is an ordinary module. Raises when the
-    schedule emits OVERLAP_F_B but its stages are not NodeStages (nothing to multiplex)."""
+    """Set a `torch.distributed.pipelining` schedule up for NodeStage / GraphStage stages: a
+    NodeStage's weight gradients split off to the dW hook (BACKWARD_INPUT / BACKWARD_WEIGHT
+    actions; a GraphStage does both at BACKWARD_INPUT), and the OVERLAP_F_B handler
+    registered. Returns whether the handler was registered: False for schedules that never
+    emit OVERLAP_F_B (single-stage schedules such as Schedule1F1B, or multi-stage ones whose
+    order has none): the runtime's default path runs them, and the stages are ordinary
+    modules there. Raises when the schedule emits OVERLAP_F_B but a stage is neither kind
+    (nothing to multiplex)."""
     from torch.distributed.pipelining.schedules import OVERLAP_F_B
 
     stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
@@ -396,7 +398,7 @@ def _overlap_f_b(action: Any, ctx: Any) -> None:
     fargs = ctx.arg_mbs[fi] if fs.is_first else fs._retrieve_recv_activations(fi)
     kwargs = ctx.kwarg_mbs[fi] if ctx.kwarg_mbs else None
     if kwargs:
-        raise ValueError("NodeStage forwards take positional inputs only; the schedule passed kwargs")
+        raise ValueError("NodeStage / GraphStage forwards take positional inputs only; the schedule passed kwargs")
 
     with _armed(fs.submod, tuple(fargs)):
         bs.backward_one_chunk(bi, loss=loss, full_backward=True, last_backward=last)
