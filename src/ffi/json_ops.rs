@@ -40,7 +40,7 @@ const OPS: &[JsonOp] = &[
     JsonOp { schema: "stats_fields() -> str", run: |_| Ok(Some(Stats::FIELDS.join(","))) },
     JsonOp { schema: "simulate(str plan, str policy, str mode, bool trace) -> str", run: simulate },
     JsonOp { schema: "scenario(str name) -> str", run: scenario },
-    JsonOp { schema: "schedule(str graph, str ep_budget, str page_budget, bool explain) -> str", run: schedule },
+    JsonOp { schema: "schedule(str graph, str ep_budget, str page_budget, bool explain, str rules=\"\") -> str", run: schedule },
     JsonOp { schema: "validate(str graph, str order, str syncs, str ep_budget, str page_budget) -> ()", run: validate },
     JsonOp { schema: "schedule_order(str graph, str order, str ep_budget, str page_budget) -> str", run: schedule_order },
     JsonOp { schema: "lower(str graph, str order, bool serial) -> str", run: lower },
@@ -81,6 +81,7 @@ fn info(_: &Args) -> Result<Option<String>> {
             "roles": Role::ALL.iter().map(|r| r.name()).collect::<Vec<_>>(),
             "stats_fields": Stats::FIELDS,
             "policies": ["record_stream", "scheduled"],
+            "scheduler_rules": crate::sched::Rules::NAMES,
             "modes": ["caching", "no_caching"],
         }),
         "info",
@@ -107,7 +108,7 @@ fn budgets(a: &Args) -> Result<Budgets> {
 
 fn schedule(a: &Args) -> Result<Option<String>> {
     let g = Graph::from_json(a.str("graph")?)?;
-    let s = crate::sched::schedule(&g, budgets(a)?)?;
+    let s = crate::sched::schedule_with(&g, budgets(a)?, crate::sched::Rules::parse(a.str("rules")?)?)?;
     let ex = a.flag("explain")?.then(|| crate::sched::explain(&g, &s));
     to_text(&crate::sched::named(&g, &s, ex), "schedule")
 }

@@ -215,6 +215,8 @@ pub struct FamilyRow {
     pub pairing: Option<(f64, f64)>,
     /// Our schedule.
     pub ours: (f64, f64),
+    /// Our schedule with the opt-in `ready_first` rule.
+    pub ours_ready_first: (f64, f64),
     /// Reuse hazards the race checker found over every simulated order (must be 0).
     pub hazards: usize,
 }
@@ -243,6 +245,7 @@ pub fn row(name: &str, spec: &FamilySpec, budget: u32) -> Result<FamilyRow> {
     let compute: f64 = g.nodes.iter().filter(|n| n.kind == Kind::Compute).map(|n| n.cost).sum();
     let comm: f64 = g.nodes.iter().filter(|n| n.kind.is_launch()).map(|n| n.cost).sum();
     let ours = schedule(&g, budgets)?.order;
+    let ours_ready = crate::sched::schedule_with(&g, budgets, crate::sched::Rules { ready_first: true })?.order;
     let table: Vec<NodeId> = g.node_ids().collect();
     let mut hazards = 0;
     // Our drain points for every order; the serial one drains at every node, as in the sweep.
@@ -264,6 +267,7 @@ pub fn row(name: &str, spec: &FamilySpec, budget: u32) -> Result<FamilyRow> {
         b_then_f: sim(&super::moe::backward_then_forward(&g), false)?,
         pairing,
         ours: sim(&ours, false)?,
+        ours_ready_first: sim(&ours_ready, false)?,
         hazards,
     })
 }

@@ -8,7 +8,7 @@ use super::Rng;
 use crate::ep::{Budgets, PerRole, Role};
 use crate::error::Result;
 use crate::ir::{Graph, GraphSpec, Kind, NodeId, NodeSpec, OutputSpec, Phase, Source};
-use crate::sched::schedule;
+use crate::sched::{schedule, schedule_with, Rules};
 
 /// A small random graph: a forward and a backward source, each a chain of compute nodes and
 /// comm launch/wait pairs (with, in the backward, a weight-gradient side node now and then);
@@ -198,4 +198,11 @@ pub fn compare_on(spec: GraphSpec, budgets: Budgets, cap: usize) -> Result<Optio
     let (m, _, _, hazards) = simulate_order(&g, &ours.order, false, true)?;
     debug_assert_eq!(hazards, 0);
     Ok(exhaustive(&g, budgets, cap)?.map(|o| (m, o.makespan_us, o.orders)))
+}
+
+/// Our simulated makespan (us) on a graph table under opt-in `rules`.
+pub fn ours_makespan(spec: &GraphSpec, budgets: Budgets, rules: Rules) -> Result<f64> {
+    let g = Graph::new(spec.clone())?;
+    let s = schedule_with(&g, budgets, rules)?;
+    Ok(simulate_order(&g, &s.order, false, true)?.0)
 }

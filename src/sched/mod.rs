@@ -82,10 +82,46 @@ pub struct Schedule {
     pub budgets: Budgets,
 }
 
-/// Schedule `g` under `budgets`.
+/// Opt-in policy rules beyond the default policy (the default is what the README's GPU
+/// figures were measured with; a rule becomes default only after an A/B on the GPU).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Rules {
+    /// Within a candidate class, compute that needs no wait goes before compute that would
+    /// stall the compute stream on a transfer (wait late, taken one step further).
+    pub ready_first: bool,
+}
+
+impl Rules {
+    /// The rule names `parse` accepts.
+    pub const NAMES: &'static [&'static str] = &["ready_first"];
+
+    /// Comma-separated rule names ("" = none).
+    pub fn parse(text: &str) -> Result<Rules> {
+        let mut r = Rules::default();
+        for name in text.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            match name {
+                "ready_first" => r.ready_first = true,
+                other => {
+                    return Err(crate::error::Error::InvalidInput(format!(
+                        "unknown scheduler rule '{other}'; known rules: {}",
+                        Self::NAMES.join(", ")
+                    )))
+                }
+            }
+        }
+        Ok(r)
+    }
+}
+
+/// Schedule `g` under `budgets` with the default policy.
 pub fn schedule(g: &Graph, budgets: Budgets) -> Result<Schedule> {
+    schedule_with(g, budgets, Rules::default())
+}
+
+/// Schedule `g` under `budgets` with opt-in `rules`.
+pub fn schedule_with(g: &Graph, budgets: Budgets, rules: Rules) -> Result<Schedule> {
     let _span = tracing::debug_span!("schedule", nodes = g.len()).entered();
     Budgets::new(budgets.ep, budgets.page)?;
-    let order = policy::order(g, budgets)?;
+    let order = policy::order(g, budgets, rules)?;
     Ok(finish(g, order, budgets))
 }

@@ -52,11 +52,15 @@ struct State<'g> {
     in_flight: PerRole<VecDeque<NodeId>>,
     last_page_source: Option<SourceId>,
     yield_from: Option<SourceId>,
+    /// Opt-in rule: within a class, compute needing no wait before compute needing one.
+    ready_first: bool,
 }
 
-/// The issue order of `g` under `budgets`.
-pub(super) fn order(g: &Graph, budgets: Budgets) -> Result<Vec<NodeId>> {
-    State::new(g, budgets).run()
+/// The issue order of `g` under `budgets` (and opt-in `rules`).
+pub(super) fn order(g: &Graph, budgets: Budgets, rules: super::Rules) -> Result<Vec<NodeId>> {
+    let mut st = State::new(g, budgets);
+    st.ready_first = rules.ready_first;
+    st.run()
 }
 
 impl<'g> State<'g> {
@@ -99,6 +103,7 @@ impl<'g> State<'g> {
             in_flight: Default::default(),
             last_page_source: None,
             yield_from: None,
+            ready_first: false,
         };
         for i in g.node_ids() {
             if st.pending[i] == 0 {
@@ -218,16 +223,19 @@ impl<'g> State<'g> {
     }
 
     fn next_compute(&self) -> Option<Key> {
-        let best_in = |skip: Option<SourceId>| -> Option<(usize, Key)> {
-            let mut best: Option<(usize, Key)> = None;
+        // Opt-in `ready_first`: within a class, a candidate that needs no wait goes before one
+        // that would stall the compute stream on a transfer.
+        let best_in = |skip: Option<SourceId>| -> Option<(usize, bool, Key)> {
+            let mut best: Option<(usize, bool, Key)> = None;
             for (s, classes) in self.compute.iter().enumerate() {
                 if Some(SourceId::new(s)) == skip {
                     continue;
                 }
                 for (c, set) in classes.iter().enumerate() {
-                    if let Some(&k) = set.first() {
-                        if best.is_none_or(|b| (c, k) < b) {
-                            best = Some((c, k));
+                    let ready = if self.ready_first { set.iter().find(|k| self.pending[k.1] == 0).map(|&k| (c, false, k)) } else { None };
+                    if let Some(cand) = ready.or_else(|| set.first().map(|&k| (c, self.ready_first, k))) {
+                        if best.is_none_or(|b| cand < b) {
+                            best = Some(cand);
                         }
                         break;
                     }
@@ -236,7 +244,7 @@ impl<'g> State<'g> {
             best
         };
         let pick = self.yield_from.and_then(|s| best_in(Some(s))).or_else(|| best_in(None));
-        pick.map(|(_, k)| k)
+        pick.map(|(_, _, k)| k)
     }
 
     fn run(mut self) -> Result<Vec<NodeId>> {

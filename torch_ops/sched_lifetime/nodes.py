@@ -341,10 +341,12 @@ def _pair_graph(fchunk: Optional[Chunk], bchunk: Optional[Chunk]) -> dict:
 def _order_schedule(g: dict, order: str) -> dict:
     if order == "ours":
         return schedule(g)
+    if order.startswith("ours:"):  # ours with opt-in scheduler rules, e.g. "ours:ready_first"
+        return schedule(g, rules=order[len("ours:") :])
     if order in ("b_then_f", "sequential"):
         # Table order lists B first, and each wait right after its launch.
         return schedule_order(g, [n["name"] for n in g["nodes"]])
-    raise ValueError(f"order must be one of {Chunk.ORDERS}, got {order!r}")
+    raise ValueError(f"order must be one of {Chunk.ORDERS} (or 'ours:<rules>'), got {order!r}")
 
 
 def _executor(fchunk: Optional[Chunk], bchunk: Optional[Chunk], order: str, lifetime: str) -> Executor:
@@ -528,8 +530,8 @@ def train_step(
     n = len(microbatches)
     if n == 0:
         raise ValueError("train_step needs at least one microbatch")
-    if order not in Chunk.ORDERS:
-        raise ValueError(f"order must be one of {Chunk.ORDERS}, got {order!r}")
+    if order not in Chunk.ORDERS and not order.startswith("ours:"):
+        raise ValueError(f"order must be one of {Chunk.ORDERS} (or 'ours:<rules>'), got {order!r}")
     scale = 1.0 / n
     states = [MicrobatchState(i) for i in range(n)]
 

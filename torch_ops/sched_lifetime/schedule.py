@@ -23,13 +23,19 @@ def _budget(value: Optional[int], name: str) -> str:
 
 
 def schedule(
-    graph: Graph, ep_budget: Optional[int] = None, page_budget: Optional[int] = None, explain: bool = False
+    graph: Graph,
+    ep_budget: Optional[int] = None,
+    page_budget: Optional[int] = None,
+    explain: bool = False,
+    rules: Optional[str] = None,
 ) -> dict[str, Any]:
     """Schedule `graph`. Budgets default to SCHED_LIFETIME_EP_LAUNCH_BUDGET /
     SCHED_LIFETIME_PAGE_LAUNCH_BUDGET, else 2. With `explain`, the result lists, per launch,
-    the compute it ran under."""
-    out = json.loads(ops.schedule(json_text(graph, "graph"), _budget(ep_budget, "ep_budget"), _budget(page_budget, "page_budget"), explain))
-    return out
+    the compute it ran under. `rules`: opt-in scheduler rules, comma-separated, from
+    `INFO["scheduler_rules"]` (none by default)."""
+    return json.loads(
+        ops.schedule(json_text(graph, "graph"), _budget(ep_budget, "ep_budget"), _budget(page_budget, "page_budget"), explain, rules or "")
+    )
 
 
 def validate(

@@ -40,6 +40,8 @@ ARMS = {
 }
 #: Arms that capture the whole step in one CUDA graph (GPU, fixed-capacity dispatch only).
 GRAPH_ARMS = {"ours+graph": ("ours", "scheduled")}
+#: Opt-in arms, not in the default list: `ours` with an opt-in scheduler rule (for its A/B).
+EXTRA_ARMS = {"ours+ready_first": ("ours:ready_first", "scheduled")}
 
 
 def _free_port() -> int:
@@ -102,7 +104,7 @@ class Arm:
         from .models import MoEModel
 
         self.name = name
-        self.order, self.lifetime = {**ARMS, **GRAPH_ARMS}[name]
+        self.order, self.lifetime = {**ARMS, **GRAPH_ARMS, **EXTRA_ARMS}[name]
         self.captured = name in GRAPH_ARMS
         self.graph: Any = None
         self.graph_pool = 0
@@ -473,8 +475,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.config is None:
         args.config = "h200" if use_cuda else "tiny"
     for a in [a for a in args.arms.split(",") if a]:
-        if a not in ARMS and a not in GRAPH_ARMS:
-            raise SystemExit(f"unknown arm {a!r}; expected some of {sorted(ARMS) + sorted(GRAPH_ARMS)}")
+        if a not in ARMS and a not in GRAPH_ARMS and a not in EXTRA_ARMS:
+            raise SystemExit(f"unknown arm {a!r}; expected some of {sorted(ARMS) + sorted(GRAPH_ARMS) + sorted(EXTRA_ARMS)}")
         if a in GRAPH_ARMS and not use_cuda:
             raise SystemExit(f"arm {a!r} captures a CUDA graph: it needs a GPU")
     if args.out:
