@@ -245,3 +245,26 @@ def test_refusals_name_what_is_wrong():
     stage = NodeStage(torch.nn.Linear(2, 2), nodes=[NodeDef("l", "compute", ["x"], ["out"], torch.nn.Linear(2, 2), (), ["x"], ["out"])])
     with pytest.raises(ValueError, match="takes 1 inputs"):
         stage(torch.zeros(1, 2), torch.zeros(1, 2))
+
+
+def test_describe_takes_an_moe_layers_own_nodes():
+    """A layer that says where its dispatch and combine are (`sched_nodes`) is described by
+    its own nodes; a middle stage built with `describe` matches the plain stage."""
+    torch.use_deterministic_algorithms(True)
+    cfg = with_overrides(CONFIGS["tiny"], layers=4, batch=1)
+    model = MoEModel(cfg, transport=AllToAll(local=True), seed=0)
+    stage = MoEStage(model, 1, 3)  # a middle stage: no embedding, no head
+    nodes = describe(list(stage.layers))
+    kinds = {n.name: n.kind for n in nodes}
+    assert kinds["L0.dispatch"] == kinds["L1.combine"] == "comm" and kinds["L0.experts"] == "compute"
+    ns = NodeStage(stage, nodes=nodes)
+    h = torch.randn(cfg.batch * cfg.seq, cfg.hidden, generator=torch.Generator().manual_seed(0))
+    a, b = h.clone().requires_grad_(True), h.clone().requires_grad_(True)
+    ya, yb = stage(a), ns(b)
+    assert torch.equal(ya, yb)
+    ya.square().sum().backward()
+    pa = [p.grad.clone() for p in stage.parameters()]
+    for p in stage.parameters():
+        p.grad = None
+    yb.square().sum().backward()
+    assert torch.equal(a.grad, b.grad) and all(torch.equal(x, p.grad) for x, p in zip(pa, stage.parameters()))

@@ -229,6 +229,11 @@ class MoELayer(nn.Module):
         (back,), _ = self.combine(t, eout, rx, r)
         return self.post(x, w, back, r, s)
 
+    def sched_nodes(self, inp: str, out: str, prefix: str) -> list[NodeDef]:
+        """This layer as schedule nodes (what `pipelining.describe` asks a layer for): where
+        its dispatch and combine are, through the model's transport."""
+        return layer_nodes(self, self.transport, inp, out, prefix)
+
     def dropped_assignments(self, r: "Routing") -> int:
         """Assignments beyond capacity in one routing (a host sync: call it outside steps)."""
         return 0 if self.capacity is None else int((r.back == r.rows).sum().item())
@@ -329,6 +334,8 @@ class MoEModel(nn.Module):
         world, rank = self.transport.world, self.transport.rank
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
         self.layers = nn.ModuleList(MoELayer(cfg, i < cfg.dense_layers, world, rank) for i in range(cfg.layers))
+        for layer in self.layers:
+            layer.transport = self.transport  # what `sched_nodes` dispatches and combines through
         self.norm = RMSNorm(cfg.hidden)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         self._init(seed, world, rank)
