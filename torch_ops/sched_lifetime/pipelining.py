@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from .nodes import Chunk, MicrobatchState, NodeDef, run_pair
+from .nodes import Chunk, MicrobatchState, NodeDef, accumulate_grads, run_pair
 
 
 class _Armed:
@@ -43,6 +43,18 @@ class _Armed:
 
 
 _ARMED = _Armed()
+
+
+def _take_ready(stage: Any, args: Sequence[Any]) -> Any:
+    """The result an overlapped backward computed for `stage`'s next forward (then cleared),
+    or None; it must be for exactly these inputs (the armed forward is called next)."""
+    ready, stage._ready = stage._ready, None
+    if ready is None:
+        return None
+    rargs, result = ready
+    if len(rargs) != len(args) or any(a is not b for a, b in zip(rargs, args)):
+        raise RuntimeError("an overlapped forward was computed for other inputs than this call's (the armed forward must be called next)")
+    return result
 
 
 def _take_armed(kind: type) -> tuple:
@@ -102,8 +114,10 @@ class _Chain(torch.autograd.Function):
         # first stage's inputs are tokens); their gradients are accumulated by the nodes.
         args = args_and_params[:n_args]
         ctx.n_params = len(args_and_params) - n_args
-        state, out = stage._take_ready(args)
-        if state is None:
+        ready = _take_ready(stage, args)
+        if ready is not None:
+            state, out = ready
+        else:
             state = MicrobatchState(next(stage._count))
             out = stage._forward(state, args)
         ctx.stage, ctx.state = stage, state
@@ -124,7 +138,7 @@ class _Chain(torch.autograd.Function):
         finally:
             stage._dw_jobs, stage.chunk.deferred_dw = stage.chunk.deferred_dw, None
         if fstage is not None:
-            fstage._ready = (fargs, fstate, out[f"F.{fstage.chunk.loss_output}"])
+            fstage._ready = (fargs, (fstate, out[f"F.{fstage.chunk.loss_output}"]))
             fstage.overlapped += 1
         return (None, None, *stage._input_grads(out), *([None] * ctx.n_params))
 
@@ -190,15 +204,6 @@ class NodeStage(_DualPipeHook, nn.Module):
         out = run_pair(self.chunk, (state, self._inputs(args)), None, None, None, self.order, self.lifetime)
         return out[f"F.{self.chunk.loss_output}"]
 
-    def _take_ready(self, args: Sequence[Any]) -> tuple:
-        ready, self._ready = self._ready, None
-        if ready is None:
-            return None, None
-        rargs, state, out = ready
-        if len(rargs) != len(args) or any(a is not b for a, b in zip(rargs, args)):
-            raise RuntimeError("an overlapped forward was computed for other inputs than this call's (the armed forward must be called next)")
-        return state, out
-
     def _input_grads(self, out: dict[str, Any]) -> list[Optional[torch.Tensor]]:
         grads: list[Optional[torch.Tensor]] = []
         for v in self.chunk.inputs:
@@ -219,11 +224,9 @@ class _GraphChain(torch.autograd.Function):
     def forward(ctx: Any, stage: "GraphStage", n_args: int, *args_and_params: Any) -> torch.Tensor:
         args = args_and_params[:n_args]
         ctx.n_params = len(args_and_params) - n_args
-        ready, stage._ready = stage._ready, None
+        ready = _take_ready(stage, args)
         if ready is not None:
-            rargs, (out, saved) = ready
-            if len(rargs) != len(args) or any(a is not b for a, b in zip(rargs, args)):
-                raise RuntimeError("an overlapped forward was computed for other inputs than this call's (the armed forward must be called next)")
+            out, saved = ready
         else:
             res = stage.fwd(*stage.params, *args)
             out, saved = res[0], list(res[1:])
@@ -232,8 +235,6 @@ class _GraphChain(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        from .nodes import accumulate_grads
-
         stage: GraphStage = ctx.stage
         fstage, fargs = _take_armed(GraphStage)
         saved, ctx.saved_values = ctx.saved_values, None
@@ -259,17 +260,14 @@ class GraphStage(_DualPipeHook, nn.Module):
     their gradients are accumulated into `.grad`."""
 
     def __init__(self, module: nn.Module, example_inputs: tuple, ep_budget: Optional[int] = None) -> None:
-        from .compile import capture_graphs, check_options, compile_fx_graph
+        from .compile import capture_graphs, compile_graphs
 
         super().__init__()
         self.module = module
         # A stage's floating-point inputs take gradients (activations from the previous stage).
         example = tuple(x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x for x in example_inputs)
         _, self.params, self.graphs, _ = capture_graphs(module, example)
-        opts = check_options({"ep_budget": ep_budget})
-        self.fwd = compile_fx_graph(self.graphs["fwd"], "fwd", opts)
-        self.bwd = compile_fx_graph(self.graphs["bwd"], "bwd", opts)
-        self.n_fwd_out = len(list(self.graphs["fwd"].graph.nodes)[-1].args[0])
+        self.fwd, self.bwd, self.n_fwd_out = compile_graphs(self.graphs, ep_budget)
         self.ep_budget = ep_budget
         self._mux: dict[int, Any] = {}
         self._ready: Optional[tuple] = None

@@ -32,12 +32,12 @@ from typing import Any, Callable, Optional
 import torch.fx as fx
 
 from ..schedule import format_explain, schedule
-from .graph_step import GraphStep, capture_graphs
+from .graph_step import GraphStep, capture_graphs, compile_graphs
 from .multiplex_pass import multiplex
 from .order_pass import rewrite
 from .to_ir import to_ir
 
-__all__ = ["OPTIONS", "GraphStep", "backend", "capture_graphs", "check_options", "compile_fx_graph", "history", "multiplex", "rewrite", "to_ir"]
+__all__ = ["OPTIONS", "GraphStep", "backend", "capture_graphs", "check_options", "compile_fx_graph", "compile_graphs", "history", "multiplex", "rewrite", "to_ir"]
 
 #: Options and their defaults; anything else is an error listing these.
 OPTIONS: dict[str, Any] = {

@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
+from ..nodes import accumulate_grads
 from .multiplex_pass import multiplex
 
 
@@ -48,6 +49,18 @@ def capture_graphs(model: torch.nn.Module, example_inputs: tuple) -> tuple:
     return names, params, graphs, out.detach()
 
 
+def compile_graphs(graphs: dict, ep_budget: Optional[int] = None) -> tuple:
+    """`capture_graphs`' forward and backward graphs each in Rust's order (the ordering pass),
+    and how many values the forward returns (its output, then what the backward saves)."""
+    from . import check_options, compile_fx_graph  # the package's pipeline of passes
+
+    opts = check_options({"ep_budget": ep_budget})
+    fwd = compile_fx_graph(graphs["fwd"], "fwd", opts)
+    bwd = compile_fx_graph(graphs["bwd"], "bwd", opts)
+    n_fwd_out = len(list(graphs["fwd"].graph.nodes)[-1].args[0])
+    return fwd, bwd, n_fwd_out
+
+
 class GraphStep:
     """A training step on compiled graphs, in the steady state of combined 1F1B: the forward
     of microbatch 0, then the forward of i+1 multiplexed with the backward of i (one module
@@ -63,16 +76,12 @@ class GraphStep:
     returns the losses."""
 
     def __init__(self, model: torch.nn.Module, example_inputs: tuple, ep_budget: Optional[int] = None, explain: bool = False) -> None:
-        from . import check_options, compile_fx_graph  # the package's pipeline of passes
-
         self.model = model
         self.names, self.params, self.graphs, loss = capture_graphs(model, example_inputs)
         if loss.dim() != 0:
             raise ValueError(f"GraphStep needs a scalar loss, the model returned shape {tuple(loss.shape)}")
-        self.fwd = compile_fx_graph(self.graphs["fwd"], "fwd", check_options({"ep_budget": ep_budget}))
-        self.bwd = compile_fx_graph(self.graphs["bwd"], "bwd", check_options({"ep_budget": ep_budget}))
+        self.fwd, self.bwd, self.n_fwd_out = compile_graphs(self.graphs, ep_budget)
         self.mux = multiplex(self.graphs["fwd"], self.graphs["bwd"], ep_budget=ep_budget, explain=explain)
-        self.n_fwd_out = len(list(self.graphs["fwd"].graph.nodes)[-1].args[0])
 
     def _forward(self, inputs: tuple) -> tuple:
         with torch.no_grad():
@@ -80,8 +89,6 @@ class GraphStep:
         return out[0], list(out[1:])
 
     def _accumulate(self, grads: Any) -> None:
-        from ..nodes import accumulate_grads
-
         accumulate_grads(self.params, grads[: len(self.params)])
 
     def step(self, microbatches: list[tuple], multiplexed: bool = True) -> list[torch.Tensor]:
