@@ -115,6 +115,11 @@ def _worker(rank: int, port: int, out: str, kind: str) -> None:
         # Compiled graphs need the fixed-capacity dispatch (no host-read split sizes).
         cap = 1.0 if kind.endswith("_graph") else None
         cfg = with_overrides(CONFIGS["tiny"], layers=n_stages, batch=1, capacity_factor=cap)
+        if kind == "dualpipev_odd":
+            # A made-up shape: dense first stages, no shared expert, 6 experts top-3, odd sizes,
+            # capacity 0.75 (tokens dropped).
+            cfg = with_overrides(cfg, vocab=97, hidden=48, heads=3, dense_layers=2, experts=6, topk=3,
+                                 expert_ffn=40, shared_ffn=0, dense_ffn=72, seq=12, batch=2, capacity_factor=0.75)
         ref = _run_arm(kind, cfg, ids, n_stages, False, STEPS)
         ours = _run_arm(kind, cfg, ids, n_stages, True, STEPS)
         torch.save({"ref": ref, "ours": ours}, os.path.join(out, f"rank{rank}.pt"))
@@ -122,7 +127,7 @@ def _worker(rank: int, port: int, out: str, kind: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["dualpipev", "dualpipev_graph", "dualpipev_ep2", "interleaved", "1f1b"])
+@pytest.mark.parametrize("kind", ["dualpipev", "dualpipev_odd", "dualpipev_graph", "dualpipev_ep2", "interleaved", "1f1b"])
 def test_pipeline_schedules_bit_exact_with_the_handler(tmp_path, kind):
     world = 4 if kind == "dualpipev_ep2" else 2
     mp.spawn(_worker, args=(_port(), str(tmp_path), kind), nprocs=world, join=True)
