@@ -16,13 +16,13 @@ def grads(m: MoEModel) -> dict:
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-@pytest.mark.parametrize("budget", [0.5, 1.0, {"bytes": 1 << 14}])
-def test_paging_on_vs_off_is_bit_exact_over_steps(budget, device):
+@pytest.mark.parametrize("budget,prefetch", [(0.5, 0), (1.0, 0), ({"bytes": 1 << 14}, 0), (1.0, 4)])
+def test_paging_on_vs_off_is_bit_exact_over_steps(budget, prefetch, device):
     cfg = replace(CONFIGS["tiny"], capacity_factor=1.0)
     ref, paged = MoEModel(cfg, device=device), MoEModel(cfg, device=device)
     opt_r = torch.optim.SGD(ref.parameters(), lr=0.05)
     opt_p = torch.optim.SGD(paged.parameters(), lr=0.05)
-    pager = sl.Pager(budget, min_distance=0, min_bytes=1024)
+    pager = sl.Pager(budget, min_distance=0, min_bytes=1024, prefetch=prefetch)
     for step in range(3):
         for m, opt in ((ref, opt_r), (paged, opt_p)):
             opt.zero_grad()
@@ -37,6 +37,8 @@ def test_paging_on_vs_off_is_bit_exact_over_steps(budget, device):
     assert s["steps"] == 3 and s["bytes_out"] == s["bytes_in"] > 0
     assert pager.plan["bytes_paged"] >= pager.plan["target"] or pager.plan["short"]
     assert s["bytes_out"] == 2 * pager.plan["bytes_paged"]  # two paged steps after calibration
+    assert (s["max_prefetched"] > 0) == (prefetch > 0)
+    assert pager.pool.in_use() == 0
     assert pager.explain().startswith(f"paging {len(pager.plan['page'])} tensors")
 
 
@@ -54,6 +56,8 @@ def test_the_choice_is_reproducible_and_the_furthest_use_goes_first():
         sl.page_plan(prefix, 1.5)
     with pytest.raises(ValueError, match="budget must be"):
         sl.Pager("half")
+    with pytest.raises(ValueError, match="prefetch must be"):
+        sl.Pager(0.5, prefetch=-1)
 
 
 def test_a_step_that_saves_different_tensors_is_refused():
@@ -64,3 +68,88 @@ def test_a_step_that_saves_different_tensors_is_refused():
     with pytest.raises(RuntimeError, match="saved tensor #"):
         with pager.step():
             (torch.tanh(torch.randn(5, 8) @ w)).sum().backward()
+
+
+def test_host_pool_freelist_is_fifo_per_size_and_never_allocates_in_a_step():
+    pool = sl.HostPool([64, 64, 32])
+    a, b = pool.take(64), pool.take(64)
+    assert a != b and pool.in_use() == 2
+    with pytest.raises(RuntimeError, match="exhausted: all 2 buffers of 64 bytes"):
+        pool.take(64)
+    with pytest.raises(RuntimeError, match="no buffer of 48 bytes"):
+        pool.take(48)
+    pool.give(b)
+    pool.give(a)
+    assert pool.take(64) == b  # given back first, taken first: the freelist keeps give order
+    with pytest.raises(RuntimeError, match="given back but not taken"):
+        pool.give(a)
+    with pytest.raises(ValueError, match="positive byte counts"):
+        sl.HostPool([0])
+    # page_out/page_in round-trip through a buffer, and the buffer is free again after page_in
+    pool = sl.HostPool([4 * 6])
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    p = pool.page_out(x)
+    with pytest.raises(RuntimeError, match="exhausted"):
+        pool.page_out(x)
+    assert torch.equal(pool.page_in(p), x) and pool.in_use() == 0
+
+
+def test_a_step_cut_short_gives_its_buffers_back():
+    pager = sl.Pager(1.0, min_distance=0, min_bytes=1)
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+    with pager.step():
+        (torch.tanh(x @ w)).sum().backward()
+    with pytest.raises(RuntimeError, match="boom"):
+        with pager.step():
+            torch.tanh(x @ w).sum()  # paged out, never paged in
+            raise RuntimeError("boom")
+    assert pager.pool.in_use() == 0
+    with pager.step():
+        (torch.tanh(x @ w)).sum().backward()
+    assert w.grad is not None
+
+
+POISON_ITERS = 200
+SLEEP = 20_000_000  # ~10 ms of GPU sleep on the page stream before the page-in
+
+
+def _freelist_poison(ordered: bool) -> int:
+    """A page-in delayed on the page stream, then at once a new page-out into the same (only)
+    host buffer. `ordered`: the page-out goes through the pool (queued on the page stream);
+    control: the same buffer is rewritten by a copy on another stream, skipping that order.
+    Returns how many of the iterations reloaded a corrupt tensor."""
+    n = 1 << 20
+    pool = sl.HostPool([4 * n], "cuda")
+    other = torch.cuda.Stream()
+    bad = 0
+    for it in range(POISON_ITERS):
+        want = torch.full((n,), float(it), device="cuda")
+        poison = torch.full((n,), -1.0, device="cuda")
+        other.wait_stream(torch.cuda.current_stream())  # the control's copy may read `poison`
+        p = pool.page_out(want)
+        with torch.cuda.stream(pool.page_stream):
+            torch.cuda._sleep(SLEEP)
+        # A prefetched page-in: queued behind the sleep, the compute stream has not waited on it
+        # yet, and the buffer is already back on the freelist.
+        got, ev = pool.page_in_launch(p)
+        if ordered:
+            q = pool.page_out(poison)
+            slot = q.slot
+        else:
+            slot = pool.take(4 * n)
+            with torch.cuda.stream(other):
+                pool.view(slot, (n,), torch.float32).copy_(poison, non_blocking=True)
+        pool.page_wait(ev)
+        torch.cuda.synchronize()
+        bad += int(not torch.equal(got, want))
+        pool.give(slot)
+        pool.drain()
+    return bad
+
+
+@pytest.mark.cuda
+def test_freelist_reuse_is_ordered_on_the_page_stream_and_the_control_corrupts():
+    assert _freelist_poison(ordered=True) == 0
+    corrupt = _freelist_poison(ordered=False)
+    assert corrupt > POISON_ITERS // 2, f"control corrupted only {corrupt}/{POISON_ITERS}: the test has no teeth here"

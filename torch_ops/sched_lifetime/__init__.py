@@ -8,7 +8,7 @@ from ._ops import INFO, LIBRARY, STATS_FIELDS, ops
 from .lifetime import ACTIONS, LifetimeManager, current_stream
 from .executor import Executor, SideStreams
 from .compile import backend as compile_backend  # registers torch.compile(backend="sched_lifetime")
-from .paging import Pager, page_plan
+from .paging import HostPool, Pager, page_plan
 from .schedule import lower, schedule, schedule_order, simulate_schedule, validate
 from .sim import compare, scenario_graph, scenario_program, simulate
 
@@ -18,6 +18,7 @@ __all__ = [
     "INFO",
     "LIBRARY",
     "LifetimeManager",
+    "HostPool",
     "Pager",
     "STATS_FIELDS",
     "SideStreams",

@@ -13,9 +13,10 @@ page. Host buffers are then allocated once (pinned on CUDA), never during a step
 copy the chosen tensors to their host buffer when autograd saves them and back when the
 backward unpacks them; the rest stay on the device. On CUDA the copies run on the page stream
 (`SideStreams`), the device storage of a paged-out tensor is released through the lifetime
-manager (owner: the compute stream, retired on the page stream with `drop_reference`), and a
-host buffer is rewritten only by a copy queued on the page stream after the copy that last read
-it (one buffer per paged tensor, FIFO on one stream: no host sync). On CPU the copies are plain.
+manager (owner: the compute stream, retired on the page stream with `drop_reference`), and the
+host buffers come from a `HostPool` whose freelist is updated in page-stream order: a buffer is
+given back right after the page-in that reads it is queued, so the next page-out into it is
+queued behind that read on the same stream (no host sync). On CPU the copies are plain.
 
 A step whose saved tensors differ from the calibration (count, shape or dtype) raises: no
 silent fallback. `stats()` gives bytes out and in (equal every step) and peak host bytes.
@@ -23,8 +24,10 @@ silent fallback. `stats()` gives bytes out and in (equal every step) and peak ho
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Union
 
 import torch
@@ -49,26 +52,194 @@ def page_plan(prefix: list[dict], budget: Budget, min_distance: int = 1) -> dict
     return json.loads(ops.page_plan(json.dumps(prefix), _budget_text(budget), int(min_distance)))
 
 
+@dataclass(frozen=True)
+class Paged:
+    """A tensor paged out: its host buffer and what it was."""
+
+    slot: int
+    shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+    nbytes: int
+
+
+class HostPool:
+    """Host buffers allocated once (pinned when they serve a GPU), handed out from a freelist per
+    byte size. Page copies take a buffer for a page-out and give it back right after queueing the
+    page-in that reads it; both copies run on the page stream, and the freelist is FIFO, so a
+    buffer is rewritten only by a copy queued on the page stream after the copy that last read
+    it: the stream's order is the freelist's order, with no host synchronisation. A step never
+    allocates host memory: an empty freelist is an error (the pool was sized at calibration).
+    """
+
+    def __init__(self, sizes: list[int], device: Any = "cpu", drain_distance: int = 16) -> None:
+        if drain_distance < 0:
+            raise ValueError(f"drain_distance must be >= 0, got {drain_distance}")
+        self.device = torch.device(device)
+        pin = self.device.type == "cuda"
+        self._free: dict[int, collections.deque] = {}
+        self._bufs: list[torch.Tensor] = []
+        for n in sizes:
+            if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+                raise ValueError(f"host pool sizes must be positive byte counts, got {n!r}")
+            self._free.setdefault(n, collections.deque()).append(len(self._bufs))
+            self._bufs.append(torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=pin))
+        self.bytes = sum(sizes)
+        self._taken: set[int] = set()
+        self._retiring: list[LifetimeManager] = []
+        self.drain_distance = drain_distance
+
+    @property
+    def page_stream(self) -> Any:
+        """The stream every page copy of this pool runs on (None on CPU)."""
+        return SideStreams.of(self.device).page if self.device.type == "cuda" else None
+
+    def take(self, nbytes: int) -> int:
+        """A free buffer of exactly `nbytes` (the one given back longest ago)."""
+        free = self._free.get(nbytes)
+        if free is None:
+            raise RuntimeError(f"host pool has no buffer of {nbytes} bytes (sizes: {sorted(self._free)}); it is sized at calibration")
+        if not free:
+            raise RuntimeError(f"host pool exhausted: all {sum(1 for b in self._bufs if b.numel() == nbytes)} buffers of {nbytes} bytes are in use")
+        slot = free.popleft()
+        self._taken.add(slot)
+        return slot
+
+    def give(self, slot: int) -> None:
+        """Back to the freelist; call it after queueing the copy that last reads the buffer."""
+        if slot not in self._taken:
+            raise RuntimeError(f"host buffer {slot} given back but not taken")
+        self._taken.remove(slot)
+        self._free[self._bufs[slot].numel()].append(slot)
+
+    def view(self, slot: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """Buffer `slot` seen as a tensor of `shape` and `dtype`."""
+        return self._bufs[slot].view(dtype).view(shape)
+
+    def in_use(self) -> int:
+        """Buffers taken and not given back."""
+        return len(self._taken)
+
+    def reclaim(self) -> None:
+        """Give back every buffer still taken (a page-out never paged in, e.g. a step cut
+        short). Safe without a sync: whatever copy comes next into it is queued on the page
+        stream behind the page-out that wrote it."""
+        for slot in sorted(self._taken):
+            self.give(slot)
+
+    def page_out(self, t: torch.Tensor) -> Paged:
+        """Copy `t` into a free host buffer (on the page stream after the compute stream's work
+        so far). On CUDA the device storage is kept alive by a lifetime manager until the copy
+        is done: at a later save, unpack or page-out whose host-side check finds the copy
+        finished (`release_done`), or, with more than `drain_distance` copies in flight, at once,
+        the compute stream waits on the copy's event and the reference is dropped (rule 1, no record_stream, no host sync; the
+        event query makes this path eager-only, as saved_tensors_hooks are)."""
+        nbytes = t.numel() * t.element_size()
+        slot = self.take(nbytes)
+        buf = self.view(slot, tuple(t.shape), t.dtype)
+        if t.is_cuda:
+            comp, page = torch.cuda.current_stream(t.device), self.page_stream
+            page.wait_stream(comp)
+            with torch.cuda.stream(page):
+                buf.copy_(t.detach(), non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(page)
+            m = LifetimeManager("page_out")
+            m.bind(t, comp)
+            m.retire(t, page, "drop_reference")
+            self._retiring.append((m, done))
+            # Release what the link has already copied (the compute stream's wait on a finished
+            # copy costs nothing), oldest first; only past `drain_distance` copies in flight does
+            # the compute stream wait on one (the copies fall behind the forward).
+            while len(self._retiring) > self.drain_distance:
+                self._drain_one(comp)
+            self.release_done()
+        else:
+            buf.copy_(t.detach())
+        return Paged(slot, tuple(t.shape), t.dtype, t.device, t.requires_grad, nbytes)
+
+    def page_in(self, p: Paged) -> torch.Tensor:
+        """The tensor back on its device, allocated on the compute (consumer) stream; the
+        compute stream waits for the copy (`page_in_launch` + `page_wait`)."""
+        out, ev = self.page_in_launch(p)
+        self.page_wait(ev)
+        return out
+
+    def page_in_launch(self, p: Paged) -> tuple:
+        """Queue the copy back (on the page stream after the compute stream's work so far) into
+        a tensor allocated on the compute stream; returns it with the event to wait on before
+        reading it (None on CPU). The buffer goes back to the freelist at once: the next
+        page-out that takes it is queued behind this copy on the page stream."""
+        buf = self.view(p.slot, p.shape, p.dtype)
+        ev = None
+        if p.device.type == "cuda":
+            comp, page = torch.cuda.current_stream(p.device), self.page_stream
+            out = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+            page.wait_stream(comp)
+            with torch.cuda.stream(page):
+                out.copy_(buf, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(page)
+        else:
+            out = buf.clone()
+        self.give(p.slot)
+        if p.requires_grad and out.is_leaf:
+            out.requires_grad_(True)
+        return out, ev
+
+    def page_wait(self, ev: Any) -> None:
+        """The compute stream waits for a page-in (no host sync)."""
+        if ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+
+    def _drain_one(self, comp: Any) -> None:
+        m, _ = self._retiring.pop(0)
+        m.acquire(comp)
+        m.finalize()
+        m.close()
+
+    def release_done(self) -> None:
+        """Release the device storage of every page-out whose copy has finished, oldest first
+        (the compute stream's wait on a finished copy costs nothing). Cheap: call it often."""
+        while self._retiring and self._retiring[0][1].query():
+            self._drain_one(torch.cuda.current_stream(self.device))
+
+    def drain(self) -> None:
+        """Release every page-out's device storage still held (the compute stream waits on the
+        copies first)."""
+        while self._retiring:
+            self._drain_one(torch.cuda.current_stream(self.device))
+
+
 class Pager:
     """Pages saved activations out to host memory and back (see the module docstring)."""
 
-    def __init__(self, budget: Budget, min_distance: int = 1, min_bytes: int = 1 << 16, drain_distance: int = 2) -> None:
+    def __init__(
+        self, budget: Budget, min_distance: int = 1, min_bytes: int = 1 << 16, drain_distance: int = 16, prefetch: int = 64
+    ) -> None:
         _budget_text(budget)  # validate now
         if drain_distance < 0:
             raise ValueError(f"drain_distance must be >= 0, got {drain_distance}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0 (backward unpacks ahead), got {prefetch!r}")
+        self.prefetch = prefetch
+        self._handles: dict[int, Paged] = {}
+        self._ready: dict[int, tuple] = {}
+        self._in_order: list[int] = []
+        self._next_in = 0
         self.budget = budget
         self.drain_distance = drain_distance
-        self._inflight: list[LifetimeManager] = []
+        self.pool: Optional[HostPool] = None
         self.min_distance = min_distance
         self.min_bytes = min_bytes
         self.plan: Optional[dict] = None
         self._calib: list[dict] = []
         self._first_use: dict[int, int] = {}
         self._page: set[int] = set()
-        self._buffers: dict[int, torch.Tensor] = {}
         self._index = 0
         self._unpacks = 0
-        self._stats = {"steps": 0, "bytes_out": 0, "bytes_in": 0, "host_bytes": 0}
+        self._stats = {"steps": 0, "bytes_out": 0, "bytes_in": 0, "host_bytes": 0, "max_prefetched": 0}
         self._shapes: list = []
 
     # -- hooks -------------------------------------------------------------------------
@@ -76,6 +247,8 @@ class Pager:
     def _pack(self, t: torch.Tensor) -> Any:
         i = self._index
         self._index += 1
+        if self.pool is not None:
+            self.pool.release_done()  # every save is a chance to free what the link has copied
         if self.plan is None:  # calibrating: record, keep
             # Weights are saved too (a matmul saves its weight); they stay: paging them saves nothing.
             base = t._base if t._base is not None else t
@@ -89,25 +262,10 @@ class Pager:
             )
         if i not in self._page:
             return ("keep", i, t)
-        buf = self._buffers[i]
-        if t.is_cuda:
-            comp, page = torch.cuda.current_stream(t.device), SideStreams.of(t.device).page
-            page.wait_stream(comp)
-            with torch.cuda.stream(page):
-                buf.copy_(t.detach(), non_blocking=True)
-            # The device storage must outlive the copy: a manager per paged tensor holds it,
-            # and `drain_distance` saves later the compute stream waits on the copy's event
-            # and the reference is dropped (rule 1), with no host sync and no record_stream.
-            m = LifetimeManager(f"page#{i}")
-            m.bind(t, comp)
-            m.retire(t, page, "drop_reference")
-            self._inflight.append(m)
-            while len(self._inflight) > self.drain_distance:
-                self._retire_oldest(comp)
-        else:
-            buf.copy_(t.detach())
-        self._stats["bytes_out"] += buf.numel() * buf.element_size()
-        return ("paged", i, t.device, t.requires_grad)
+        p = self.pool.page_out(t)
+        self._handles[i] = p
+        self._stats["bytes_out"] += p.nbytes
+        return ("paged", i)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         kind, i = packed[0], packed[1]
@@ -115,35 +273,44 @@ class Pager:
             self._first_use.setdefault(i, self._unpacks)
             self._unpacks += 1
             return packed[2]
+        u = self._unpacks
+        self._unpacks += 1
+        if self.pool is not None:
+            self.pool.release_done()
+        # Prefetch: page-ins of the tensors read within `prefetch` unpacks from now are queued
+        # now, so the copy runs under the backward's compute; the wait stays at the use.
+        order = self._in_order
+        while self._next_in < len(order) and self._first_use[order[self._next_in]] <= u + self.prefetch:
+            self._launch_in(order[self._next_in])
+            self._next_in += 1
         if kind == "keep":
             return packed[2]
-        device, requires_grad = packed[2], packed[3]
-        buf = self._buffers[i]
-        if device.type == "cuda":
-            comp, page = torch.cuda.current_stream(device), SideStreams.of(device).page
-            out = torch.empty_like(buf, device=device)  # on the consumer (compute) stream
-            page.wait_stream(comp)
-            with torch.cuda.stream(page):
-                out.copy_(buf, non_blocking=True)
-            comp.wait_stream(page)
-        else:
-            out = buf.clone()
-        self._stats["bytes_in"] += buf.numel() * buf.element_size()
-        return out.requires_grad_(requires_grad) if requires_grad and out.is_leaf else out
+        if i not in self._ready:
+            if i not in self._handles:
+                raise RuntimeError(f"paging: saved tensor #{i} unpacked twice (retain_graph is not supported with paging)")
+            self._launch_in(i)
+        out, ev = self._ready.pop(i)
+        self.pool.page_wait(ev)
+        return out
+
+    def _launch_in(self, i: int) -> None:
+        p = self._handles.pop(i, None)
+        if p is None:  # not paged out this step (yet): the use pages it in
+            return
+        self._ready[i] = self.pool.page_in_launch(p)
+        self._stats["bytes_in"] += p.nbytes
+        self._stats["max_prefetched"] = max(self._stats["max_prefetched"], len(self._ready) - 1)
 
     # -- steps -------------------------------------------------------------------------
-
-    def _retire_oldest(self, comp: torch.Stream) -> None:
-        m = self._inflight.pop(0)
-        m.acquire(comp)
-        m.finalize()
-        m.close()
 
     @contextlib.contextmanager
     def step(self) -> Iterator["Pager"]:
         """One forward + backward with the hooks on; the first one calibrates."""
         self._index = 0
         self._unpacks = 0
+        self._next_in = 0
+        self._handles.clear()
+        self._ready.clear()
         out0, in0 = self._stats["bytes_out"], self._stats["bytes_in"]
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -155,8 +322,9 @@ class Pager:
                 raise RuntimeError(f"paging: {moved_out} bytes paged out but {moved_in} paged in this step (a saved tensor never unpacked?)")
             self._stats["steps"] += 1
         finally:
-            while self._inflight:
-                self._retire_oldest(torch.cuda.current_stream())
+            if self.pool is not None:
+                self.pool.drain()
+                self.pool.reclaim()  # a step cut short (an exception) leaves nothing taken
 
     def _calibrate(self) -> None:
         prefix = []
@@ -167,16 +335,21 @@ class Pager:
         # used_at counts backward steps from the boundary: the first unpack is step 0.
         self.plan = page_plan(prefix, self.budget, self.min_distance)
         self._page = {int(n[1:]) for n in self.plan["page"]}
+        self._in_order = sorted(self._page, key=lambda i: (self._first_use[i], i))
         self._shapes = [(c["shape"], c["dtype"]) for c in self._calib]
-        for i in sorted(self._page):
-            t = self._calib[i]["t"]
-            pin = t.is_cuda
-            self._buffers[i] = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-        self._stats["host_bytes"] = sum(b.numel() * b.element_size() for b in self._buffers.values())
+        page = sorted(self._page)
+        if page:
+            devs = {self._calib[i]["t"].device for i in page}
+            if len(devs) > 1:
+                raise RuntimeError(f"paging: saved tensors on several devices {sorted(map(str, devs))}; use one Pager per device")
+            dev = devs.pop()
+            self.pool = HostPool([self._calib[i]["bytes"] for i in page], dev, self.drain_distance)
+            self._stats["host_bytes"] = self.pool.bytes
         self._calib = []  # drop the references the calibration held
 
     def stats(self) -> dict[str, int]:
-        """Bytes paged out and in (equal after every step), host bytes held, steps."""
+        """Bytes paged out and in (equal after every step), host bytes held, steps, and the most
+        page-ins queued ahead of their use at once (prefetch)."""
         return dict(self._stats)
 
     def explain(self) -> str:

@@ -1,0 +1,149 @@
+"""GPU A/B: activation paging on the embedded MoE model, one GPU, one process: paging off,
+`sl.Pager` at several budgets and prefetch distances, and
+`torch.autograd.graph.save_on_cpu(pin_memory=True)`, one model shared by every arm (no optimizer
+step, so every arm computes the same gradients), steps interleaved across arms, medians.
+Per arm: step time, peak allocated above the step's start (the activations' high-water mark),
+bytes paged, and parity (torch.equal on every gradient against paging off, every step).
+
+    PYTHONPATH=torch_ops python3 benches/paging_ab.py --config h200 --steps 6 --json OUT/paging.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+
+import torch
+
+import sched_lifetime as sl
+from sched_lifetime.models import moe as moe_mod
+from sched_lifetime.models.moe import CONFIGS, MoEModel, with_overrides
+
+
+def arms(spec: str) -> dict:
+    """'off,pager:0.5:4,save_on_cpu' -> {name: factory of a per-step context}."""
+    out = {}
+    for a in spec.split(","):
+        if a == "off":
+            out[a] = lambda: contextlib.nullcontext
+        elif a == "save_on_cpu":
+            out[a] = lambda: (lambda: torch.autograd.graph.save_on_cpu(pin_memory=True))
+        elif a.startswith("pager:"):
+            _, frac, pf, drain = (a.split(":") + ["16"])[:4]
+            out[a] = (lambda f, p, d: lambda: sl.Pager(float(f), prefetch=int(p), drain_distance=int(d)).step)(frac, pf, drain)
+        else:
+            raise SystemExit(f"unknown arm {a!r}: off, save_on_cpu, pager:FRACTION:PREFETCH[:DRAIN]")
+    return out
+
+
+def link_gbps(dev: torch.device, mib: int = 1024) -> tuple:
+    """Measured device->pinned-host and pinned-host->device copy rates (GB/s), one buffer."""
+    d = torch.empty(mib << 20, dtype=torch.uint8, device=dev)
+    h = torch.empty(mib << 20, dtype=torch.uint8, pin_memory=True)
+    rates = []
+    for dst, src in ((h, d), (d, h)):
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(dev)
+        rates.append(3 * (mib << 20) / (time.perf_counter() - t0) / 1e9)
+    return tuple(rates)
+
+
+def forward_ms(model: MoEModel, batch: dict, sync) -> float:
+    """Median of 3 forwards with autograd on (what a page-out has to hide under)."""
+    ts = []
+    for _ in range(3):
+        sync()
+        t0 = time.perf_counter()
+        loss = model(**batch)
+        sync()
+        ts.append((time.perf_counter() - t0) * 1e3)
+        del loss
+    return statistics.median(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="h200", choices=sorted(CONFIGS))
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--arms", default="off,pager:0.3:4,pager:0.5:4,pager:0.5:16,pager:0.7:16,save_on_cpu")
+    ap.add_argument("--set", default="", help="config overrides, e.g. seq=8192,batch=1")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = CONFIGS[a.config]
+    for kv in filter(None, a.set.split(",")):
+        k, v = kv.split("=")
+        cfg = with_overrides(cfg, **{k: type(getattr(cfg, k))(v)})
+    if cfg.capacity_factor is None:  # counted routing changes saved shapes every step
+        cfg = with_overrides(cfg, capacity_factor=1.0)
+        print(f"config {a.config}: capacity_factor set to 1.0 (the pager needs the same saved shapes every step)")
+    if dev.type == "cuda":  # arms compare bit-exact: deterministic kernels, as the main job
+        torch.use_deterministic_algorithms(True)
+        moe_mod.deterministic_sdpa(dev, torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32)
+    model = MoEModel(cfg, device=dev)
+    params = list(model.parameters())
+    factories = arms(a.arms)
+    ctxs = {name: f() for name, f in factories.items()}  # one Pager per arm, kept across steps
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    rows: dict = {n: {"ms": [], "peak": [], "parity": True} for n in ctxs}
+    for step in range(a.steps + 1):  # step 0: calibration / warm-up, not timed
+        batch = model.batch(step, 0)
+        ref = None
+        for name, ctx in ctxs.items():
+            for p in params:
+                p.grad = None
+            sync()
+            base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+            t0 = time.perf_counter()
+            with ctx():
+                model(**batch).backward()
+            sync()
+            ms = (time.perf_counter() - t0) * 1e3
+            peak = (torch.cuda.max_memory_allocated(dev) - base) if dev.type == "cuda" else 0
+            grads = [p.grad for p in params]
+            if ref is None:
+                ref = [g.clone() for g in grads]
+            elif not all(torch.equal(x, y) for x, y in zip(ref, grads)):
+                rows[name]["parity"] = False
+            if step > 0:
+                rows[name]["ms"].append(ms)
+                rows[name]["peak"].append(peak)
+    off = next(iter(rows))
+    if dev.type == "cuda":
+        d2h, h2d = link_gbps(dev)
+        fwd = forward_ms(model, model.batch(0, 0), sync)
+        print(
+            f"link: device->host {d2h:.1f} GB/s, host->device {h2d:.1f} GB/s; forward {fwd:.1f} ms: at most "
+            f"{d2h * fwd / 1e3 * 1e9 / 2**20:.0f} MiB can be paged out under the forward (copies fully hidden)"
+        )
+    base_ms, base_peak = statistics.median(rows[off]["ms"]), max(rows[off]["peak"])
+    print(f"paging A/B, config {a.config} {a.set}, {dev}, medians of {a.steps} interleaved steps (one fwd+bwd each)")
+    print(f"{'arm':<16}{'step ms':>9}{'vs ' + off:>9}{'peak MiB':>10}{'saved':>8}{'paged MiB':>11}{'parity':>8}")
+    out = {}
+    for name, r in rows.items():
+        ms, peak = statistics.median(r["ms"]), max(r["peak"])
+        pager = getattr(ctxs[name], "__self__", None)
+        paged = pager.plan["bytes_paged"] if isinstance(pager, sl.Pager) and pager.plan else None
+        out[name] = {"ms": ms, "peak_bytes": peak, "paged_bytes": paged, "parity": r["parity"], "all_ms": r["ms"]}
+        if isinstance(pager, sl.Pager):
+            out[name]["stats"] = pager.stats()
+        print(
+            f"{name:<16}{ms:>9.1f}{ms / base_ms:>8.3f}x{peak / 2**20:>10.0f}{(1 - peak / base_peak) if base_peak else 0:>8.1%}"
+            f"{'' if paged is None else f'{paged / 2**20:.0f}':>11}{str(r['parity']):>8}"
+        )
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"config": a.config, "device": str(dev), "arms": out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
