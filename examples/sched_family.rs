@@ -7,7 +7,7 @@ fn main() {
     println!("SIMULATED. makespan ms (exposed comm ms); bound = max(total compute, total comm); EP budget b.");
     println!(
         "{:<18} {:>5} {:>2} {:>7} {:>14} {:>14} {:>14} {:>14} {:>8} {:>9} {:>14}",
-        "shape", "ratio", "b", "bound", "serial", "B-then-F", "pairing", "ours", "ours/bd", "ours/pair", "ready_first"
+        "shape", "ratio", "b", "bound", "serial", "B-then-F", "pairing", "ours", "ours/bd", "ours/pair", "classic"
     );
     let f = |x: (f64, f64)| format!("{:.2} ({:.2})", x.0 / 1e3, x.1 / 1e3);
     for ratio in [0.25, 0.5, 1.0, 2.0] {
@@ -19,7 +19,7 @@ fn main() {
                 println!(
                     "{:<18} {:>5.2} {:>2} {:>7.2} {:>14} {:>14} {:>14} {:>14} {:>8.3} {:>9} {:>14}",
                     name, ratio, budget, r.bound_us / 1e3, f(r.serial), f(r.b_then_f), pair, f(r.ours), r.ours.0 / r.bound_us, vs,
-                    f(r.ours_ready_first)
+                    f(r.ours_classic)
                 );
             }
         }

@@ -598,31 +598,34 @@ fn exhaustive_optimum_is_never_worse_than_ours() {
     assert!(better > 0, "the search never beat the greedy: it would prove nothing");
 }
 
-/// Opt-in rule `ready_first`: within a class, compute that needs no wait goes before compute
-/// that would stall on a transfer. Off by default (the default orders are unchanged); on, it
-/// keeps every order valid and within budget, and does what it says on a graph where the two
-/// compete (the forward's next compute needs its transfer, the backward's needs nothing).
+/// Rule `ready_first` (default since its GPU A/B; `classic` turns it off): within a class,
+/// compute that needs no wait goes before compute that would stall on a transfer. Both rule
+/// sets keep every order valid and within budget, and the rule does what it says on a graph
+/// where the two compete (the forward's next compute needs its transfer, the backward's needs
+/// nothing).
 #[test]
-fn ready_first_rule_is_opt_in_valid_and_prefers_compute_that_needs_no_wait() {
+fn ready_first_rule_is_default_valid_and_prefers_compute_that_needs_no_wait() {
     use sched_lifetime::scenarios::optimum;
     use sched_lifetime::sched::Rules;
     assert_eq!(Rules::parse("").unwrap(), Rules::default());
-    assert!(Rules::parse("ready_first").unwrap().ready_first);
-    assert!(Rules::parse("fastest").unwrap_err().to_string().contains("known rules: ready_first"));
-    let on = Rules { ready_first: true };
+    assert!(Rules::default().ready_first && Rules::parse("ready_first").unwrap().ready_first);
+    assert_eq!(Rules::parse("classic").unwrap(), Rules::CLASSIC);
+    assert!(Rules::parse("fastest").unwrap_err().to_string().contains("known rules: ready_first, classic"));
     for seed in 0..500u64 {
         let g = Graph::new(random_graph(seed)).unwrap();
         let budgets = Budgets::new(1 + (seed % 3) as u32, 1 + (seed % 2) as u32).unwrap();
-        let s = sched::schedule_with(&g, budgets, on).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
-        validate(&g, &s).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        for rules in [Rules::default(), Rules::CLASSIC] {
+            let s = sched::schedule_with(&g, budgets, rules).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+            validate(&g, &s).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        }
         assert_eq!(sched::schedule_with(&g, budgets, Rules::default()).unwrap().order, sched::schedule(&g, budgets).unwrap().order);
     }
     // MoE-like seed 5: F1.n2 needs F1.n1's transfer; B0.n6 needs nothing.
     let g = Graph::new(optimum::small_random_moe(5, 14)).unwrap();
     let b = Budgets::new(1, 2).unwrap();
     let pos = |s: &Schedule, n: &str| s.order.iter().position(|&u| g.nodes[u.ix()].name == n).unwrap();
-    let default = sched::schedule(&g, b).unwrap();
-    let ready = sched::schedule_with(&g, b, on).unwrap();
-    assert!(pos(&default, "F1.n1.wait") < pos(&default, "B0.n6"), "default: the stalling candidate went first");
+    let classic = sched::schedule_with(&g, b, Rules::CLASSIC).unwrap();
+    let ready = sched::schedule(&g, b).unwrap();
+    assert!(pos(&classic, "F1.n1.wait") < pos(&classic, "B0.n6"), "classic: the stalling candidate went first");
     assert!(pos(&ready, "B0.n6") < pos(&ready, "F1.n1.wait"), "ready_first: the ready candidate goes first");
 }

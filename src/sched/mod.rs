@@ -82,25 +82,36 @@ pub struct Schedule {
     pub budgets: Budgets,
 }
 
-/// Opt-in policy rules beyond the default policy (the default is what the README's GPU
-/// figures were measured with; a rule becomes default only after an A/B on the GPU).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// Policy rules that can be switched (a rule becomes default only after an A/B on the GPU;
+/// `ready_first` did: 2 x H200 main job, 1.314x vs 1.247x over sequential, README).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Rules {
     /// Within a candidate class, compute that needs no wait goes before compute that would
-    /// stall the compute stream on a transfer (wait late, taken one step further).
+    /// stall the compute stream on a transfer (wait late, taken one step further). Default on;
+    /// `classic` turns it off (the policy before it, kept for A/Bs).
     pub ready_first: bool,
+}
+
+impl Default for Rules {
+    fn default() -> Rules {
+        Rules { ready_first: true }
+    }
 }
 
 impl Rules {
     /// The rule names `parse` accepts.
-    pub const NAMES: &'static [&'static str] = &["ready_first"];
+    pub const NAMES: &'static [&'static str] = &["ready_first", "classic"];
 
-    /// Comma-separated rule names ("" = none).
+    /// The policy before `ready_first` became default.
+    pub const CLASSIC: Rules = Rules { ready_first: false };
+
+    /// Comma-separated rule names ("" = the default rules).
     pub fn parse(text: &str) -> Result<Rules> {
         let mut r = Rules::default();
         for name in text.split(',').map(str::trim).filter(|n| !n.is_empty()) {
             match name {
                 "ready_first" => r.ready_first = true,
+                "classic" => r.ready_first = false,
                 other => {
                     return Err(crate::error::Error::InvalidInput(format!(
                         "unknown scheduler rule '{other}'; known rules: {}",

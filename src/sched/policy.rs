@@ -223,7 +223,7 @@ impl<'g> State<'g> {
     }
 
     fn next_compute(&self) -> Option<Key> {
-        // Opt-in `ready_first`: within a class, a candidate that needs no wait goes before one
+        // `ready_first` (default; off under `classic`): within a class, a candidate that needs no wait goes before one
         // that would stall the compute stream on a transfer.
         let best_in = |skip: Option<SourceId>| -> Option<(usize, bool, Key)> {
             let mut best: Option<(usize, bool, Key)> = None;

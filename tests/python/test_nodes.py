@@ -27,7 +27,7 @@ def test_node_path_equals_plain_backward(config, capacity):
     for i in range(n):
         (ref(**ref.batch(0, i)) / n).backward()
     want = {k: p.grad for k, p in ref.named_parameters()}
-    for order, lifetime in [("sequential", "scheduled"), ("b_then_f", "scheduled"), ("ours", "scheduled"), ("ours", "record_stream"), ("ours:ready_first", "scheduled")]:
+    for order, lifetime in [("sequential", "scheduled"), ("b_then_f", "scheduled"), ("ours", "scheduled"), ("ours", "record_stream"), ("ours:classic", "scheduled")]:
         m = MoEModel(cfg)
         train_step(m.chunk(), [m.batch(0, i) for i in range(n)], order, lifetime)
         for k, p in m.named_parameters():

@@ -341,7 +341,7 @@ def _pair_graph(fchunk: Optional[Chunk], bchunk: Optional[Chunk]) -> dict:
 def _order_schedule(g: dict, order: str) -> dict:
     if order == "ours":
         return schedule(g)
-    if order.startswith("ours:"):  # ours with opt-in scheduler rules, e.g. "ours:ready_first"
+    if order.startswith("ours:"):  # ours with named scheduler rules, e.g. "ours:classic"
         return schedule(g, rules=order[len("ours:") :])
     if order in ("b_then_f", "sequential"):
         # Table order lists B first, and each wait right after its launch.

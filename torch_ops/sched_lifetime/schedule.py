@@ -31,8 +31,9 @@ def schedule(
 ) -> dict[str, Any]:
     """Schedule `graph`. Budgets default to SCHED_LIFETIME_EP_LAUNCH_BUDGET /
     SCHED_LIFETIME_PAGE_LAUNCH_BUDGET, else 2. With `explain`, the result lists, per launch,
-    the compute it ran under. `rules`: opt-in scheduler rules, comma-separated, from
-    `INFO["scheduler_rules"]` (none by default)."""
+    the compute it ran under. `rules`: scheduler rules, comma-separated, from
+    `INFO["scheduler_rules"]` ("" or None: the default, which includes `ready_first`;
+    `"classic"`: the policy before it)."""
     return json.loads(
         ops.schedule(json_text(graph, "graph"), _budget(ep_budget, "ep_budget"), _budget(page_budget, "page_budget"), explain, rules or "")
     )

@@ -40,8 +40,9 @@ ARMS = {
 }
 #: Arms that capture the whole step in one CUDA graph (GPU, fixed-capacity dispatch only).
 GRAPH_ARMS = {"ours+graph": ("ours", "scheduled")}
-#: Opt-in arms, not in the default list: `ours` with an opt-in scheduler rule (for its A/B).
-EXTRA_ARMS = {"ours+ready_first": ("ours:ready_first", "scheduled")}
+#: Arms not in the default list: `ours` under the `classic` scheduler rules (the default
+#: before `ready_first`, for A/Bs).
+EXTRA_ARMS = {"ours+classic": ("ours:classic", "scheduled")}
 
 
 def _free_port() -> int:
