@@ -8,7 +8,8 @@
 //! 3. Compute: candidates are nodes whose unissued predecessors are all ready waits. After a
 //!    launch from source S, a candidate from another source goes first (yield). Then
 //!    launch-enabling compute (ancestors of a launch), then other compute, then weight-gradient
-//!    work. A candidate that needs waits gets them issued first (late wait), and the step
+//!    work. Within a class, a candidate that needs no wait goes before one that does
+//!    (`ready_first`, default; off under the `classic` rules). A candidate that needs waits gets them issued first (late wait), and the step
 //!    restarts, so a launch the waits unblocked goes before it. Before a wait, one ready
 //!    weight-gradient node is issued if there is one (wgrad fills the gap a wait would expose;
 //!    it never delays a launch, since it enables none).
