@@ -68,6 +68,41 @@ def test_outputs_bit_exact_against_eager(lifetime):
         assert sum(st["bound"] for st in ex.last_stats.values()) == len(s["retires"])
 
 
+def test_retired_values_are_bound_in_the_retire_call_not_at_the_producer(monkeypatch):
+    """The host path: one `retire_owned` op call per (plan, consumer stream, action, owner)
+    group after a node, and no `bind` call per produced tensor."""
+    from sched_lifetime import lifetime as lt
+
+    calls = {"bind": 0, "retire_owned": 0, "tensors": 0}
+    real = lt._retire_owned
+
+    def bind(*a):
+        calls["bind"] += 1
+        raise AssertionError("the executor bound a tensor at its producer")
+
+    def retire_owned(handle, ts, owner, consumer, code):
+        calls["retire_owned"] += 1
+        calls["tensors"] += len(ts)
+        return real(handle, ts, owner, consumer, code)
+
+    monkeypatch.setattr(lt, "_bind", bind)
+    monkeypatch.setattr(lt, "_retire_owned", retire_owned)
+    graph, w = moe_layer(), weights()
+    s = sl.schedule(graph, ep_budget=1)
+    ex = sl.Executor(graph, s, callables(w))
+    ex.run(inputs())
+    producer = {(o if isinstance(o, str) else o["value"]): n["name"] for n in graph["nodes"] for o in n.get("outputs", [])}
+    source = {n["name"]: n["source"] for n in graph["nodes"]}
+    role = dict(map(tuple, s["streams"]))
+    groups = {
+        (r["last_consumer"], source[producer[r["value"]]], r["consumer_stream"], r["action"], role[producer[r["value"]]])
+        for r in s["retires"]
+    }
+    assert calls["bind"] == 0 and calls["tensors"] == len(s["retires"]) > 0
+    assert calls["retire_owned"] == len(groups)
+    assert sum(st["bound"] for st in ex.last_stats.values()) == len(s["retires"])
+
+
 def test_consumed_values_are_dropped_unless_kept():
     graph, w = moe_layer(), weights()
     s = sl.schedule(graph)

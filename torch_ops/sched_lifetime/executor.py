@@ -132,17 +132,18 @@ class Executor:
                 self._syncs_into.setdefault(c, []).append(p)
                 if p not in self._events:
                     self._events[p] = torch.cuda.Event()
-        # Lifetime points from the schedule.
-        self._bind_at: dict[str, list[str]] = {}
-        self._retire_after: dict[str, list[tuple[str, str, str]]] = {}
+        # Lifetime points from the schedule. A retired value is bound to its producer's stream
+        # in the retire call itself (`retire(..., owner_stream=)`), one call per (plan,
+        # consumer stream, action, owner stream) after each node: no op call at the producer.
+        self._retire_after: dict[str, dict[tuple[str, str, str, str], list[str]]] = {}
         self._drain_before: dict[str, list[tuple[str, str]]] = {}
         for r in schedule["retires"]:
             v = r["value"]
             if v in self._keep and r["action"] in INFO["storage_emptying_actions"]:
                 raise ValueError(f"value '{v}' is kept, but the schedule empties its storage after '{r['last_consumer']}'")
             plan = self._source[self._producer[v]]
-            self._bind_at.setdefault(self._producer[v], []).append(v)
-            self._retire_after.setdefault(r["last_consumer"], []).append((v, r["consumer_stream"], r["action"]))
+            key = (plan, r["consumer_stream"], r["action"], self._role[self._producer[v]])
+            self._retire_after.setdefault(r["last_consumer"], {}).setdefault(key, []).append(v)
             if r["drain_before"] is not None:
                 entry = (plan, r["owner"])
                 lst = self._drain_before.setdefault(r["drain_before"], [])
@@ -254,19 +255,17 @@ class Executor:
                 env[v] = t
                 if self.value_bytes is not None and isinstance(t, torch.Tensor):
                     self.value_bytes[v] = t.untyped_storage().nbytes()
-            for v in self._bind_at.get(name, ()):
-                if managers and isinstance(env[v], torch.Tensor):
-                    managers[self._source[name]].bind(env[v], s)
         if name in self._events:
             self._events[name].record(s)
-        for v, consumer_role, action in self._retire_after.get(name, ()):
-            t = env.get(v)
-            if not isinstance(t, torch.Tensor):
+        for (plan, consumer_role, action, owner_role), values in self._retire_after.get(name, {}).items():
+            ts = [t for t in (env.get(v) for v in values) if isinstance(t, torch.Tensor)]
+            if not ts:
                 continue
             if managers:
-                managers[self._source[self._producer[v]]].retire(t, streams[consumer_role], action)
-            elif self.lifetime == "record_stream" and streams[consumer_role] is not streams[self._role[self._producer[v]]]:
-                t.record_stream(streams[consumer_role])
+                managers[plan].retire(ts, streams[consumer_role], action, owner_stream=streams[owner_role])
+            elif self.lifetime == "record_stream" and streams[consumer_role] is not streams[owner_role]:
+                for t in ts:
+                    t.record_stream(streams[consumer_role])
         for v in self._last_use.get(name, ()):
             env.pop(v, None)
 
