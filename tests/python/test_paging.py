@@ -153,3 +153,50 @@ def test_freelist_reuse_is_ordered_on_the_page_stream_and_the_control_corrupts()
     assert _freelist_poison(ordered=True) == 0
     corrupt = _freelist_poison(ordered=False)
     assert corrupt > POISON_ITERS // 2, f"control corrupted only {corrupt}/{POISON_ITERS}: the test has no teeth here"
+
+
+@pytest.mark.parametrize("order", ["ours", "sequential"])
+def test_page_nodes_on_the_node_path_are_scheduled_and_bit_exact(order):
+    """Paging through the graph: page_out after each chosen node (forward source), page_in
+    before its backward (backward source), on the page stream, in the scheduler's order; a
+    whole train_step with paging equals one without, bit for bit, over several steps."""
+    from sched_lifetime.nodes import train_step
+
+    cfg = replace(CONFIGS["tiny"], capacity_factor=1.0, layers=3)
+    ref, paged = MoEModel(cfg), MoEModel(cfg)
+    cr, cp = ref.chunk(), paged.chunk()
+    plan = cp.enable_paging(paged.batch(0, 0), budget=0.5, min_bytes=1024)
+    assert plan["page"] and plan["bytes_paged"] >= plan["target"] and cp.pool is not None
+    g = cp.graph(True, True)
+    kinds = {n["name"]: n["kind"] for n in g["nodes"]}
+    for x in plan["page"]:
+        assert kinds[f"F.{x}.page_out"] == "page_out" and kinds[f"B.{x}.page_in"] == "page_in"
+    s = cp.order_schedule(True, True, "ours")
+    roles = dict(map(tuple, s["streams"]))
+    assert {roles[n] for n in kinds if kinds[n] in ("page_out", "page_in")} == {"page"}
+    for step in range(3):
+        for m in (ref, paged):
+            for p in m.parameters():
+                p.grad = None
+        lr = train_step(cr, [ref.batch(step, k) for k in range(3)], order=order)
+        lp = train_step(cp, [paged.batch(step, k) for k in range(3)], order=order)
+        assert all(torch.equal(a, b) for a, b in zip(lr, lp)), step
+        g_r, g_p = grads(ref), grads(paged)
+        assert all(torch.equal(g_r[k], g_p[k]) for k in g_r), step
+        assert cp.pool.in_use() == 0
+    moved = cp.page_stats
+    assert moved["bytes_out"] == moved["bytes_in"] == 3 * 3 * plan["bytes_paged"]
+
+
+def test_enable_paging_refuses_bad_input():
+    cfg = replace(CONFIGS["tiny"], capacity_factor=1.0)
+    m = MoEModel(cfg)
+    c = m.chunk()
+    with pytest.raises(ValueError, match="a budget or a list of nodes"):
+        c.enable_paging(m.batch(0, 0))
+    with pytest.raises(ValueError, match="not compute nodes of this chunk with a backward: \\['L0.dispatch'\\]"):
+        c.enable_paging(m.batch(0, 0), nodes=["L0.dispatch"])
+    with pytest.raises(ValueError, match="in_flight must be"):
+        c.enable_paging(m.batch(0, 0), budget=0.5, in_flight=0)
+    plan = c.enable_paging(m.batch(0, 0), nodes=["L0.attn"], min_bytes=1)
+    assert plan["page"] == ["L0.attn"] and plan["bytes_paged"] > 0

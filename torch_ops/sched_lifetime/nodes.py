@@ -56,6 +56,10 @@ class MicrobatchState:
     index: int
     saved: dict[str, Any] = field(default_factory=dict)
     loss: Optional[torch.Tensor] = None
+    #: Paging: per paged node, the saved activations waiting for their page-out (device
+    #: tensors), then their host handles; and after the page-in, the reloaded tensors.
+    paged: dict[str, list] = field(default_factory=dict)
+    paged_in: dict[str, list] = field(default_factory=dict)
 
 
 class _Ctx:
@@ -113,6 +117,16 @@ class Chunk:
         #: When a list, dW nodes queue their work here instead of running it (the caller runs
         #: it later: a pipeline schedule's BACKWARD_WEIGHT).
         self.deferred_dw: Optional[list[Callable[[], None]]] = None
+        # Paging (`enable_paging`): the compute nodes whose saved activations are paged, the
+        # pinned host pool, and the calibration's per-node saved bytes.
+        self._paged: set[str] = set()
+        self.pool: Any = None
+        self.page_min_bytes = 1 << 16
+        self._calibrating: Optional[dict[str, list[int]]] = None
+        self.page_plan: Optional[dict] = None
+        #: Bytes moved by the page nodes (out == in once every paged microbatch has run its
+        #: backward).
+        self.page_stats = {"bytes_out": 0, "bytes_in": 0}
         self._forward_table = self._forward_nodes()
         self._backward_table = self._backward_nodes()
         self._executors: dict[tuple, Executor] = {}
@@ -139,10 +153,18 @@ class Chunk:
 
     def _forward_nodes(self) -> list[dict]:
         table = []
+        self._forward_control: list[list[str]] = []
         for n in self.nodes:
             ins = [f"F.{v}" for v in n.inputs]
             if n.kind == "compute":
                 table.append({"name": f"F.{n.name}", "source": "F", "kind": "compute", "inputs": ins, "outputs": [f"F.{v}" for v in n.outputs]})
+                if n.name in self._paged:
+                    # The node's saved activations go to host memory on the page stream after
+                    # it (a control edge: the copy reads what the node saved, not its outputs).
+                    po = f"F.{n.name}.page_out"
+                    table.append({"name": po, "source": "F", "kind": "page_out", "inputs": [], "outputs": []})
+                    table.append({"name": f"{po}.wait", "source": "F", "kind": "page_wait", "launch": po})
+                    self._forward_control.append([f"F.{n.name}", po])
             else:
                 outs = [
                     {"value": f"F.{v}", "alloc": "consumer"} if v in n.consumer_alloc else f"F.{v}" for v in n.outputs
@@ -164,6 +186,14 @@ class Chunk:
                 table.append({"name": f"B.{n.name}", "source": "B", "kind": "comm_launch", "inputs": grads, "outputs": outs})
                 table.append({"name": f"B.{n.name}.wait", "source": "B", "kind": "comm_wait", "launch": f"B.{n.name}"})
                 continue
+            if n.name in self._paged:
+                # Back from host memory before the node's backward (dI and dW both read it);
+                # the page-in needs nothing from this source, so the scheduler may launch it
+                # early (prefetch, within the page stream's launch budget).
+                pi = f"B.{n.name}.page_in"
+                table.append({"name": pi, "source": "B", "kind": "page_in", "inputs": [], "outputs": [{"value": f"B.p.{n.name}", "alloc": "consumer"}]})
+                table.append({"name": f"{pi}.wait", "source": "B", "kind": "page_wait", "launch": pi})
+                grads = grads + [f"B.p.{n.name}"]
             if partials:
                 table.append({"name": f"B.{n.name}", "source": "B", "kind": "compute", "inputs": grads, "outputs": partials})
             if n.params:
@@ -207,7 +237,7 @@ class Chunk:
             for i in grad_ix:
                 args[i] = args[i].detach().requires_grad_(True)
                 leaves.append(args[i])
-            with torch.enable_grad():
+            with torch.enable_grad(), self._page_hooks(n.name, ctx.fwd):
                 outs = n.fn(*args)
             outs = outs if isinstance(outs, tuple) else (outs,)
             ctx.fwd.saved[n.name] = (leaves, [outs[i] for i in out_ix])
@@ -245,12 +275,17 @@ class Chunk:
         has_dw = bool(n.params)
         params = list(n.params)
 
+        paged = n.name in self._paged
+
         def d_input(*grads: torch.Tensor) -> Any:
             st = ctx.bwd
+            if paged:  # the last input is the page-in's token (the unpack hook reads st.paged_in)
+                grads = grads[:-1]
             leaves, outs = st.saved[n.name] if has_dw else st.saved.pop(n.name)
             g = summed(grads)
             if not has_dw:
                 res = torch.autograd.grad(outs, leaves, g, allow_unused=True)
+                st.paged_in.pop(n.name, None)
             else:
                 # dW follows (a control edge orders it): split where the weights join the
                 # input's graph, so dW reuses the gradients computed here instead of redoing them.
@@ -265,10 +300,13 @@ class Chunk:
                 res = saved.weight_grads()
             else:  # no dI part (no input takes a gradient): the whole backward is dW
                 res = torch.autograd.grad(saved[1], params, summed(grads), allow_unused=True)
+            st.paged_in.pop(n.name, None)
             accumulate_grads(params, res)
 
         def d_weight(*grads: torch.Tensor) -> Any:
             st = ctx.bwd
+            if paged:
+                grads = grads[:-1]
             if self.deferred_dw is not None:  # dW later (a pipeline's BACKWARD_WEIGHT)
                 self.deferred_dw.append(lambda: weight_grads(st, grads))
             else:
@@ -287,9 +325,136 @@ class Chunk:
         for n in self.nodes:
             if forward:
                 out[f"F.{n.name}"] = self._forward_fn(n)
+                if n.name in self._paged:
+                    out[f"F.{n.name}.page_out"] = self._page_out_fn(n.name)
             if backward:
                 out.update(self._backward_fns(n))
+                if n.name in self._paged:
+                    out[f"B.{n.name}.page_in"] = self._page_in_fn(n.name)
         return {k: v for k, v in out.items() if k in names}
+
+    # -- paging ------------------------------------------------------------------------
+
+    def _page_hooks(self, name: str, st: Optional[MicrobatchState]) -> Any:
+        """`saved_tensors_hooks` for a paged node's forward (activations of at least
+        `page_min_bytes` are held for the page-out; weights and the node's detached inputs
+        stay), for every node while calibrating (bytes counted), else nothing."""
+        import contextlib
+
+        calib = self._calibrating
+        if calib is None and name not in self._paged:
+            return contextlib.nullcontext()
+
+        def pageable(t: torch.Tensor) -> bool:
+            base = t._base if t._base is not None else t
+            weight = isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
+            return not weight and t.numel() * t.element_size() >= self.page_min_bytes
+
+        def pack(t: torch.Tensor) -> Any:
+            if not pageable(t):
+                return ("keep", t)
+            if calib is not None:
+                calib.setdefault(name, []).append(t.numel() * t.element_size())
+                return ("keep", t)
+            held = st.paged.setdefault(name, [])
+            held.append(t)
+            return ("paged", st, name, len(held) - 1)
+
+        def unpack(packed: Any) -> torch.Tensor:
+            if packed[0] == "keep":
+                return packed[1]
+            _, owner, node, i = packed
+            reloaded = owner.paged_in.get(node)
+            if reloaded is None:
+                raise RuntimeError(f"node '{node}': saved activation #{i} read before its page-in (microbatch {owner.index})")
+            return reloaded[i]
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def _page_out_fn(self, name: str) -> Callable[..., Any]:
+        ctx = self.ctx
+
+        def page_out() -> tuple:
+            st = ctx.fwd
+            held = st.paged.get(name, [])
+            st.paged[name] = [self.pool.page_out(t, owner=ctx.compute) for t in held]
+            self.page_stats["bytes_out"] += sum(h.nbytes for h in st.paged[name])
+            return ()
+
+        return page_out
+
+    def _page_in_fn(self, name: str) -> Callable[..., Any]:
+        ctx = self.ctx
+
+        def page_in() -> tuple:
+            st = ctx.bwd
+            handles = st.paged.pop(name, None)
+            if handles is None:
+                raise RuntimeError(f"node '{name}': page-in of microbatch {st.index}, which was never paged out")
+            st.paged_in[name] = [self.pool.page_in_launch(h, alloc_stream=ctx.compute)[0] for h in handles]
+            self.page_stats["bytes_in"] += sum(h.nbytes for h in handles)
+            return (st.paged_in[name],)
+
+        return page_in
+
+    def enable_paging(
+        self,
+        example: dict[str, Any],
+        budget: Any = None,
+        nodes: Optional[Sequence[str]] = None,
+        in_flight: int = 2,
+        min_bytes: int = 1 << 16,
+        min_distance: int = 1,
+    ) -> dict:
+        """Page the saved activations of some compute nodes to pinned host memory through page
+        nodes of the graph (`F.<node>.page_out` after the node, `B.<node>.page_in` before its
+        backward), which the scheduler interleaves with the other source's work. Calibration:
+        one forward of `example` (the chunk's inputs; with EP every rank calls this together:
+        it runs the collectives) records each node's saved activations; Rust's `page_plan`
+        picks the nodes under `budget` (furthest backward use first), or `nodes` names them.
+        The host pool is allocated here, `in_flight` microbatches deep (a combined F(i+1)+B(i)
+        step holds two), never during a step. Returns the plan."""
+        from .paging import HostPool, page_plan
+
+        if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
+            raise ValueError(f"in_flight must be an int >= 1, got {in_flight!r}")
+        if (budget is None) == (nodes is None):
+            raise ValueError("enable_paging needs a budget or a list of nodes (not both)")
+        self._paged = set()
+        self._rebuild()
+        # Eligible: compute nodes that have a backward node (something reads what they save).
+        has_backward = {t["name"].split(".", 1)[1].removesuffix(".dw") for t in self._backward_table if t["kind"] == "compute"}
+        compute = [n.name for n in self.nodes if n.kind == "compute" and n.name in has_backward]
+        if nodes is not None:
+            unknown = sorted(set(nodes) - set(compute))
+            if unknown:
+                raise ValueError(f"enable_paging: not compute nodes of this chunk with a backward: {unknown}")
+        self.page_min_bytes = min_bytes
+        self._calibrating = calib = {}
+        try:
+            self.run(fwd=(MicrobatchState(-1), example))
+        finally:
+            self._calibrating = None
+        nbytes = {x: sum(calib[x]) for x in compute if calib.get(x)}
+        if nodes is not None:
+            chosen = [x for x in compute if x in set(nodes) and x in nbytes]
+            plan = {"page": chosen, "bytes_paged": sum(nbytes[x] for x in chosen), "bytes_live": sum(nbytes.values())}
+        else:
+            # Forward order saves; the backward reads the last node's first.
+            order = [x for x in compute if x in nbytes]
+            prefix = [{"name": x, "bytes": nbytes[x], "saved_at": i, "used_at": len(order) - 1 - i} for i, x in enumerate(order)]
+            plan = page_plan(prefix, budget, min_distance)
+        self._paged = set(plan["page"])
+        self._rebuild()
+        sizes = [b for x in sorted(self._paged) for b in calib[x]] * in_flight
+        self.pool = HostPool(sizes, self.device) if sizes else None
+        self.page_plan = dict(plan, host_bytes=sum(sizes))
+        return self.page_plan
+
+    def _rebuild(self) -> None:
+        self._forward_table = self._forward_nodes()
+        self._backward_table = self._backward_nodes()
+        self._executors.clear()
 
     # -- running -----------------------------------------------------------------------
 
@@ -331,6 +496,7 @@ def _pair_graph(fchunk: Optional[Chunk], bchunk: Optional[Chunk]) -> dict:
     if fchunk is not None:
         sources.append({"name": "F", "phase": "F"})
         nodes += fchunk._forward_table
+        control += fchunk._forward_control
         inputs += [f"F.{v}" for v in fchunk.inputs]
     g = {"sources": sources, "inputs": inputs, "nodes": nodes}
     if control:

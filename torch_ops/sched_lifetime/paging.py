@@ -128,18 +128,20 @@ class HostPool:
         for slot in sorted(self._taken):
             self.give(slot)
 
-    def page_out(self, t: torch.Tensor) -> Paged:
+    def page_out(self, t: torch.Tensor, owner: Any = None) -> Paged:
         """Copy `t` into a free host buffer (on the page stream after the compute stream's work
         so far). On CUDA the device storage is kept alive by a lifetime manager until the copy
         is done: at a later save, unpack or page-out whose host-side check finds the copy
         finished (`release_done`), or, with more than `drain_distance` copies in flight, at once,
         the compute stream waits on the copy's event and the reference is dropped (rule 1, no record_stream, no host sync; the
-        event query makes this path eager-only, as saved_tensors_hooks are)."""
+        event query makes this path eager-only, as saved_tensors_hooks are). `owner`: the
+        stream `t` was produced on (default: the current stream; a page node running on the
+        page stream passes the compute stream)."""
         nbytes = t.numel() * t.element_size()
         slot = self.take(nbytes)
         buf = self.view(slot, tuple(t.shape), t.dtype)
         if t.is_cuda:
-            comp, page = torch.cuda.current_stream(t.device), self.page_stream
+            comp, page = owner if owner is not None else torch.cuda.current_stream(t.device), self.page_stream
             page.wait_stream(comp)
             with torch.cuda.stream(page):
                 buf.copy_(t.detach(), non_blocking=True)
@@ -148,12 +150,12 @@ class HostPool:
             m = LifetimeManager("page_out")
             m.bind(t, comp)
             m.retire(t, page, "drop_reference")
-            self._retiring.append((m, done))
+            self._retiring.append((m, done, comp))
             # Release what the link has already copied (the compute stream's wait on a finished
             # copy costs nothing), oldest first; only past `drain_distance` copies in flight does
             # the compute stream wait on one (the copies fall behind the forward).
             while len(self._retiring) > self.drain_distance:
-                self._drain_one(comp)
+                self._drain_one()
             self.release_done()
         else:
             buf.copy_(t.detach())
@@ -166,16 +168,18 @@ class HostPool:
         self.page_wait(ev)
         return out
 
-    def page_in_launch(self, p: Paged) -> tuple:
+    def page_in_launch(self, p: Paged, alloc_stream: Any = None) -> tuple:
         """Queue the copy back (on the page stream after the compute stream's work so far) into
         a tensor allocated on the compute stream; returns it with the event to wait on before
         reading it (None on CPU). The buffer goes back to the freelist at once: the next
-        page-out that takes it is queued behind this copy on the page stream."""
+        page-out that takes it is queued behind this copy on the page stream. `alloc_stream`:
+        the consumer's stream (default: the current stream)."""
         buf = self.view(p.slot, p.shape, p.dtype)
         ev = None
         if p.device.type == "cuda":
-            comp, page = torch.cuda.current_stream(p.device), self.page_stream
-            out = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+            comp, page = alloc_stream if alloc_stream is not None else torch.cuda.current_stream(p.device), self.page_stream
+            with torch.cuda.stream(comp):
+                out = torch.empty(p.shape, dtype=p.dtype, device=p.device)
             page.wait_stream(comp)
             with torch.cuda.stream(page):
                 out.copy_(buf, non_blocking=True)
@@ -193,9 +197,9 @@ class HostPool:
         if ev is not None:
             torch.cuda.current_stream(self.device).wait_event(ev)
 
-    def _drain_one(self, comp: Any) -> None:
-        m, _ = self._retiring.pop(0)
-        m.acquire(comp)
+    def _drain_one(self) -> None:
+        m, _, owner = self._retiring.pop(0)  # the owner stream waits on the copy, then releases
+        m.acquire(owner)
         m.finalize()
         m.close()
 
@@ -203,13 +207,13 @@ class HostPool:
         """Release the device storage of every page-out whose copy has finished, oldest first
         (the compute stream's wait on a finished copy costs nothing). Cheap: call it often."""
         while self._retiring and self._retiring[0][1].query():
-            self._drain_one(torch.cuda.current_stream(self.device))
+            self._drain_one()
 
     def drain(self) -> None:
         """Release every page-out's device storage still held (the compute stream waits on the
         copies first)."""
         while self._retiring:
-            self._drain_one(torch.cuda.current_stream(self.device))
+            self._drain_one()
 
 
 class Pager:
