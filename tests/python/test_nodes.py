@@ -27,7 +27,7 @@ def test_node_path_equals_plain_backward(config, capacity):
     for i in range(n):
         (ref(**ref.batch(0, i)) / n).backward()
     want = {k: p.grad for k, p in ref.named_parameters()}
-    for order, lifetime in [("sequential", "scheduled"), ("b_then_f", "scheduled"), ("ours", "scheduled"), ("ours", "record_stream"), ("ours:classic", "scheduled")]:
+    for order, lifetime in [("sequential", "scheduled"), ("b_then_f", "scheduled"), ("ours", "scheduled"), ("ours", "record_stream"), ("ours:classic", "scheduled"), ("ours:ep_budget=1", "scheduled")]:
         m = MoEModel(cfg)
         train_step(m.chunk(), [m.batch(0, i) for i in range(n)], order, lifetime)
         for k, p in m.named_parameters():
@@ -106,3 +106,17 @@ def test_every_embedded_model_weight_splits_at_an_intermediate():
         assert _WeightSplit(outs, leaves, n.params).rest == [], n.name
         checked += 1
     assert checked >= 4
+
+
+def test_order_settings_reach_the_scheduler_and_bad_ones_are_named():
+    from sched_lifetime.nodes import _order_schedule
+
+    g = MoEModel(CONFIGS["tiny"]).chunk().graph(True, True)
+    assert _order_schedule(g, "ours:ep_budget=1")["budgets"]["ep"] == 1
+    assert _order_schedule(g, "ours:classic,ep_budget=3,page_budget=1")["budgets"] == {"ep": 3, "page": 1}
+    with pytest.raises(ValueError, match="ep_budget must be a positive integer, got 'x'"):
+        _order_schedule(g, "ours:ep_budget=x")
+    with pytest.raises(ValueError, match="unknown setting 'speed'"):
+        _order_schedule(g, "ours:speed=2")
+    with pytest.raises(ValueError, match="1..=1024"):
+        _order_schedule(g, "ours:ep_budget=0")

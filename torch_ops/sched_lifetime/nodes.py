@@ -507,12 +507,23 @@ def _pair_graph(fchunk: Optional[Chunk], bchunk: Optional[Chunk]) -> dict:
 def _order_schedule(g: dict, order: str) -> dict:
     if order == "ours":
         return schedule(g)
-    if order.startswith("ours:"):  # ours with named scheduler rules, e.g. "ours:classic"
-        return schedule(g, rules=order[len("ours:") :])
+    if order.startswith("ours:"):  # ours with named rules and budgets, e.g. "ours:classic,ep_budget=1"
+        rules, budgets = [], {}
+        for item in filter(None, (x.strip() for x in order[len("ours:") :].split(","))):
+            key, eq, val = item.partition("=")
+            if eq and key in ("ep_budget", "page_budget"):
+                if not val.isdigit():
+                    raise ValueError(f"order {order!r}: {key} must be a positive integer, got {val!r}")
+                budgets[key] = int(val)
+            elif eq:
+                raise ValueError(f"order {order!r}: unknown setting {key!r} (ep_budget, page_budget)")
+            else:
+                rules.append(item)
+        return schedule(g, rules=",".join(rules), **budgets)
     if order in ("b_then_f", "sequential"):
         # Table order lists B first, and each wait right after its launch.
         return schedule_order(g, [n["name"] for n in g["nodes"]])
-    raise ValueError(f"order must be one of {Chunk.ORDERS} (or 'ours:<rules>'), got {order!r}")
+    raise ValueError(f"order must be one of {Chunk.ORDERS} (or 'ours:<rules,budgets>'), got {order!r}")
 
 
 def _executor(fchunk: Optional[Chunk], bchunk: Optional[Chunk], order: str, lifetime: str) -> Executor:
@@ -697,7 +708,7 @@ def train_step(
     if n == 0:
         raise ValueError("train_step needs at least one microbatch")
     if order not in Chunk.ORDERS and not order.startswith("ours:"):
-        raise ValueError(f"order must be one of {Chunk.ORDERS} (or 'ours:<rules>'), got {order!r}")
+        raise ValueError(f"order must be one of {Chunk.ORDERS} (or 'ours:<rules,budgets>'), got {order!r}")
     scale = 1.0 / n
     states = [MicrobatchState(i) for i in range(n)]
 
