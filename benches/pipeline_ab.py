@@ -4,10 +4,14 @@ no handler (plain stage modules). Interleaved steps, medians; parity checked wit
 on every loss and gradient of the first step. Prints one table (rank 0).
 
     torchrun --standalone --nproc-per-node 2 benches/pipeline_ab.py [--config pp_h200] [--steps 6]
+    torchrun --standalone --nproc-per-node 4 benches/pipeline_ab.py --ep 2   # PP=2 x EP=2
 
-EP inside a stage is local here (2 GPUs hold the 2 pipeline ranks): dispatch and combine are
-copies, so the overlap has no EP transfer to hide; the figure measures the handler's cost and
-whatever compute/copy concurrency the multiplexed order finds.
+With `--ep 1` (2 ranks) EP inside a stage is local: dispatch and combine are copies, so the
+overlap has no EP transfer to hide; the figure measures the handler's cost and whatever
+compute/copy concurrency the multiplexed order finds. With `--ep N` (2N ranks) pipeline rank =
+rank % 2 and the N ranks of a pipeline rank form an EP group (NCCL, high-priority streams;
+functional all-to-all, so the plain reference differentiates through it): the comm-heavy case
+the handler is for. EP ranks see different tokens.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from sched_lifetime.ep import AllToAll
+from sched_lifetime.ep import AllToAll, FunctionalAllToAll, new_ep_group
 from sched_lifetime.models.moe import CONFIGS, MoEModel, MoEStage, deterministic_sdpa, stage_io, with_overrides
 from sched_lifetime.pipelining import NodeStage, enable_overlap
 from sched_lifetime.train import _is_kernel
@@ -58,17 +62,19 @@ def compute_busy_ms(prof) -> float:
     return busy / 1e3
 
 
-def build(cfg, rank: int, dev: torch.device, handler: bool, n_mb: int, lifetime: str = "scheduled"):
+def build(cfg, rank: int, dev: torch.device, handler: bool, n_mb: int, lifetime: str = "scheduled", pp_group=None, ep_group=None):
+    """DualPipeV over 4 stages on pipeline rank `rank` (stages rank and 3 - rank)."""
     from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
 
-    model = MoEModel(cfg, transport=AllToAll(local=True), seed=0, device=dev)
+    transport = AllToAll(local=True) if ep_group is None else FunctionalAllToAll(ep_group)
+    model = MoEModel(cfg, transport=transport, seed=0, device=dev)
     mods, stages = [], []
     for k in (rank, 3 - rank):
         m = MoEStage(model, k, k + 1)
         m = NodeStage(m, device=dev, lifetime=lifetime) if handler else m
         inp, out = stage_io(cfg, k, 4, dev)
         mods.append(m)
-        stages.append(PipelineStage(m, k, 4, dev, input_args=inp, output_args=out))
+        stages.append(PipelineStage(m, k, 4, dev, input_args=inp, output_args=out, group=pp_group))
     sched = ScheduleDualPipeV(stages, n_mb, loss_fn=loss_fn)
     if handler and not enable_overlap(sched):
         raise RuntimeError("DualPipeV emitted no OVERLAP_F_B")
@@ -81,10 +87,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--ep", type=int, default=1, help="EP ranks per pipeline rank (world = 2 x EP)")
     a = ap.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
+    world = dist.get_world_size()
+    if world != 2 * a.ep:
+        raise SystemExit(f"--ep {a.ep} needs {2 * a.ep} ranks (PP=2 x EP={a.ep}), got {world}")
+    pp_group = ep_group = None
+    if a.ep > 1:
+        # Every rank creates every group, in the same order.
+        pp_groups = [dist.new_group([2 * e, 2 * e + 1]) for e in range(a.ep)]
+        ep_groups = [new_ep_group(list(range(r, world, 2))) for r in range(2)]
+        pp_group, ep_group = pp_groups[rank // 2], ep_groups[rank % 2]
+    prank = rank % 2  # pipeline rank
+    ep_rank = rank // 2
     if cuda:
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(dev)
@@ -102,11 +120,11 @@ def main() -> None:
 
     moe.SDPA_BACKENDS = deterministic_sdpa(dev, moe._dtype(cfg))
     arms = {
-        "no handler": build(cfg, rank, dev, False, a.microbatches),
-        "ours": build(cfg, rank, dev, True, a.microbatches),
-        "ours+record": build(cfg, rank, dev, True, a.microbatches, "record_stream"),
+        "no handler": build(cfg, prank, dev, False, a.microbatches, pp_group=pp_group, ep_group=ep_group),
+        "ours": build(cfg, prank, dev, True, a.microbatches, pp_group=pp_group, ep_group=ep_group),
+        "ours+record": build(cfg, prank, dev, True, a.microbatches, "record_stream", pp_group=pp_group, ep_group=ep_group),
     }
-    g = torch.Generator().manual_seed(7)
+    g = torch.Generator().manual_seed(7 + 1000 * ep_rank)
     tok = torch.randint(0, cfg.vocab, (a.microbatches * cfg.batch, cfg.seq), generator=g).to(dev)
     lab = torch.randint(0, cfg.vocab, (a.microbatches * cfg.batch, cfg.seq), generator=g).to(dev)
     times: dict[str, list[float]] = {k: [] for k in arms}
@@ -121,7 +139,7 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
             dist.barrier()
             t0 = time.perf_counter()
-            sched.step(tok, target=lab, losses=losses) if rank == 0 else sched.step()
+            sched.step(tok, target=lab, losses=losses) if prank == 0 else sched.step()
             torch.cuda.synchronize()
             dt = (time.perf_counter() - t0) * 1e3
             peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated())
@@ -152,7 +170,7 @@ def main() -> None:
             fmap[OVERLAP_F_B] = sampled
         for m in mods:
             m.zero_grad(set_to_none=True)
-        sched.step(tok, target=lab, losses=[]) if rank == 0 else sched.step()
+        sched.step(tok, target=lab, losses=[]) if prank == 0 else sched.step()
         torch.cuda.synchronize()
         if orig is not None:
             fmap[OVERLAP_F_B] = orig
@@ -165,7 +183,7 @@ def main() -> None:
             dist.barrier()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 t0 = time.perf_counter()
-                sched.step(tok, target=lab, losses=[]) if rank == 0 else sched.step()
+                sched.step(tok, target=lab, losses=[]) if prank == 0 else sched.step()
                 torch.cuda.synchronize()
                 wall[name] = (time.perf_counter() - t0) * 1e3
             busy[name] = compute_busy_ms(prof)
@@ -181,7 +199,7 @@ def main() -> None:
         torch.cuda.set_sync_debug_mode("warn")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            sched.step(tok, target=lab, losses=[]) if rank == 0 else sched.step()
+            sched.step(tok, target=lab, losses=[]) if prank == 0 else sched.step()
         torch.cuda.set_sync_debug_mode(0)
         sites = sorted({f"{w.filename.split('site-packages/')[-1]}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
         if rank == 0:
@@ -190,13 +208,13 @@ def main() -> None:
     equal = len(la) == len(lb) and all(torch.equal(x, y) for x, y in zip(la, lb)) and all(torch.equal(x, y) for x, y in zip(ga, gb))
     lc, gc = first["ours+record"]
     equal &= all(torch.equal(x, y) for x, y in zip(la, lc)) and all(torch.equal(x, y) for x, y in zip(ga, gc))
-    eq = [None, None]
+    eq = [None] * world
     dist.all_gather_object(eq, equal)
     overlaps = [m.overlapped for m in arms["ours"][0]]
     med = {k: statistics.median(v) for k, v in times.items()}
     if rank == 0:
         rows = [
-            f"DualPipeV, 2 x {torch.cuda.get_device_name(dev)}, config {a.config}, {a.microbatches} microbatches, "
+            f"DualPipeV, PP=2 x EP={a.ep} on {world} x {torch.cuda.get_device_name(dev)}, config {a.config}, {a.microbatches} microbatches, "
             f"medians of {a.steps} interleaved steps; parity (torch.equal, all ranks): {eq}; overlapped forwards on rank 0: {overlaps}",
             "| arm | step ms | speed-up | max alloc MiB (rank 0) | pending-free peak MiB | profiled step: wall ms / GPU compute busy ms |",
             "|---|---:|---:|---:|---:|---:|",
@@ -211,7 +229,7 @@ def main() -> None:
             print(f"{k}: top kernels (ms): {[(n, round(ms, 1)) for n, ms in top]}")
         if a.out:
             with open(os.path.join(a.out, "pipeline_ab.json"), "w") as f:
-                json.dump({"config": a.config, "times_ms": times, "median_ms": med, "parity": eq, "peak_alloc": peaks, "overlaps": overlaps,
+                json.dump({"config": a.config, "ep": a.ep, "times_ms": times, "median_ms": med, "parity": eq, "peak_alloc": peaks, "overlaps": overlaps,
                            "pending_free_peak": pending, "profiled_wall_ms": wall, "gpu_compute_busy_ms": busy, "cpu_top": cpu_top, "top_kernels": kern}, f, indent=1)
     dist.destroy_process_group()
 
