@@ -33,8 +33,9 @@ fn main() {
         );
     }
     let (mut t1, mut t2, mut better, mut worse, mut points) = (0.0, 0.0, 0, 0, 0);
+    let (mut paired, mut behind1, mut behind2, mut worst1, mut worst2) = (0, 0, 0, 0.0f64, 0.0f64);
     for ratio in [0.25, 0.5, 1.0, 2.0] {
-        for (_, spec) in family::members(ratio) {
+        for (name, spec) in family::members(ratio) {
             let g = family::build(&spec);
             let one = optimum::ours_makespan(&g, b1, Rules::default()).expect("budget 1");
             let two = optimum::ours_makespan(&g, b2, Rules::default()).expect("budget 2");
@@ -43,7 +44,18 @@ fn main() {
             points += 1;
             better += usize::from(one < two - 1e-6);
             worse += usize::from(one > two + 1e-6);
+            // Against the layer pairing at budget 2 (the stronger of its two rule sets).
+            if let Some((pair, _)) = family::row(&name, &spec, 2).expect("row").pairing {
+                paired += 1;
+                behind1 += usize::from(one > pair * 1.01);
+                behind2 += usize::from(two > pair * 1.01);
+                worst1 = worst1.max(one / pair);
+                worst2 = worst2.max(two / pair);
+            }
         }
     }
     println!("family ({points} points, ratios 0.25-2): total makespan budget 2 {:.2} ms, budget 1 {:.2} ms; budget 1 better on {better}, worse on {worse}", t2 / 1e3, t1 / 1e3);
+    println!(
+        "against the budget-2 layer pairing ({paired} points): more than 1% behind: budget-2 order {behind2} (worst {worst2:.4}), budget-1 order {behind1} (worst {worst1:.4})"
+    );
 }
