@@ -200,3 +200,29 @@ def test_enable_paging_refuses_bad_input():
         c.enable_paging(m.batch(0, 0), budget=0.5, in_flight=0)
     plan = c.enable_paging(m.batch(0, 0), nodes=["L0.attn"], min_bytes=1)
     assert plan["page"] == ["L0.attn"] and plan["bytes_paged"] > 0
+
+
+def test_page_in_prefetch_distance_holds_page_ins_back():
+    """With `prefetch=k` a page-in is issued only after the backward compute node k dI nodes
+    before its consumer; with None it may go at once (and the first page-ins then hold the page
+    budget while the forward's page-outs wait)."""
+    cfg = replace(CONFIGS["tiny"], capacity_factor=1.0, layers=3)
+    m = MoEModel(cfg)
+    leads = {}
+    for pf in (None, 2):
+        c = m.chunk()
+        plan = c.enable_paging(m.batch(0, 0), budget=0.5, min_bytes=1024, prefetch=pf)
+        o = c.order_schedule(True, True, "ours")["order"]
+        pos = {n: i for i, n in enumerate(o)}
+        if pf is not None:
+            control = c.graph(True, True)["control"]
+            for x in plan["page"]:
+                held = [a for a, b in control if b == f"B.{x}.page_in"]
+                assert all(pos[a] < pos[f"B.{x}.page_in"] for a in held)
+        leads[pf] = max(pos.get(f"B.{x}", pos.get(f"B.{x}.dw")) - pos[f"B.{x}.page_in"] for x in plan["page"])
+        first_out = min(pos[f"F.{x}.page_out"] - pos[f"F.{x}"] for x in plan["page"])
+        leads[(pf, "out")] = first_out
+    assert leads[2] < leads[None]  # no page-in sits in the budget from the start
+    assert leads[(2, "out")] < leads[(None, "out")]  # so the first page-out goes sooner
+    with pytest.raises(ValueError, match="prefetch must be"):
+        m.chunk().enable_paging(m.batch(0, 0), budget=0.5, prefetch=0)

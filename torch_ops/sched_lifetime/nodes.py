@@ -122,6 +122,7 @@ class Chunk:
         self._paged: set[str] = set()
         self.pool: Any = None
         self.page_min_bytes = 1 << 16
+        self.page_prefetch: Optional[int] = None
         self._calibrating: Optional[dict[str, list[int]]] = None
         self.page_plan: Optional[dict] = None
         #: Bytes moved by the page nodes (out == in once every paged microbatch has run its
@@ -176,6 +177,8 @@ class Chunk:
     def _backward_nodes(self) -> list[dict]:
         table: list[dict] = []
         self._backward_control: list[list[str]] = []
+        # Backward compute nodes issued so far (table order), for the page-in prefetch distance.
+        done: list[str] = []
         for n in reversed(self.nodes):
             grads = self._grads_into(n)
             if not grads:
@@ -187,15 +190,19 @@ class Chunk:
                 table.append({"name": f"B.{n.name}.wait", "source": "B", "kind": "comm_wait", "launch": f"B.{n.name}"})
                 continue
             if n.name in self._paged:
-                # Back from host memory before the node's backward (dI and dW both read it);
-                # the page-in needs nothing from this source, so the scheduler may launch it
-                # early (prefetch, within the page stream's launch budget).
+                # Back from host memory before the node's backward (dI and dW both read it).
+                # It needs nothing from this source: a control edge from the backward compute
+                # node `page_prefetch` nodes earlier holds it back until then (None: ready at
+                # once; the scheduler then launches it as soon as the page budget allows).
                 pi = f"B.{n.name}.page_in"
                 table.append({"name": pi, "source": "B", "kind": "page_in", "inputs": [], "outputs": [{"value": f"B.p.{n.name}", "alloc": "consumer"}]})
                 table.append({"name": f"{pi}.wait", "source": "B", "kind": "page_wait", "launch": pi})
+                if self.page_prefetch is not None and len(done) >= self.page_prefetch > 0:
+                    self._backward_control.append([done[-self.page_prefetch], pi])
                 grads = grads + [f"B.p.{n.name}"]
             if partials:
                 table.append({"name": f"B.{n.name}", "source": "B", "kind": "compute", "inputs": grads, "outputs": partials})
+                done.append(f"B.{n.name}")
             if n.params:
                 # dW reads what dI reads, so dI's live-ins stay until dW has run; it runs
                 # after dI (a control edge), from the gradients dI computed.
@@ -405,6 +412,7 @@ class Chunk:
         in_flight: int = 2,
         min_bytes: int = 1 << 16,
         min_distance: int = 1,
+        prefetch: Optional[int] = 2,
     ) -> dict:
         """Page the saved activations of some compute nodes to pinned host memory through page
         nodes of the graph (`F.<node>.page_out` after the node, `B.<node>.page_in` before its
@@ -413,13 +421,18 @@ class Chunk:
         it runs the collectives) records each node's saved activations; Rust's `page_plan`
         picks the nodes under `budget` (furthest backward use first), or `nodes` names them.
         The host pool is allocated here, `in_flight` microbatches deep (a combined F(i+1)+B(i)
-        step holds two), never during a step. Returns the plan."""
+        step holds two), never during a step. `prefetch`: a page-in may start once the backward
+        compute node that many dI nodes before its consumer has been issued (None: at once).
+        Returns the plan."""
         from .paging import HostPool, page_plan
 
         if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
             raise ValueError(f"in_flight must be an int >= 1, got {in_flight!r}")
         if (budget is None) == (nodes is None):
             raise ValueError("enable_paging needs a budget or a list of nodes (not both)")
+        if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1):
+            raise ValueError(f"prefetch must be an int >= 1 (backward nodes ahead) or None, got {prefetch!r}")
+        self.page_prefetch = prefetch
         self._paged = set()
         self._rebuild()
         # Eligible: compute nodes that have a backward node (something reads what they save).
