@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One GPU pass per machine kind, each meant for one device call (GPU.md: batch the work).
+# Run on the GPU machine from the repo root, with torch_ops/sched_lifetime/_C.so built here and
+# carried. Every step has its own timeout and log under OUT; a failing step does not stop the
+# others; the last lines of each log are printed at the end.
+#   bash benches/gpu_pass.sh one OUT    # nvidia-h200: cuda tests, paging A/B, host overhead
+#   bash benches/gpu_pass.sh two OUT    # nvidia-h200-x2: main job A/B (incl. ours+ep1), GraphStep A/B
+#   bash benches/gpu_pass.sh four OUT   # nvidia-h200-x4: DualPipeV as PP=2 x EP=2, handler vs none
+set -uo pipefail
+mode=${1:?usage: benches/gpu_pass.sh one|two|four OUT}
+out=${2:?usage: benches/gpu_pass.sh one|two|four OUT}
+mkdir -p "$out"
+here=$(cd "$(dirname "$0")/.." && pwd)
+export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
+export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
+py=${PYTHON:-python3}
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 secs=$2
+    shift 2
+    echo "== $name" >&2
+    timeout "$secs" "$@" > "$out/$name.log" 2>&1
+    echo "rc=$?" >> "$out/$name.log"
+}
+case "$mode" in
+one)
+    step cuda_tests 240 "$py" -m pytest -q -m cuda tests/python
+    step paging_ab 150 "$py" benches/paging_ab.py --config h200 --steps 5 --json "$out/paging.json" \
+        --arms off,pager:0.1:64:16,pager:0.3:128:16,save_on_cpu
+    step python_overhead 60 "$py" benches/python_overhead.py --iters 2000 --json "$out/overhead.json"
+    ;;
+two)
+    step main_job 330 bash benches/main_job_2gpu.sh "$out/mj" --arms sequential,ours,ours+ep1,ours+record --quiet
+    step graph_step 200 env NCCL_MIN_NCHANNELS=2 NCCL_MAX_NCHANNELS=2 \
+        torchrun --standalone --nproc-per-node 2 benches/compile_ab.py --config h200 --graph-step 4 --steps 4
+    ;;
+four)
+    step pipeline_ep2 500 torchrun --standalone --nproc-per-node 4 benches/pipeline_ab.py --config pp_h200 --ep 2 --out "$out"
+    ;;
+*)
+    echo "unknown mode $mode: one, two or four" >&2
+    exit 2
+    ;;
+esac
+for f in "$out"/*.log; do
+    echo "== $(basename "$f")"
+    grep -v "^W1\|Warning\|warn(" "$f" | tail -12
+done
