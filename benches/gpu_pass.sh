@@ -3,7 +3,7 @@
 # Run on the GPU machine from the repo root, with torch_ops/sched_lifetime/_C.so built here and
 # carried. Every step has its own timeout and log under OUT; a failing step does not stop the
 # others; the last lines of each log are printed at the end.
-#   bash benches/gpu_pass.sh one OUT    # nvidia-h200: cuda tests, paging A/B, host overhead
+#   bash benches/gpu_pass.sh one OUT    # nvidia-h200: cuda tests, paging A/Bs (Pager, page nodes), host overhead
 #   bash benches/gpu_pass.sh two OUT    # nvidia-h200-x2: main job A/B (incl. ours+ep1), GraphStep A/B
 #   bash benches/gpu_pass.sh four OUT   # nvidia-h200-x4: DualPipeV as PP=2 x EP=2, handler vs none
 set -uo pipefail
@@ -28,6 +28,7 @@ one)
     step paging_ab 150 "$py" benches/paging_ab.py --config h200 --steps 5 --json "$out/paging.json" \
         --arms off,pager:0.1:64:16,pager:0.3:128:16,save_on_cpu
     step python_overhead 60 "$py" benches/python_overhead.py --iters 2000 --json "$out/overhead.json"
+    step paging_nodes_ab 200 "$py" benches/paging_nodes_ab.py --config h200 --microbatches 4 --json "$out/paging_nodes.json"
     ;;
 two)
     step main_job 330 bash benches/main_job_2gpu.sh "$out/mj" --arms sequential,ours,ours+ep1,ours+record --quiet
