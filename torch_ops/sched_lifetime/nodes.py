@@ -398,6 +398,7 @@ class Chunk:
             handles = st.paged.pop(name, None)
             if handles is None:
                 raise RuntimeError(f"node '{name}': page-in of microbatch {st.index}, which was never paged out")
+            self.pool.release_done()  # page-outs whose copy is done give their device storage back
             st.paged_in[name] = [self.pool.page_in_launch(h, alloc_stream=ctx.compute)[0] for h in handles]
             self.page_stats["bytes_in"] += sum(h.nbytes for h in handles)
             return (st.paged_in[name],)
@@ -743,6 +744,8 @@ def train_step(
             after()
         chunk.run(None, states[n - 1], order, lifetime, scale)
         after()
+    if chunk.pool is not None:  # page-outs still holding device storage: the step ends here
+        chunk.pool.drain()
     for s in states:
         if s.saved:
             raise RuntimeError(f"microbatch {s.index}: backward left state behind for {sorted(s.saved)[:5]}")
