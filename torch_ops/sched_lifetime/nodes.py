@@ -16,12 +16,14 @@ gradient accumulation. The order, streams, syncs and lifetime points all come fr
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from .executor import Executor
+from .paging import HostPool, is_weight, page_plan
 from .schedule import schedule, schedule_order
 
 
@@ -346,16 +348,12 @@ class Chunk:
         """`saved_tensors_hooks` for a paged node's forward (activations of at least
         `page_min_bytes` are held for the page-out; weights and the node's detached inputs
         stay), for every node while calibrating (bytes counted), else nothing."""
-        import contextlib
-
         calib = self._calibrating
         if calib is None and name not in self._paged:
             return contextlib.nullcontext()
 
         def pageable(t: torch.Tensor) -> bool:
-            base = t._base if t._base is not None else t
-            weight = isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
-            return not weight and t.numel() * t.element_size() >= self.page_min_bytes
+            return not is_weight(t) and t.numel() * t.element_size() >= self.page_min_bytes
 
         def pack(t: torch.Tensor) -> Any:
             if not pageable(t):
@@ -425,8 +423,6 @@ class Chunk:
         step holds two), never during a step. `prefetch`: a page-in may start once the backward
         compute node that many dI nodes before its consumer has been issued (None: at once).
         Returns the plan."""
-        from .paging import HostPool, page_plan
-
         if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
             raise ValueError(f"in_flight must be an int >= 1, got {in_flight!r}")
         if (budget is None) == (nodes is None):

@@ -52,6 +52,13 @@ def page_plan(prefix: list[dict], budget: Budget, min_distance: int = 1) -> dict
     return json.loads(ops.page_plan(json.dumps(prefix), _budget_text(budget), int(min_distance)))
 
 
+def is_weight(t: torch.Tensor) -> bool:
+    """A saved tensor that is a weight: a parameter, a leaf that takes a gradient, or a view of
+    one (a matmul saves its weight). It stays on the device: paging it saves nothing."""
+    base = t._base if t._base is not None else t
+    return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
+
+
 @dataclass(frozen=True)
 class Paged:
     """A tensor paged out: its host buffer and what it was."""
@@ -87,7 +94,8 @@ class HostPool:
             self._bufs.append(torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=pin))
         self.bytes = sum(sizes)
         self._taken: set[int] = set()
-        self._retiring: list[LifetimeManager] = []
+        # Page-outs whose device storage is still held: (manager, copy-done event, owner stream).
+        self._retiring: list[tuple[LifetimeManager, Any, Any]] = []
         self.drain_distance = drain_distance
 
     @property
@@ -132,11 +140,11 @@ class HostPool:
         """Copy `t` into a free host buffer (on the page stream after the compute stream's work
         so far). On CUDA the device storage is kept alive by a lifetime manager until the copy
         is done: at a later save, unpack or page-out whose host-side check finds the copy
-        finished (`release_done`), or, with more than `drain_distance` copies in flight, at once,
-        the compute stream waits on the copy's event and the reference is dropped (rule 1, no record_stream, no host sync; the
-        event query makes this path eager-only, as saved_tensors_hooks are). `owner`: the
-        stream `t` was produced on (default: the current stream; a page node running on the
-        page stream passes the compute stream)."""
+        finished (`release_done`), or, with more than `drain_distance` copies in flight, at
+        once, the compute stream waits on the copy's event and the reference is dropped (rule
+        1, no record_stream, no host sync; the event query makes this path eager-only, as
+        saved_tensors_hooks are). `owner`: the stream `t` was produced on (default: the current
+        stream; a page node running on the page stream passes the compute stream)."""
         nbytes = t.numel() * t.element_size()
         slot = self.take(nbytes)
         buf = self.view(slot, tuple(t.shape), t.dtype)
@@ -254,10 +262,7 @@ class Pager:
         if self.pool is not None:
             self.pool.release_done()  # every save is a chance to free what the link has copied
         if self.plan is None:  # calibrating: record, keep
-            # Weights are saved too (a matmul saves its weight); they stay: paging them saves nothing.
-            base = t._base if t._base is not None else t
-            weight = isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
-            self._calib.append({"t": t, "bytes": t.numel() * t.element_size(), "shape": tuple(t.shape), "dtype": t.dtype, "weight": weight})
+            self._calib.append({"t": t, "bytes": t.numel() * t.element_size(), "shape": tuple(t.shape), "dtype": t.dtype, "weight": is_weight(t)})
             return ("keep", i, t)
         if i >= len(self._shapes) or (tuple(t.shape), t.dtype) != self._shapes[i]:
             raise RuntimeError(

@@ -40,10 +40,10 @@ ARMS = {
 }
 #: Arms that capture the whole step in one CUDA graph (GPU, fixed-capacity dispatch only).
 GRAPH_ARMS = {"ours+graph": ("ours", "scheduled")}
-#: Arms not in the default list: `ours` under the `classic` scheduler rules (the default
-#: before `ready_first`, for A/Bs).
-#: `ours+ep1`: one EP launch in flight (SIMULATED on the H200's node times: 175.3 vs 191.8 ms
-#: per F+B pair at the default budget 2; not yet measured on the GPU).
+#: Arms not in the default list, for A/Bs: `ours+classic`, the `classic` scheduler rules (the
+#: default before `ready_first`); `ours+ep1`, one EP launch in flight (SIMULATED on the H200's
+#: node times: 175.3 vs 191.8 ms per F+B pair at the default budget 2; not yet measured on the
+#: GPU).
 EXTRA_ARMS = {"ours+classic": ("ours:classic", "scheduled"), "ours+ep1": ("ours:ep_budget=1", "scheduled")}
 
 
