@@ -15,6 +15,7 @@ import contextlib
 import json
 import statistics
 import time
+from typing import Callable, Optional
 
 import torch
 
@@ -24,18 +25,67 @@ from sched_lifetime.models.moe import CONFIGS, MoEModel, with_overrides
 
 
 def arms(spec: str) -> dict:
-    """'off,pager:0.5:4,save_on_cpu' -> {name: factory of a per-step context}."""
+    """'off,pager:0.5:4,save_on_cpu' -> {name: (its Pager or None, the per-step context)}; one
+    Pager per arm, kept across steps (its first step calibrates)."""
     out = {}
     for a in spec.split(","):
         if a == "off":
-            out[a] = lambda: contextlib.nullcontext
+            out[a] = (None, contextlib.nullcontext)
         elif a == "save_on_cpu":
-            out[a] = lambda: (lambda: torch.autograd.graph.save_on_cpu(pin_memory=True))
+            out[a] = (None, lambda: torch.autograd.graph.save_on_cpu(pin_memory=True))
         elif a.startswith("pager:"):
             _, frac, pf, drain = (a.split(":") + ["16"])[:4]
-            out[a] = (lambda f, p, d: lambda: sl.Pager(float(f), prefetch=int(p), drain_distance=int(d)).step)(frac, pf, drain)
+            pager = sl.Pager(float(frac), prefetch=int(pf), drain_distance=int(drain))
+            out[a] = (pager, pager.step)
         else:
             raise SystemExit(f"unknown arm {a!r}: off, save_on_cpu, pager:FRACTION:PREFETCH[:DRAIN]")
+    return out
+
+
+def interleaved(prepare: dict[str, Callable[[int], Callable[[], list]]], steps: int, dev: torch.device) -> dict:
+    """Steps 0..steps, every arm once per step in order; step 0 warms up (or calibrates) and is
+    not timed. `prepare[arm](step)` sets the step up (untimed) and returns the timed run, which
+    returns the tensors to compare. Per arm: step ms, peak allocated above the step's start,
+    and parity (torch.equal against the first arm, every step)."""
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    rows: dict = {n: {"ms": [], "peak": [], "parity": True} for n in prepare}
+    for step in range(steps + 1):
+        ref = None
+        for name, setup in prepare.items():
+            run = setup(step)
+            sync()
+            base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+            t0 = time.perf_counter()
+            got = run()
+            sync()
+            ms = (time.perf_counter() - t0) * 1e3
+            peak = (torch.cuda.max_memory_allocated(dev) - base) if dev.type == "cuda" else 0
+            if ref is None:
+                ref = [t.clone() for t in got]
+            elif not all(torch.equal(x, y) for x, y in zip(ref, got)):
+                rows[name]["parity"] = False
+            if step > 0:
+                rows[name]["ms"].append(ms)
+                rows[name]["peak"].append(peak)
+    return rows
+
+
+def table(rows: dict, paged: dict[str, Optional[int]], paged_label: str) -> dict:
+    """Print one line per arm against the first (medians; peak = max over steps); returns the
+    figures per arm."""
+    off = next(iter(rows))
+    base_ms, base_peak = statistics.median(rows[off]["ms"]), max(rows[off]["peak"])
+    print(f"{'arm':<16}{'step ms':>9}{'vs ' + off:>9}{'peak MiB':>10}{'saved':>8}{paged_label:>14}{'parity':>8}")
+    out = {}
+    for name, r in rows.items():
+        ms, peak, p = statistics.median(r["ms"]), max(r["peak"]), paged.get(name)
+        out[name] = {"ms": ms, "peak_bytes": peak, "parity": r["parity"], "all_ms": r["ms"]}
+        print(
+            f"{name:<16}{ms:>9.1f}{ms / base_ms:>8.3f}x{peak / 2**20:>10.0f}{(1 - peak / base_peak) if base_peak else 0:>8.1%}"
+            f"{'' if p is None else f'{p / 2**20:.0f}':>14}{str(r['parity']):>8}"
+        )
     return out
 
 
@@ -87,37 +137,27 @@ def main() -> None:
     if dev.type == "cuda":  # arms compare bit-exact: deterministic kernels, as the main job
         torch.use_deterministic_algorithms(True)
         moe_mod.deterministic_sdpa(dev, torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32)
-    model = MoEModel(cfg, device=dev)
+    model = MoEModel(cfg, device=dev)  # one model for every arm: the same gradients
     params = list(model.parameters())
-    factories = arms(a.arms)
-    ctxs = {name: f() for name, f in factories.items()}  # one Pager per arm, kept across steps
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    rows: dict = {n: {"ms": [], "peak": [], "parity": True} for n in ctxs}
-    for step in range(a.steps + 1):  # step 0: calibration / warm-up, not timed
-        batch = model.batch(step, 0)
-        ref = None
-        for name, ctx in ctxs.items():
+    setups = arms(a.arms)
+
+    def prepare(ctx: Callable) -> Callable[[int], Callable[[], list]]:
+        def setup(step: int) -> Callable[[], list]:
             for p in params:
                 p.grad = None
-            sync()
-            base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
-            if dev.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(dev)
-            t0 = time.perf_counter()
-            with ctx():
-                model(**batch).backward()
-            sync()
-            ms = (time.perf_counter() - t0) * 1e3
-            peak = (torch.cuda.max_memory_allocated(dev) - base) if dev.type == "cuda" else 0
-            grads = [p.grad for p in params]
-            if ref is None:
-                ref = [g.clone() for g in grads]
-            elif not all(torch.equal(x, y) for x, y in zip(ref, grads)):
-                rows[name]["parity"] = False
-            if step > 0:
-                rows[name]["ms"].append(ms)
-                rows[name]["peak"].append(peak)
-    off = next(iter(rows))
+            batch = model.batch(step, 0)
+
+            def run() -> list:
+                with ctx():
+                    model(**batch).backward()
+                return [p.grad for p in params]
+
+            return run
+
+        return setup
+
+    rows = interleaved({name: prepare(ctx) for name, (_, ctx) in setups.items()}, a.steps, dev)
     if dev.type == "cuda":
         d2h, h2d = link_gbps(dev)
         fwd = forward_ms(model, model.batch(0, 0), sync)
@@ -125,21 +165,13 @@ def main() -> None:
             f"link: device->host {d2h:.1f} GB/s, host->device {h2d:.1f} GB/s; forward {fwd:.1f} ms: at most "
             f"{d2h * fwd / 1e3 * 1e9 / 2**20:.0f} MiB can be paged out under the forward (copies fully hidden)"
         )
-    base_ms, base_peak = statistics.median(rows[off]["ms"]), max(rows[off]["peak"])
     print(f"paging A/B, config {a.config} {a.set}, {dev}, medians of {a.steps} interleaved steps (one fwd+bwd each)")
-    print(f"{'arm':<16}{'step ms':>9}{'vs ' + off:>9}{'peak MiB':>10}{'saved':>8}{'paged MiB':>11}{'parity':>8}")
-    out = {}
-    for name, r in rows.items():
-        ms, peak = statistics.median(r["ms"]), max(r["peak"])
-        pager = getattr(ctxs[name], "__self__", None)
-        paged = pager.plan["bytes_paged"] if isinstance(pager, sl.Pager) and pager.plan else None
-        out[name] = {"ms": ms, "peak_bytes": peak, "paged_bytes": paged, "parity": r["parity"], "all_ms": r["ms"]}
-        if isinstance(pager, sl.Pager):
+    paged = {name: pager.plan["bytes_paged"] for name, (pager, _) in setups.items() if pager is not None and pager.plan}
+    out = table(rows, paged, "paged MiB")
+    for name, (pager, _) in setups.items():
+        out[name]["paged_bytes"] = paged.get(name)
+        if pager is not None:
             out[name]["stats"] = pager.stats()
-        print(
-            f"{name:<16}{ms:>9.1f}{ms / base_ms:>8.3f}x{peak / 2**20:>10.0f}{(1 - peak / base_peak) if base_peak else 0:>8.1%}"
-            f"{'' if paged is None else f'{paged / 2**20:.0f}':>11}{str(r['parity']):>8}"
-        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"config": a.config, "device": str(dev), "arms": out}, f, indent=1)

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+from typing import Callable
 
 import torch
+from paging_ab import interleaved, table  # the same interleaved measurement and table
 
 from sched_lifetime.models import moe as moe_mod
 from sched_lifetime.models.moe import CONFIGS, MoEModel, with_overrides
@@ -52,45 +52,26 @@ def main() -> None:
             plan = chunk.enable_paging(model.batch(0, 0), budget=float(frac), prefetch=int(pf), min_bytes=a.min_bytes)
             order = f"ours:page_budget={int(pb)}"
         arms[spec] = (model, chunk, order, plan)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    rows = {k: {"ms": [], "peak": [], "parity": True} for k in arms}
-    for step in range(a.steps + 1):  # step 0 warms up (timed steps follow)
-        ref = None
-        for name, (model, chunk, order, _) in arms.items():
+    def prepare(model: MoEModel, chunk, order: str) -> Callable[[int], Callable[[], list]]:
+        def setup(step: int) -> Callable[[], list]:
             for p in model.parameters():
                 p.grad = None
             mbs = [model.batch(step, k) for k in range(a.microbatches)]
-            sync()
-            base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
-            if dev.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(dev)
-            t0 = time.perf_counter()
-            losses = train_step(chunk, mbs, order=order)
-            sync()
-            ms = (time.perf_counter() - t0) * 1e3
-            peak = (torch.cuda.max_memory_allocated(dev) - base) if dev.type == "cuda" else 0
-            got = [x.detach().clone() for x in losses] + [p.grad.clone() for p in model.parameters()]
-            if ref is None:
-                ref = got
-            elif not all(torch.equal(x, y) for x, y in zip(ref, got)):
-                rows[name]["parity"] = False
-            if step > 0:
-                rows[name]["ms"].append(ms)
-                rows[name]["peak"].append(peak)
-    off = next(iter(rows))
-    base_ms, base_peak = statistics.median(rows[off]["ms"]), max(rows[off]["peak"])
+
+            def run() -> list:
+                losses = train_step(chunk, mbs, order=order)
+                return [x.detach() for x in losses] + [p.grad for p in model.parameters()]
+
+            return run
+
+        return setup
+
+    rows = interleaved({name: prepare(m, c, o) for name, (m, c, o, _) in arms.items()}, a.steps, dev)
     print(f"paging through page nodes, config {a.config}, {dev}, train_step of {a.microbatches} microbatches (ours), medians of {a.steps} interleaved steps")
-    print(f"{'arm':<16}{'step ms':>9}{'vs ' + off:>9}{'peak MiB':>10}{'saved':>8}{'paged MiB/mb':>14}{'parity':>8}")
-    out = {}
-    for name, r in rows.items():
-        ms, peak = statistics.median(r["ms"]), max(r["peak"])
-        plan = arms[name][3]
-        paged = plan["bytes_paged"] if plan else None
-        out[name] = {"ms": ms, "peak_bytes": peak, "paged_bytes_per_microbatch": paged, "parity": r["parity"], "all_ms": r["ms"], "plan_nodes": plan["page"] if plan else None}
-        print(
-            f"{name:<16}{ms:>9.1f}{ms / base_ms:>8.3f}x{peak / 2**20:>10.0f}{(1 - peak / base_peak) if base_peak else 0:>8.1%}"
-            f"{'' if paged is None else f'{paged / 2**20:.0f}':>14}{str(r['parity']):>8}"
-        )
+    paged = {name: plan["bytes_paged"] for name, (_, _, _, plan) in arms.items() if plan}
+    out = table(rows, paged, "paged MiB/mb")
+    for name, (_, _, _, plan) in arms.items():
+        out[name].update(paged_bytes_per_microbatch=paged.get(name), plan_nodes=plan["page"] if plan else None)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"config": a.config, "device": str(dev), "microbatches": a.microbatches, "arms": out}, f, indent=1)
