@@ -11,14 +11,24 @@ import sched_lifetime as sl
 from sched_lifetime.models import CONFIGS, MoEModel
 
 
+# A made-up shape: dense first layers, no shared expert, 6 experts top-3, odd sizes, tokens
+# dropped at capacity 0.75.
+ODD = replace(
+    CONFIGS["tiny"], vocab=97, hidden=48, heads=3, layers=4, dense_layers=2, experts=6, topk=3,
+    expert_ffn=40, shared_ffn=0, dense_ffn=72, seq=12, batch=3, capacity_factor=0.75,
+)
+
+
 def grads(m: MoEModel) -> dict:
     return {k: p.grad.clone() for k, p in m.named_parameters()}
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-@pytest.mark.parametrize("budget,prefetch", [(0.5, 0), (1.0, 0), ({"bytes": 1 << 14}, 0), (1.0, 4)])
-def test_paging_on_vs_off_is_bit_exact_over_steps(budget, prefetch, device):
-    cfg = replace(CONFIGS["tiny"], capacity_factor=1.0)
+@pytest.mark.parametrize(
+    "budget,prefetch,shape", [(0.5, 0, "tiny"), (1.0, 0, "tiny"), ({"bytes": 1 << 14}, 0, "tiny"), (1.0, 4, "tiny"), (1.0, 4, "odd")]
+)
+def test_paging_on_vs_off_is_bit_exact_over_steps(budget, prefetch, shape, device):
+    cfg = ODD if shape == "odd" else replace(CONFIGS["tiny"], capacity_factor=1.0)
     ref, paged = MoEModel(cfg, device=device), MoEModel(cfg, device=device)
     opt_r = torch.optim.SGD(ref.parameters(), lr=0.05)
     opt_p = torch.optim.SGD(paged.parameters(), lr=0.05)
@@ -94,6 +104,28 @@ def test_host_pool_freelist_is_fifo_per_size_and_never_allocates_in_a_step():
     assert torch.equal(pool.page_in(p), x) and pool.in_use() == 0
 
 
+def test_page_in_restores_the_strides_and_elements_sharing_memory_are_not_paged():
+    """A saved view (a chunk along the last dim) comes back with its strides: a backward kernel
+    given another layout may round differently (it did on the made-up shape below). An expanded
+    tensor cannot be rebuilt so: page_out refuses it, and both ways in keep it on the device."""
+    x = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    view = x.chunk(2, dim=-1)[1]
+    assert not view.is_contiguous() and sl.paging.restorable(view)
+    pool = sl.HostPool([4 * 12])
+    back = pool.page_in(pool.page_out(view))
+    assert torch.equal(back, view) and back.stride() == view.stride()
+    expanded = torch.ones(3, 1).expand(3, 4)
+    assert not sl.paging.restorable(expanded) and sl.paging.restorable(torch.ones(3, 4).t())
+    with pytest.raises(ValueError, match="elements sharing memory"):
+        pool.page_out(expanded)
+    pager = sl.Pager(1.0, min_distance=0, min_bytes=1)
+    w = torch.randn(4, requires_grad=True)
+    for _ in range(2):
+        with pager.step():
+            (torch.ones(3, 1).expand(3, 4) * w).sum().backward()  # mul saves the expanded tensor
+    assert pager.plan["page"] == [] and pager.stats()["bytes_out"] == 0
+
+
 def test_a_step_cut_short_gives_its_buffers_back():
     pager = sl.Pager(1.0, min_distance=0, min_bytes=1)
     w = torch.randn(8, 8, requires_grad=True)
@@ -155,14 +187,14 @@ def test_freelist_reuse_is_ordered_on_the_page_stream_and_the_control_corrupts()
     assert corrupt > POISON_ITERS // 2, f"control corrupted only {corrupt}/{POISON_ITERS}: the test has no teeth here"
 
 
-@pytest.mark.parametrize("order", ["ours", "sequential"])
-def test_page_nodes_on_the_node_path_are_scheduled_and_bit_exact(order):
+@pytest.mark.parametrize("order,shape", [("ours", "tiny"), ("sequential", "tiny"), ("ours", "odd")])
+def test_page_nodes_on_the_node_path_are_scheduled_and_bit_exact(order, shape):
     """Paging through the graph: page_out after each chosen node (forward source), page_in
     before its backward (backward source), on the page stream, in the scheduler's order; a
     whole train_step with paging equals one without, bit for bit, over several steps."""
     from sched_lifetime.nodes import train_step
 
-    cfg = replace(CONFIGS["tiny"], capacity_factor=1.0, layers=3)
+    cfg = ODD if shape == "odd" else replace(CONFIGS["tiny"], capacity_factor=1.0, layers=3)
     ref, paged = MoEModel(cfg), MoEModel(cfg)
     cr, cp = ref.chunk(), paged.chunk()
     plan = cp.enable_paging(paged.batch(0, 0), budget=0.5, min_bytes=1024)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .executor import Executor
-from .paging import HostPool, is_weight, page_plan
+from .paging import HostPool, is_weight, page_plan, restorable
 from .schedule import schedule, schedule_order
 
 
@@ -346,14 +346,15 @@ class Chunk:
 
     def _page_hooks(self, name: str, st: Optional[MicrobatchState]) -> Any:
         """`saved_tensors_hooks` for a paged node's forward (activations of at least
-        `page_min_bytes` are held for the page-out; weights and the node's detached inputs
-        stay), for every node while calibrating (bytes counted), else nothing."""
+        `page_min_bytes` are held for the page-out; weights, the node's detached inputs and
+        tensors whose elements share memory stay), for every node while calibrating (bytes
+        counted), else nothing."""
         calib = self._calibrating
         if calib is None and name not in self._paged:
             return contextlib.nullcontext()
 
         def pageable(t: torch.Tensor) -> bool:
-            return not is_weight(t) and t.numel() * t.element_size() >= self.page_min_bytes
+            return not is_weight(t) and restorable(t) and t.numel() * t.element_size() >= self.page_min_bytes
 
         def pack(t: torch.Tensor) -> Any:
             if not pageable(t):

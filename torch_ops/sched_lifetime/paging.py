@@ -59,12 +59,25 @@ def is_weight(t: torch.Tensor) -> bool:
     return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
 
 
+def restorable(t: torch.Tensor) -> bool:
+    """Whether a fresh tensor can take `t`'s exact strides: no two of its elements share memory
+    (an expanded tensor's do). Only those are paged: the page-in rebuilds the strides, since a
+    backward kernel given another layout may round differently."""
+    covered = 0  # the furthest offset the dims seen so far reach, strides ascending
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride <= covered:
+            return False
+        covered += stride * (size - 1)
+    return True
+
+
 @dataclass(frozen=True)
 class Paged:
-    """A tensor paged out: its host buffer and what it was."""
+    """A tensor paged out: its host buffer and what it was (strides included)."""
 
     slot: int
     shape: tuple
+    stride: tuple
     dtype: torch.dtype
     device: torch.device
     requires_grad: bool
@@ -137,6 +150,8 @@ class HostPool:
             self.give(slot)
 
     def page_out(self, t: torch.Tensor, owner: Any = None) -> Paged:
+        if not restorable(t):
+            raise ValueError(f"page_out: a tensor of shape {tuple(t.shape)} and strides {t.stride()} has elements sharing memory; keep it on the device")
         """Copy `t` into a free host buffer (on the page stream after the compute stream's work
         so far). On CUDA the device storage is kept alive by a lifetime manager until the copy
         is done: at a later save, unpack or page-out whose host-side check finds the copy
@@ -167,7 +182,7 @@ class HostPool:
             self.release_done()
         else:
             buf.copy_(t.detach())
-        return Paged(slot, tuple(t.shape), t.dtype, t.device, t.requires_grad, nbytes)
+        return Paged(slot, tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, nbytes)
 
     def page_in(self, p: Paged) -> torch.Tensor:
         """The tensor back on its device, allocated on the compute (consumer) stream; the
@@ -178,7 +193,8 @@ class HostPool:
 
     def page_in_launch(self, p: Paged, alloc_stream: Any = None) -> tuple:
         """Queue the copy back (on the page stream after the compute stream's work so far) into
-        a tensor allocated on the compute stream; returns it with the event to wait on before
+        a tensor with the paged-out one's shape and strides, allocated on the compute stream;
+        returns it with the event to wait on before
         reading it (None on CPU). The buffer goes back to the freelist at once: the next
         page-out that takes it is queued behind this copy on the page stream. `alloc_stream`:
         the consumer's stream (default: the current stream)."""
@@ -187,14 +203,14 @@ class HostPool:
         if p.device.type == "cuda":
             comp, page = alloc_stream if alloc_stream is not None else torch.cuda.current_stream(p.device), self.page_stream
             with torch.cuda.stream(comp):
-                out = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+                out = torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=p.device)
             page.wait_stream(comp)
             with torch.cuda.stream(page):
                 out.copy_(buf, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(page)
         else:
-            out = buf.clone()
+            out = torch.empty_strided(p.shape, p.stride, dtype=p.dtype).copy_(buf)
         self.give(p.slot)
         if p.requires_grad and out.is_leaf:
             out.requires_grad_(True)
@@ -262,14 +278,14 @@ class Pager:
         if self.pool is not None:
             self.pool.release_done()  # every save is a chance to free what the link has copied
         if self.plan is None:  # calibrating: record, keep
-            self._calib.append({"t": t, "bytes": t.numel() * t.element_size(), "shape": tuple(t.shape), "dtype": t.dtype, "weight": is_weight(t)})
+            self._calib.append({"t": t, "bytes": t.numel() * t.element_size(), "shape": tuple(t.shape), "dtype": t.dtype, "weight": is_weight(t), "restorable": restorable(t)})
             return ("keep", i, t)
         if i >= len(self._shapes) or (tuple(t.shape), t.dtype) != self._shapes[i]:
             raise RuntimeError(
                 f"paging: saved tensor #{i} is {tuple(t.shape)} {t.dtype}, calibration saw "
                 f"{self._shapes[i] if i < len(self._shapes) else 'nothing'}; make a new Pager for a new shape"
             )
-        if i not in self._page:
+        if i not in self._page or not restorable(t):
             return ("keep", i, t)
         p = self.pool.page_out(t)
         self._handles[i] = p
@@ -338,7 +354,7 @@ class Pager:
     def _calibrate(self) -> None:
         prefix = []
         for i, c in enumerate(self._calib):
-            if c["bytes"] < self.min_bytes or c["weight"] or i not in self._first_use:
+            if c["bytes"] < self.min_bytes or c["weight"] or not c["restorable"] or i not in self._first_use:
                 continue
             prefix.append({"name": f"#{i}", "bytes": c["bytes"], "saved_at": i, "used_at": self._first_use[i]})
         # used_at counts backward steps from the boundary: the first unpack is step 0.
