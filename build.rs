@@ -11,7 +11,9 @@ const PROBE: &str = "import torch, torch.utils.cpp_extension as ce\n\
 print(torch.__version__)\n\
 print(';'.join(ce.include_paths()))\n\
 print(ce.library_paths()[0])\n\
-print(int(torch._C._GLIBCXX_USE_CXX11_ABI))";
+print(int(torch._C._GLIBCXX_USE_CXX11_ABI))\n\
+import sysconfig\n\
+print(sysconfig.get_paths()['include'])";
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
@@ -29,6 +31,8 @@ struct Torch {
     includes: Vec<String>,
     libdir: String,
     cxx11_abi: bool,
+    /// Python.h's folder: `cpp/direct.cc` (the eager hot path's entry) uses the stable ABI only.
+    python_include: String,
 }
 
 #[cfg(feature = "torch")]
@@ -47,7 +51,7 @@ fn probe(python: &str) -> Result<Torch, String> {
     }
     let lines: Vec<&str> = stdout.lines().collect();
     let bad = || format!("feature `torch`: PYTHON={python} answered the torch probe with {stdout:?}");
-    if lines.len() < 4 {
+    if lines.len() < 5 {
         return Err(bad());
     }
     let mut v = lines[0].split(|c: char| !c.is_ascii_digit()).filter(|s| !s.is_empty());
@@ -61,6 +65,7 @@ fn probe(python: &str) -> Result<Torch, String> {
         includes: lines[1].split(';').map(String::from).collect(),
         libdir: lines[2].to_string(),
         cxx11_abi: lines[3].trim() == "1",
+        python_include: lines[4].to_string(),
     })
 }
 
@@ -72,6 +77,7 @@ fn build_torch_shim() -> Result<(), String> {
     let mut build = cxx_build::bridge("src/ffi/bridge.rs");
     build
         .file("cpp/shim.cc")
+        .file("cpp/direct.cc")
         .std(std)
         .define("_GLIBCXX_USE_CXX11_ABI", if torch.cxx11_abi { "1" } else { "0" })
         .flag_if_supported("-Wno-unused-parameter")
@@ -80,8 +86,16 @@ fn build_torch_shim() -> Result<(), String> {
     for inc in &torch.includes {
         build.include(inc);
     }
+    if !std::path::Path::new(&torch.python_include).join("Python.h").exists() {
+        return Err(format!(
+            "feature `torch` needs Python's headers (Python.h) for cpp/direct.cc: not in {} (PYTHON={python}); \
+             install the Python development package",
+            torch.python_include
+        ));
+    }
+    build.include(&torch.python_include);
     build.compile("sched_lifetime_shim");
-    for f in ["cpp/shim.cc", "cpp/shim.h", "src/ffi/bridge.rs"] {
+    for f in ["cpp/shim.cc", "cpp/direct.cc", "cpp/shim.h", "src/ffi/bridge.rs"] {
         println!("cargo:rerun-if-changed={f}");
     }
     println!("cargo:rustc-link-search=native={}", torch.libdir);

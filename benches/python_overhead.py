@@ -1,5 +1,7 @@
-"""Per-tensor host overhead of bind + retire + acquire through torch.ops.sched_lifetime vs an
-equivalent pure-Python manager (same checks, same events, same release), side by side.
+"""Per-tensor host overhead of bind + retire + acquire through `sl.LifetimeManager` (its eager
+entry, `sched_lifetime._direct`: the ops' Rust calls without the torch.ops round trip) vs an
+equivalent pure-Python manager (same checks, same events, same release), side by side; then
+the eager pattern against `record_stream`, with the raw torch.ops route beside it.
 
 On CUDA the tensors cross streams (event record, owner wait, resize_(0)); on CPU they retire
 on their owner stream (immediate release). Prints a table; --json writes the figures."""
@@ -112,10 +114,12 @@ def pattern(kind: str, batch: int, iters: int, device: torch.device) -> float:
     """Microseconds per tensor in the eager pattern (Megatron's): tensors produced one at a
     time, then retired together and acquired. `bind_each`: a bind per tensor as produced, then
     one retire + one acquire; `retire_owned`: no binds, one retire that names the owner, then
-    one acquire; `record_stream`: one record_stream per tensor (CUDA only)."""
+    one acquire; `retire_owned_op`: the same through torch.ops (what graphs and capture call);
+    `record_stream`: one record_stream per tensor (CUDA only)."""
     owner = sl.current_stream(device)
     consumer = torch.cuda.Stream(device) if device.type == "cuda" else owner
     mgr = sl.LifetimeManager("pattern")
+    retire_owned_op, acquire_op = sl.ops.retire_owned.default, sl.ops.acquire.default
     clock = time.perf_counter
     for warm in (True, False):
         n = max(iters // 10, 5) if warm else iters
@@ -134,6 +138,9 @@ def pattern(kind: str, batch: int, iters: int, device: torch.device) -> float:
             elif kind == "retire_owned":
                 mgr.retire(ts, consumer, owner_stream=owner)
                 mgr.acquire(owner)
+            elif kind == "retire_owned_op":
+                retire_owned_op(mgr.handle, ts, owner, consumer, 0)
+                acquire_op(mgr.handle, owner)
             else:
                 for t in ts:
                     t.record_stream(consumer)
@@ -154,7 +161,7 @@ def main() -> None:
     path = "cross-stream (event, wait, resize_(0))" if device.type == "cuda" else "same-stream (immediate resize_(0))"
     print(f"per-tensor host overhead of bind+retire+acquire on {device}, {path}")
     print(f"{'':>6}{'bind+retire+acquire':^38}{'retire+acquire':^38}")
-    print(f"{'batch':>6}" + f"{'ops (us)':>12}{'python (us)':>14}{'ops/python':>12}" * 2)
+    print(f"{'batch':>6}" + f"{'sl (us)':>12}{'python (us)':>14}{'sl/python':>12}" * 2)
     rows = []
     for batch in (1, 8, 64):
         iters = max(args.iters // batch, 50)
@@ -164,7 +171,7 @@ def main() -> None:
                      "python_retire_acquire_us": py_ra})
         print(f"{batch:>6}{ops_us:>12.2f}{py_us:>14.2f}{ops_us / py_us:>12.2f}{ops_ra:>12.2f}{py_ra:>14.2f}{ops_ra / py_ra:>12.2f}")
     print(f"\neager pattern on {device} (tensors produced one at a time, retired together), us per tensor")
-    kinds = ["bind_each", "retire_owned"] + (["record_stream"] if device.type == "cuda" else [])
+    kinds = ["bind_each", "retire_owned", "retire_owned_op"] + (["record_stream"] if device.type == "cuda" else [])
     print(f"{'batch':>6}" + "".join(f"{k:>16}" for k in kinds))
     prow = []
     for batch in (1, 8, 64):

@@ -3,9 +3,11 @@
 //! `registry` the handle table of live managers and the guarded entry (panics caught, errors
 //! tagged for Python), then the op groups: `lifetime_ops` (typed ops on tensors and streams)
 //! and `json_ops` (every JSON-in/JSON-out op, one table row each; the shim registers them all
-//! from that table, so adding one touches one Rust function and one row).
+//! from that table, so adding one touches one Rust function and one row); `direct` exports the
+//! Python module that runs bind / retire / acquire without the torch.ops round trip.
 
 mod bridge;
+mod direct;
 mod json_ops;
 mod lifetime_ops;
 mod registry;

@@ -69,24 +69,29 @@ def test_outputs_bit_exact_against_eager(lifetime):
 
 
 def test_retired_values_are_bound_in_the_retire_call_not_at_the_producer(monkeypatch):
-    """The host path: one `retire_owned` op call per (plan, consumer stream, action, owner)
-    group after a node, and no `bind` call per produced tensor."""
+    """The host path: one owned retire call per (plan, consumer stream, action, owner) group
+    after a node, and no bind call per produced tensor."""
     from sched_lifetime import lifetime as lt
 
     calls = {"bind": 0, "retire_owned": 0, "tensors": 0}
-    real = lt._retire_owned
+    real = lt.direct
 
-    def bind(*a):
-        calls["bind"] += 1
-        raise AssertionError("the executor bound a tensor at its producer")
+    class Counting:
+        def bind(self, *a):
+            calls["bind"] += 1
+            raise AssertionError("the executor bound a tensor at its producer")
 
-    def retire_owned(handle, ts, owner, consumer, code):
-        calls["retire_owned"] += 1
-        calls["tensors"] += len(ts)
-        return real(handle, ts, owner, consumer, code)
+        def retire(self, handle, ts, consumer, code, owner):
+            assert owner is not None, "the executor retired a value without naming its owner"
+            calls["retire_owned"] += 1
+            calls["tensors"] += len(ts)
+            return real.retire(handle, ts, consumer, code, owner)
 
-    monkeypatch.setattr(lt, "_bind", bind)
-    monkeypatch.setattr(lt, "_retire_owned", retire_owned)
+        def acquire(self, handle, stream):
+            return real.acquire(handle, stream)
+
+    monkeypatch.setattr(lt, "direct", Counting())
+    monkeypatch.setattr(lt, "_bind", Counting().bind)
     graph, w = moe_layer(), weights()
     s = sl.schedule(graph, ep_budget=1)
     ex = sl.Executor(graph, s, callables(w))

@@ -53,6 +53,79 @@ def test_bad_input_matrix_is_a_clear_error_and_changes_nothing():
     assert m.finalize()["bound"] == 1
 
 
+class _OpsRoute:
+    """The raw ops behind the same signatures as `sl._ops.direct` (the eager hot path's entry)."""
+
+    @staticmethod
+    def bind(handle, ts, owner):
+        return ops.bind(handle, ts, owner)
+
+    @staticmethod
+    def retire(handle, ts, consumer, code, owner):
+        if owner is None:
+            return ops.retire(handle, ts, consumer, code)
+        return ops.retire_owned(handle, ts, owner, consumer, code)
+
+    @staticmethod
+    def acquire(handle, stream):
+        return ops.acquire(handle, stream)
+
+
+@pytest.mark.parametrize("route", ["direct", "ops"])
+def test_direct_entry_and_ops_fail_alike_and_change_nothing(route):
+    """The eager entry (`sl._ops.direct`, no torch.ops round trip) and the ops run the same Rust
+    calls: the same errors with the same messages, stats unchanged, manager usable after."""
+    r = sl._ops.direct if route == "direct" else _OpsRoute
+    m = sl.LifetimeManager(f"routes-{route}")
+    x, y = torch.arange(64, dtype=torch.float32), torch.ones(8)
+    view = x[:32]
+    r.bind(m.handle, [y], CPU)
+    cases = [
+        ("unknown action code", lambda: r.retire(m.handle, [x], CPU, 7, None), ValueError, "unknown retire action code 7"),
+        ("same tensor twice", lambda: r.retire(m.handle, [x, x], CPU, 0, None), RuntimeError, "same tensor"),
+        ("aliasing views", lambda: r.retire(m.handle, [x, view], CPU, 0, CPU), RuntimeError, "alias"),
+        ("unknown handle", lambda: r.acquire(123456789, CPU), RuntimeError, "unknown lifetime manager handle"),
+    ]
+    if route == "direct":  # type errors the ops' schema parser reports in its own words
+        cases += [
+            ("non-tensor", lambda: r.bind(m.handle, [x, 3], CPU), ValueError, "item 1 is a int, not a torch.Tensor"),
+            ("bad stream type", lambda: r.retire(m.handle, [x], "cuda:0", 0, None), ValueError, "consumer_stream must be a torch.Stream"),
+            ("bad owner type", lambda: r.retire(m.handle, [x], CPU, 0, 5), ValueError, "owner_stream must be a torch.Stream"),
+            ("wrong arity", lambda: r.acquire(m.handle), TypeError, "takes 2 arguments"),
+        ]
+        r.retire(m.handle, torch.zeros(2), CPU, 0, CPU)  # a single tensor is a list of one
+        assert m.stats()["immediate"] == 1
+    for what, call, exc, fragment in cases:
+        before = m.stats()
+        with pytest.raises(exc, match=fragment):
+            call()
+        assert m.stats() == before, what
+    r.retire(m.handle, [y], CPU, 0, None)
+    r.retire(m.handle, [x], CPU, 0, CPU)
+    assert r.acquire(m.handle, CPU) == 0  # same-stream retires released at once
+    st = m.finalize()
+    extra = route == "direct"  # the single tensor above
+    assert (st["bound"] - extra, st["immediate"] - extra, x.untyped_storage().nbytes()) == (2, 2, 0)
+
+
+def test_direct_entry_is_the_ops_library_and_hands_subclasses_to_the_op():
+    """`_direct` is loaded from the ops' own library file; a tensor subclass (which the op's
+    dispatch may route elsewhere) is answered NotImplemented and LifetimeManager then uses the
+    op, so the retire still happens."""
+    assert sl._ops.direct.__file__ == sl._ops.LIBRARY
+
+    class Sub(torch.Tensor):
+        pass
+
+    m = sl.LifetimeManager("subclass")
+    t = torch.ones(4).as_subclass(Sub)
+    assert sl._ops.direct.retire(m.handle, [t], CPU, 0, CPU) is NotImplemented
+    assert m.stats()["bound"] == 0
+    m.retire(t, CPU, owner_stream=CPU)
+    assert (m.stats()["bound"], m.stats()["immediate"]) == (1, 1)
+    m.finalize()
+
+
 def test_invalid_env_budget_names_the_variable(monkeypatch):
     b = sl.INFO["budget"]
     monkeypatch.setenv(b["ep_var"], "lots")

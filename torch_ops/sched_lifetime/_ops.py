@@ -31,6 +31,23 @@ LIBRARY = _library_path()
 torch.ops.load_library(LIBRARY)
 ops = torch.ops.sched_lifetime
 
+
+def _load_direct(path: str):
+    """The same library as the Python module `sched_lifetime._direct` (cpp/direct.cc): bind /
+    retire / acquire for the eager hot path without the torch.ops round trip, calling the same
+    Rust entry points as the ops."""
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.ExtensionFileLoader("sched_lifetime._direct", path)
+    spec = importlib.util.spec_from_file_location("sched_lifetime._direct", path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+direct = _load_direct(LIBRARY)
+
 #: What Rust defines and Python must not copy: action names and codes, the launch-budget
 #: range and variables, stream roles, stats fields, simulator policies and modes.
 INFO: dict = json.loads(ops.info())

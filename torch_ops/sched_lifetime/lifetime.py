@@ -11,15 +11,19 @@ from typing import Optional, Union
 
 import torch
 
-from ._ops import INFO, STATS_FIELDS, ops
+from ._ops import INFO, STATS_FIELDS, direct, ops
 
-# Resolved overloads: calling them skips the packet's overload lookup (~0.8 us a call).
+# Resolved overloads: calling them skips the packet's overload lookup (~0.8 us a call). Eager
+# calls go through `direct` (the same Rust entry points without the torch.ops round trip, which
+# costs more than the work at one tensor); it answers NotImplemented for tensors that are not
+# plain (subclasses, fakes), and those take the op, whose dispatch handles them.
 _bind, _retire, _passthrough = ops.bind.default, ops.retire.default, ops.passthrough.default
 _retire_owned = ops.retire_owned.default
-_acquire, _finalize, _stats = ops.acquire.default, ops.finalize.default, ops.stats.default
+_finalize, _stats = ops.finalize.default, ops.stats.default
 
 #: Action names accepted by `retire`, with their integer codes across the FFI (from Rust).
 ACTIONS: dict[str, int] = dict(INFO["actions"])
+_DEFAULT_ACTION: int = ACTIONS[INFO["default_action"]]
 
 _names = itertools.count()
 _CPU_STREAM: Optional[torch.Stream] = None
@@ -79,6 +83,8 @@ class LifetimeManager:
 
     def bind(self, tensors: Tensors, owner_stream: Optional[torch.Stream] = None) -> None:
         """Record that `tensors` were allocated on `owner_stream` (default: the current stream)."""
+        if owner_stream is not None and direct.bind(self.handle, tensors, owner_stream) is None:
+            return
         ts = _tensor_list(tensors, "bind")
         _bind(self.handle, ts, _stream(owner_stream, ts, "owner_stream"))
 
@@ -97,9 +103,11 @@ class LifetimeManager:
         `action` defaults to Rust's default (`INFO["default_action"]`, emptying the storage).
         `owner_stream`: bind the tensors to it in the same call (the eager hot path: no
         separate bind per tensor as it is produced)."""
-        code = ACTIONS.get(INFO["default_action"] if action is None else action)
+        code = _DEFAULT_ACTION if action is None else ACTIONS.get(action)
         if code is None:
             raise ValueError(f"retire: unknown action {action!r}; expected one of {sorted(ACTIONS)}")
+        if consumer_stream is not None and direct.retire(self.handle, tensors, consumer_stream, code, owner_stream) is None:
+            return
         ts = _tensor_list(tensors, "retire")
         consumer = _stream(consumer_stream, ts, "consumer_stream")
         if owner_stream is None:
@@ -110,10 +118,10 @@ class LifetimeManager:
     def acquire(self, stream: Optional[torch.Stream] = None, event: Optional[torch.Event] = None) -> int:
         """Before the next node on `stream`: wait on the plan event, then release the tensors
         this plan parked for `stream`. Returns how many were released."""
-        s = current_stream(_default_device()) if stream is None else _stream(stream, [], "stream")
+        s = current_stream(_default_device()) if stream is None else stream
         if event is not None:
             s.wait_event(event)
-        return _acquire(self.handle, s)
+        return direct.acquire(self.handle, s)
 
     def finalize(self, event: Optional[torch.Event] = None) -> dict[str, int]:
         """Terminal hand-back: every owner stream with parked tensors waits and drains.

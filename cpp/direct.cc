@@ -1,0 +1,255 @@
+// The eager hot path's direct entry (module `sched_lifetime._direct`): bind / retire / acquire
+// called from Python without the torch.ops round trip (Python frame, schema stack, dispatcher),
+// which costs more than the work at one tensor. The same Rust entry points as the ops
+// (src/ffi/lifetime_ops.rs) do all the work; this file only unpacks Python arguments.
+//
+// Stable ABI only (Py_LIMITED_API 3.10): one build loads in every CPython >= 3.10, as the ops
+// library already does. No torch Python headers: a tensor is reached through its public
+// `_cdata` (the TensorImpl address) and a stream through `stream_id` / `device_index` /
+// `device_type`. Only exact torch.Tensor / nn.Parameter objects take this path; anything else
+// (tensor subclasses, fakes, modes' wrappers) answers NotImplemented and the caller uses the op,
+// which dispatches them correctly.
+#define PY_SSIZE_T_CLEAN
+#define Py_LIMITED_API 0x030A0000
+#include <Python.h>
+
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include "sched-lifetime/cpp/shim.h"
+#include "sched-lifetime/src/ffi/bridge.rs.h"
+
+namespace sched_lifetime {
+namespace {
+
+struct Cache {
+  PyObject* tensor_type = nullptr;     // torch.Tensor
+  PyObject* parameter_type = nullptr;  // torch.nn.Parameter
+  PyObject* stream_type = nullptr;     // torch.Stream (torch.cuda.Stream derives from it)
+  PyObject* cdata = nullptr;
+  PyObject* stream_id = nullptr;
+  PyObject* device_index = nullptr;
+  PyObject* device_type = nullptr;
+};
+Cache cache;
+
+constexpr const char* kValueTag = "[ValueError] ";
+
+std::string type_name(PyObject* obj) {
+  PyObject* name = PyObject_GetAttrString(reinterpret_cast<PyObject*>(Py_TYPE(obj)), "__name__");
+  std::string out = "object";
+  if (name != nullptr) {
+    const char* s = PyUnicode_AsUTF8AndSize(name, nullptr);
+    if (s != nullptr) out = s;
+    Py_DECREF(name);
+  }
+  PyErr_Clear();
+  return out;
+}
+
+bool set_value_error(const std::string& msg) {
+  PyErr_SetString(PyExc_ValueError, msg.c_str());
+  return false;
+}
+
+bool long_attr(PyObject* obj, PyObject* name, long long& out) {
+  PyObject* v = PyObject_GetAttr(obj, name);
+  if (v == nullptr) return false;
+  out = PyLong_AsLongLong(v);
+  Py_DECREF(v);
+  return !(out == -1 && PyErr_Occurred());
+}
+
+// A torch.Stream argument as the ops' StreamKey; false with a Python error set otherwise.
+bool unpack_stream(PyObject* obj, const char* what, StreamKey& key) {
+  int is = PyObject_IsInstance(obj, cache.stream_type);
+  if (is < 0) return false;
+  if (is == 0) {
+    return set_value_error(std::string(what) + " must be a torch.Stream (or torch.cuda.Stream), got " + type_name(obj));
+  }
+  long long id = 0, index = 0, type = 0;
+  if (!long_attr(obj, cache.stream_id, id) || !long_attr(obj, cache.device_index, index) ||
+      !long_attr(obj, cache.device_type, type)) {
+    return false;
+  }
+  key.id = id;
+  key.device_index = static_cast<int8_t>(index);
+  key.device_type = static_cast<int8_t>(type);
+  return true;
+}
+
+enum class Unpacked { kOk, kError, kNotPlain };
+
+Unpacked unpack_tensor(PyObject* obj, const char* verb, Py_ssize_t i, std::vector<at::Tensor>& out) {
+  PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(obj));
+  if (type != cache.tensor_type && type != cache.parameter_type) {
+    int is = PyObject_IsInstance(obj, cache.tensor_type);
+    if (is < 0) return Unpacked::kError;
+    if (is == 1) return Unpacked::kNotPlain;  // a subclass: the op dispatches it
+    set_value_error(std::string(verb) + ": item " + std::to_string(i) + " is a " + type_name(obj) +
+                    ", not a torch.Tensor");
+    return Unpacked::kError;
+  }
+  PyObject* cd = PyObject_GetAttr(obj, cache.cdata);
+  if (cd == nullptr) return Unpacked::kError;
+  void* impl = PyLong_AsVoidPtr(cd);
+  Py_DECREF(cd);
+  if (impl == nullptr) {
+    if (!PyErr_Occurred()) set_value_error(std::string(verb) + ": item " + std::to_string(i) + " is an undefined tensor");
+    return Unpacked::kError;
+  }
+  // A new strong reference to the object's TensorImpl (the Python object keeps it alive now).
+  out.emplace_back(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim_copy(
+      static_cast<c10::TensorImpl*>(impl)));
+  return Unpacked::kOk;
+}
+
+// A tensor or a list/tuple of tensors.
+Unpacked unpack_tensors(PyObject* obj, const char* verb, std::vector<at::Tensor>& out) {
+  if (PyList_Check(obj) || PyTuple_Check(obj)) {
+    const bool list = PyList_Check(obj);
+    const Py_ssize_t n = list ? PyList_Size(obj) : PyTuple_Size(obj);
+    out.reserve(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* item = list ? PyList_GetItem(obj, i) : PyTuple_GetItem(obj, i);  // borrowed
+      Unpacked u = unpack_tensor(item, verb, i, out);
+      if (u != Unpacked::kOk) return u;
+    }
+    return Unpacked::kOk;
+  }
+  return unpack_tensor(obj, verb, 0, out);
+}
+
+bool unpack_handle(PyObject* obj, uint64_t& out) {
+  long long h = PyLong_AsLongLong(obj);
+  if (h == -1 && PyErr_Occurred()) return false;
+  out = static_cast<uint64_t>(h);
+  return true;
+}
+
+// Runs a Rust entry point; its errors become the Python errors the ops raise.
+template <typename F>
+bool call_rust(F&& f) {
+  try {
+    f();
+    return true;
+  } catch (const rust::Error& e) {
+    std::string msg = e.what();
+    const std::string tag = kValueTag;
+    if (msg.rfind(tag, 0) == 0) {
+      PyErr_SetString(PyExc_ValueError, msg.substr(tag.size()).c_str());
+    } else {
+      PyErr_SetString(PyExc_RuntimeError, msg.c_str());
+    }
+  } catch (const c10::ValueError& e) {
+    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return false;
+}
+
+bool check_nargs(const char* name, Py_ssize_t nargs, Py_ssize_t want) {
+  if (nargs == want) return true;
+  PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, want, nargs);
+  return false;
+}
+
+// retire(handle, tensors, consumer, action, owner_or_None) -> None, or NotImplemented when a
+// tensor is not a plain one (the caller then uses torch.ops.sched_lifetime.retire[_owned]).
+PyObject* direct_retire(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_nargs("retire", nargs, 5)) return nullptr;
+  uint64_t mgr = 0;
+  StreamKey consumer{}, owner{};
+  if (!unpack_handle(args[0], mgr) || !unpack_stream(args[2], "consumer_stream", consumer)) return nullptr;
+  const bool owned = args[4] != Py_None;
+  if (owned && !unpack_stream(args[4], "owner_stream", owner)) return nullptr;
+  long long action = PyLong_AsLongLong(args[3]);
+  if (action == -1 && PyErr_Occurred()) return nullptr;
+  std::vector<at::Tensor> ts;
+  switch (unpack_tensors(args[1], "retire", ts)) {
+    case Unpacked::kError: return nullptr;
+    case Unpacked::kNotPlain: Py_RETURN_NOTIMPLEMENTED;
+    case Unpacked::kOk: break;
+  }
+  TensorList list{ts};
+  bool ok = owned ? call_rust([&] { sl_retire_owned(mgr, list, owner, consumer, action); })
+                  : call_rust([&] { sl_retire(mgr, list, consumer, action); });
+  if (!ok) return nullptr;
+  Py_RETURN_NONE;
+}
+
+// bind(handle, tensors, owner) -> None, or NotImplemented (as retire).
+PyObject* direct_bind(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_nargs("bind", nargs, 3)) return nullptr;
+  uint64_t mgr = 0;
+  StreamKey owner{};
+  if (!unpack_handle(args[0], mgr) || !unpack_stream(args[2], "owner_stream", owner)) return nullptr;
+  std::vector<at::Tensor> ts;
+  switch (unpack_tensors(args[1], "bind", ts)) {
+    case Unpacked::kError: return nullptr;
+    case Unpacked::kNotPlain: Py_RETURN_NOTIMPLEMENTED;
+    case Unpacked::kOk: break;
+  }
+  TensorList list{ts};
+  if (!call_rust([&] { sl_bind(mgr, list, owner); })) return nullptr;
+  Py_RETURN_NONE;
+}
+
+// acquire(handle, stream) -> int (tensors released).
+PyObject* direct_acquire(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_nargs("acquire", nargs, 2)) return nullptr;
+  uint64_t mgr = 0;
+  StreamKey stream{};
+  if (!unpack_handle(args[0], mgr) || !unpack_stream(args[1], "stream", stream)) return nullptr;
+  int64_t released = 0;
+  if (!call_rust([&] { released = sl_acquire(mgr, stream); })) return nullptr;
+  return PyLong_FromLongLong(released);
+}
+
+PyMethodDef methods[] = {
+    {"retire", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_retire)), METH_FASTCALL,
+     "retire(handle, tensors, consumer, action, owner_or_None): the retire / retire_owned op's work"},
+    {"bind", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_bind)), METH_FASTCALL,
+     "bind(handle, tensors, owner): the bind op's work"},
+    {"acquire", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_acquire)), METH_FASTCALL,
+     "acquire(handle, stream) -> int: the acquire op's work"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "_direct",
+    "Direct entry for the eager hot path (bind/retire/acquire without torch.ops); same Rust calls as the ops.",
+    -1, methods, nullptr, nullptr, nullptr, nullptr,
+};
+
+PyObject* attr_of(const char* module, const char* name) {
+  PyObject* m = PyImport_ImportModule(module);
+  if (m == nullptr) return nullptr;
+  PyObject* a = PyObject_GetAttrString(m, name);
+  Py_DECREF(m);
+  return a;
+}
+
+}  // namespace
+
+extern "C" void* sched_lifetime_direct_module_init() {
+  if (cache.tensor_type == nullptr) {
+    cache.tensor_type = attr_of("torch", "Tensor");
+    cache.parameter_type = cache.tensor_type ? attr_of("torch.nn", "Parameter") : nullptr;
+    cache.stream_type = cache.parameter_type ? attr_of("torch", "Stream") : nullptr;
+    if (cache.stream_type == nullptr) return nullptr;
+    cache.cdata = PyUnicode_InternFromString("_cdata");
+    cache.stream_id = PyUnicode_InternFromString("stream_id");
+    cache.device_index = PyUnicode_InternFromString("device_index");
+    cache.device_type = PyUnicode_InternFromString("device_type");
+  }
+  return PyModule_Create(&module_def);
+}
+
+}  // namespace sched_lifetime
