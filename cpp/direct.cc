@@ -63,8 +63,25 @@ bool long_attr(PyObject* obj, PyObject* name, long long& out) {
   return !(out == -1 && PyErr_Occurred());
 }
 
+// The last streams seen, by identity: a stream's id and device never change, and the cache
+// holds a strong reference, so an address cannot be reused by another object while cached.
+// Callers hold their stream objects (the executor's roles, a user's streams); four slots cover
+// an owner, a consumer and the EP / page streams.
+struct StreamSlot {
+  PyObject* obj = nullptr;
+  StreamKey key{};
+};
+StreamSlot stream_slots[4];
+unsigned next_slot = 0;
+
 // A torch.Stream argument as the ops' StreamKey; false with a Python error set otherwise.
 bool unpack_stream(PyObject* obj, const char* what, StreamKey& key) {
+  for (const StreamSlot& slot : stream_slots) {
+    if (slot.obj == obj) {
+      key = slot.key;
+      return true;
+    }
+  }
   int is = PyObject_IsInstance(obj, cache.stream_type);
   if (is < 0) return false;
   if (is == 0) {
@@ -78,6 +95,11 @@ bool unpack_stream(PyObject* obj, const char* what, StreamKey& key) {
   key.id = id;
   key.device_index = static_cast<int8_t>(index);
   key.device_type = static_cast<int8_t>(type);
+  StreamSlot& slot = stream_slots[next_slot++ % 4];
+  Py_XDECREF(slot.obj);
+  Py_INCREF(obj);
+  slot.obj = obj;
+  slot.key = key;
   return true;
 }
 
