@@ -4,7 +4,7 @@
 # carried. Every step has its own timeout and log under OUT; a failing step does not stop the
 # others; the last lines of each log are printed at the end.
 #   bash benches/gpu_pass.sh one OUT    # nvidia-h200: cuda tests, paging A/Bs (Pager, page nodes), host overhead
-#   bash benches/gpu_pass.sh two OUT    # nvidia-h200-x2: main job A/B (incl. ours+ep1), GraphStep A/B
+#   bash benches/gpu_pass.sh two OUT    # nvidia-h200-x2: main job A/B (incl. ours+ep2, the old EP budget), GraphStep A/B
 #   bash benches/gpu_pass.sh four OUT   # nvidia-h200-x4: DualPipeV as PP=2 x EP=2, handler vs none
 set -uo pipefail
 mode=${1:?usage: benches/gpu_pass.sh one|two|four OUT}
@@ -31,7 +31,7 @@ one)
     step paging_nodes_ab 200 "$py" benches/paging_nodes_ab.py --config h200 --microbatches 4 --json "$out/paging_nodes.json"
     ;;
 two)
-    step main_job 330 bash benches/main_job_2gpu.sh "$out/mj" --arms sequential,ours,ours+ep1,ours+record --quiet
+    step main_job 330 bash benches/main_job_2gpu.sh "$out/mj" --arms sequential,b_then_f,ours,ours+ep2,ours+classic,ours+record --quiet
     step graph_step 200 env NCCL_MIN_NCHANNELS=2 NCCL_MAX_NCHANNELS=2 \
         torchrun --standalone --nproc-per-node 2 benches/compile_ab.py --config h200 --graph-step 4 --steps 4
     ;;

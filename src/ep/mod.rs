@@ -98,7 +98,7 @@ pub struct Budgets {
 
 impl Default for Budgets {
     fn default() -> Self {
-        Budgets { ep: 2, page: 2 }
+        Budgets { ep: 1, page: 2 }
     }
 }
 

@@ -140,3 +140,22 @@ def test_unbound_cuda_tensor_takes_record_stream_fallback():
     torch.cuda.synchronize()
     assert s.item() == float(1 << 20)
     m.finalize()
+
+
+def test_direct_entry_keys_every_stream_right_past_its_cache():
+    """The eager entry caches stream keys by object identity in four slots: cycling through six
+    streams twice, each retire parks on its own owner, and only that owner's acquire frees it."""
+    dev = torch.device("cuda")
+    streams = [torch.cuda.Stream(dev) for _ in range(6)]
+    m = sl.LifetimeManager("stream-cache")
+    for _ in range(2):
+        for k, owner in enumerate(streams):
+            consumer = streams[(k + 1) % len(streams)]
+            with torch.cuda.stream(owner):
+                t = torch.empty(256, device=dev)
+            m.retire(t, consumer, owner_stream=owner)
+            assert m.acquire(consumer) == 0, k
+            assert m.acquire(owner) == 1, k
+            assert t.untyped_storage().nbytes() == 0
+    st = m.finalize()
+    assert (st["bound"], st["drained"], st["pending_count"]) == (12, 12, 0), st

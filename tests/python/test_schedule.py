@@ -108,7 +108,8 @@ def test_moe_chunk_scenario_gives_graph_and_baseline_orders():
     for name in ("megatron", "b_then_f"):
         o = sc["orders"][name]
         assert sorted(o["order"]) == sorted(ours["order"])
-        sl.validate(g, o["order"], [p[:2] for p in o["syncs"]])
+        # Megatron's order keeps two EP launches in flight: valid at budget 2, not at our default 1.
+        sl.validate(g, o["order"], [p[:2] for p in o["syncs"]], ep_budget=2)
     with pytest.raises(ValueError, match="expected moe_chunk:LAYERS:RATIO"):
         sl.scenario_graph("moe_chunk:0:x")
 

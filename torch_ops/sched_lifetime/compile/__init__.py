@@ -43,7 +43,7 @@ __all__ = ["OPTIONS", "GraphStep", "backend", "capture_graphs", "check_options",
 OPTIONS: dict[str, Any] = {
     "overlap": True,  # schedule the graph (False: keep AOTAutograd's order)
     "explain": False,  # print each graph's schedule and what each launch ran under
-    "ep_budget": None,  # launches in flight (None: SCHED_LIFETIME_EP_LAUNCH_BUDGET, else 2)
+    "ep_budget": None,  # launches in flight (None: SCHED_LIFETIME_EP_LAUNCH_BUDGET, else 1)
     "lifetime": "scheduled",  # cross-stream lifetime; compiled graphs have no side-stream values yet
     "paging": False,  # activation paging (not in the compile path yet)
     "cudagraphs": False,  # capture the compiled graphs (not in the compile path yet)
