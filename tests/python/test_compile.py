@@ -20,12 +20,12 @@ from sched_lifetime import compile as slc
 STEPS = 3
 
 
-def _steps(model, make_batch, backend, options=None):
+def _steps(model, make_batch, backend, options=None, steps=STEPS):
     torch._dynamo.reset()
     run = model if backend is None else torch.compile(model, backend=backend, options=options)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     outs, grads = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         opt.zero_grad(set_to_none=True)
         torch.manual_seed(1000 + step)  # the same RNG draws in every arm
         out = run(*make_batch(step))
@@ -84,10 +84,74 @@ def test_options_are_checked():
         slc.check_options({"explain": "yes"})
     with pytest.raises(ValueError, match="'lifetime' must be"):
         slc.check_options({"lifetime": "never"})
-    for k in ("paging", "cudagraphs"):
-        with pytest.raises(ValueError, match="not available in the compile path yet"):
-            slc.check_options({k: True})
+    with pytest.raises(ValueError, match="not available in the compile path yet"):
+        slc.check_options({"paging": True})
+    with pytest.raises(ValueError, match="'cudagraphs' must be a bool"):
+        slc.check_options({"cudagraphs": 1})
     assert "sched_lifetime" in torch._dynamo.list_backends()
+
+
+def test_cudagraphs_on_cpu_graphs_is_an_error_saying_why():
+    """Capture needs CUDA graphs: on CPU the option raises with the reason instead of running
+    the graphs eagerly behind the user's back."""
+    torch._dynamo.reset()
+    model = _mlp()
+    run = torch.compile(model, backend="sched_lifetime", options={"cudagraphs": True})
+    with pytest.raises(Exception, match="cudagraphs=True cannot capture the fwd graph.*cpu"):
+        run(torch.randn(8, 16))
+
+
+GPU_MODELS = {
+    "mlp": (lambda: torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)), (64, 256)),
+    "transformer_block": (lambda: torch.nn.TransformerEncoderLayer(256, 8, 1024, dropout=0.0, batch_first=True), (8, 32, 256)),
+}
+
+
+def _graph_pool_bytes() -> int:
+    """Bytes of the segments in cudagraph trees' private pool (device 0)."""
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_manager(0, create_if_none_exists=False)
+    assert manager is not None, "nothing was captured"
+    pool = manager.cuda_graphs_thread_pool
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot() if tuple(seg.get("segment_pool_id", ())) == tuple(pool))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", sorted(GPU_MODELS))
+def test_cudagraphs_replays_bit_exact_and_pool_within_the_eager_step(name):
+    """cudagraphs=True on the H200: six SGD steps (warm-up, record, then replays), outputs,
+    gradients and weights bit-exact against eager; the graphs' private pool no larger than
+    what the eager step allocates above its start (activations, gradients, temporaries)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from torch._inductor import cudagraph_trees
+
+    torch.use_deterministic_algorithms(True)
+    dev = torch.device("cuda")
+    build, shape = GPU_MODELS[name]
+
+    def batch(step):
+        return (torch.randn(*shape, generator=torch.Generator().manual_seed(step)).to(dev),)
+
+    torch.manual_seed(0)
+    base = build().to(dev)
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    eager = _steps(copy.deepcopy(base), batch, None, steps=6)
+    torch.cuda.synchronize()
+    eager_step = torch.cuda.max_memory_allocated() - start - sum(p.numel() * p.element_size() for p in base.parameters())
+    pools = {}
+    for lifetime in ("scheduled", "record_stream"):
+        cudagraph_trees.reset_cudagraph_trees()
+        ours = _steps(copy.deepcopy(base), batch, "sched_lifetime", {"cudagraphs": True, "lifetime": lifetime}, steps=6)
+        assert _same(eager, ours), f"{lifetime}: captured replays differ from eager"
+        assert all(h["module"].sched_lifetime.get("cudagraphs") for h in slc.history[-2:])
+        pools[lifetime] = _graph_pool_bytes()
+    print(f"{name}: graph pool {pools} bytes, eager step {eager_step} bytes")
+    assert pools["scheduled"] <= eager_step, (pools, eager_step)
+    cudagraph_trees.reset_cudagraph_trees()
 
 
 def test_entry_point_is_declared():

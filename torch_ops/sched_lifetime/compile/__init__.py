@@ -22,7 +22,13 @@ group's own (high-priority, for `ep.new_ep_group`) NCCL stream; c10d holds its i
 `wait_tensor`, so no cross-stream value is left for the lifetime manager in these graphs, and
 none of its calls is inserted. `multiplex(fwd, bwd)` schedules a forward graph of one
 microbatch with a backward graph of another into one module (two sources). Not yet: nodes on
-our own side streams (page nodes), the paging and CUDA-graph options (they raise).
+our own side streams (page nodes), the paging option (it raises).
+
+`cudagraphs=True` captures each rewritten graph in a CUDA graph the way torch's own
+"cudagraphs" backend does (cudagraph trees: static parameters, a private memory pool, replays
+that copy the other inputs in), after our rewrite; a graph that cannot be captured (CPU tensors,
+several devices, an incompatible op, a mutated non-static input) is an error that says why,
+never a quiet eager run.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ OPTIONS: dict[str, Any] = {
     "ep_budget": None,  # launches in flight (None: SCHED_LIFETIME_EP_LAUNCH_BUDGET, else 1)
     "lifetime": "scheduled",  # cross-stream lifetime; compiled graphs have no side-stream values yet
     "paging": False,  # activation paging (not in the compile path yet)
-    "cudagraphs": False,  # capture the compiled graphs (not in the compile path yet)
+    "cudagraphs": False,  # capture each compiled graph in a CUDA graph (torch's cudagraph trees)
 }
 
 #: The last compiled graphs (phase, IR, schedule, GraphModule), newest last: for tests and
@@ -68,8 +74,6 @@ def check_options(options: Optional[dict]) -> dict:
         raise ValueError(f"sched_lifetime backend: option 'lifetime' must be 'scheduled' or 'record_stream', got {opts['lifetime']!r}")
     if opts["paging"]:
         raise ValueError("sched_lifetime backend: paging=True is not available in the compile path yet (use sl.Pager around eager steps)")
-    if opts["cudagraphs"]:
-        raise ValueError("sched_lifetime backend: cudagraphs=True is not available in the compile path yet")
     return opts
 
 
@@ -80,16 +84,61 @@ def backend(gm: fx.GraphModule, example_inputs: list, options: Optional[dict] = 
     from torch._functorch.partitioners import default_partition
 
     opts = check_options(options)
+    captured = _Capture(len(example_inputs)) if opts["cudagraphs"] else None
 
-    def compiler(phase: str) -> Callable:
+    def compiler(phase: str, inference: bool = False) -> Callable:
         def compile_graph(g: fx.GraphModule, inputs: list) -> Callable:
-            return make_boxed_func(compile_fx_graph(g, phase, opts))
+            out = compile_fx_graph(g, phase, opts)
+            if captured is not None:
+                return captured(out, inputs, phase, inference)
+            return make_boxed_func(out)
 
         return compile_graph
 
-    return aot_autograd(fw_compiler=compiler("fwd"), bw_compiler=compiler("bwd"), inference_compiler=compiler("fwd"), partition_fn=default_partition)(
-        gm, example_inputs
-    )
+    return aot_autograd(
+        fw_compiler=compiler("fwd"), bw_compiler=compiler("bwd"), inference_compiler=compiler("fwd", inference=True), partition_fn=default_partition
+    )(gm, example_inputs)
+
+
+class _Capture:
+    """Our rewritten graphs under torch's cudagraph trees, as torch's "cudagraphs" backend wraps
+    AOTAutograd's graphs (`torch/_dynamo/backends/cudagraphs.py`): the forward's parameters
+    (and the backward's saved values and tangents) are static inputs; everything else is
+    copied into the graph's inputs at each replay. A graph that cannot be captured raises."""
+
+    def __init__(self, n_dynamo_inputs: int) -> None:
+        self.n_dynamo_inputs = n_dynamo_inputs
+        self.device_index: Optional[int] = None
+
+    def __call__(self, gm: fx.GraphModule, inputs: list, phase: str, inference: bool) -> Callable:
+        from torch._dynamo.backends import cudagraphs as cg
+        from torch._dynamo.backends.debugging import boxed_nop
+        from torch._inductor.cudagraph_trees import cudagraphify_impl
+        from torch._inductor.cudagraph_utils import get_placeholder_info
+        from torch._inductor.utils import count_tangents, num_fw_fixed_arguments
+
+        backward = phase == "bwd"
+        fixed = count_tangents(gm) if backward else num_fw_fixed_arguments(self.n_dynamo_inputs, len(inputs))
+        skip = cg.check_for_skip(gm, fixed)
+        if skip:
+            raise RuntimeError(f"sched_lifetime backend: cudagraphs=True cannot capture the {phase} graph: {skip}")
+        index = cg.get_device_index(gm)
+        if self.device_index is None:
+            self.device_index = index
+        out = cudagraphify_impl(
+            boxed_nop(gm, inputs),
+            inputs,
+            range(fixed),
+            device_index=index,
+            is_backward=backward,
+            is_inference=inference,
+            stack_traces=cg.get_stack_traces(gm),
+            placeholders=get_placeholder_info(gm.graph),
+            mutated_input_idxs=cg.find_input_mutations(gm.graph),
+        )
+        out._boxed_call = True
+        gm.sched_lifetime["cudagraphs"] = True
+        return out
 
 
 def compile_fx_graph(gm: fx.GraphModule, phase: str, opts: dict) -> fx.GraphModule:
