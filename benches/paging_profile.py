@@ -1,5 +1,8 @@
+"""Where the Pager's step time goes (one GPU): host issue time and wall time of a step with
+and without `sl.Pager(FRACTION)` on the `h200` config, torch.profiler tables of both, and a
+gzipped Chrome trace of the paged step in $OUT. Usage: OUT=dir python3 benches/paging_profile.py 0.1"""
 import os, sys, time, gzip, shutil, torch
-sys.path.insert(0, "torch_ops")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_ops"))
 import sched_lifetime as sl
 from sched_lifetime.models import moe as moe_mod
 from sched_lifetime.models.moe import CONFIGS, MoEModel
@@ -29,7 +32,7 @@ for a in arms:
     print("==", a)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
     if a == "pager":
-        path = os.environ["OUT"] + "/trace_pager.json"
+        path = os.path.join(os.environ.get("OUT", "."), "trace_pager.json")
         prof.export_chrome_trace(path)
         with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g: shutil.copyfileobj(f, g)
         os.remove(path)
