@@ -1,5 +1,5 @@
-// The eager hot path's direct entry (module `sched_lifetime._direct`): bind / retire / acquire
-// called from Python without the torch.ops round trip (Python frame, schema stack, dispatcher),
+// The eager hot path's direct entry (module `sched_lifetime._direct`): create / bind / retire /
+// acquire / finalize / stats / destroy called from Python without the torch.ops round trip (Python frame, schema stack, dispatcher),
 // which costs more than the work at one tensor. The same Rust entry points as the ops
 // (src/ffi/lifetime_ops.rs) do all the work; this file only unpacks Python arguments.
 //
@@ -234,6 +234,58 @@ PyObject* direct_acquire(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return PyLong_FromLongLong(released);
 }
 
+// create(name) -> int handle.
+PyObject* direct_create(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_nargs("create", nargs, 1)) return nullptr;
+  Py_ssize_t n = 0;
+  const char* name = PyUnicode_AsUTF8AndSize(args[0], &n);
+  if (name == nullptr) return nullptr;
+  uint64_t handle = 0;
+  if (!call_rust([&] { handle = sl_create(rust::Str(name, static_cast<size_t>(n))); })) return nullptr;
+  return PyLong_FromUnsignedLongLong(handle);
+}
+
+PyObject* int_list(const rust::Vec<int64_t>& v) {
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(v.size()));
+  if (out == nullptr) return nullptr;
+  for (size_t i = 0; i < v.size(); ++i) {
+    PyObject* x = PyLong_FromLongLong(v[i]);
+    if (x == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyList_SetItem(out, static_cast<Py_ssize_t>(i), x);  // steals x
+  }
+  return out;
+}
+
+// finalize(handle) / stats(handle) -> list of ints (the ops' int[]); destroy(handle) -> None.
+PyObject* direct_finalize(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_nargs("finalize", nargs, 1)) return nullptr;
+  uint64_t mgr = 0;
+  if (!unpack_handle(args[0], mgr)) return nullptr;
+  rust::Vec<int64_t> st;
+  if (!call_rust([&] { st = sl_finalize(mgr); })) return nullptr;
+  return int_list(st);
+}
+
+PyObject* direct_stats(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_nargs("stats", nargs, 1)) return nullptr;
+  uint64_t mgr = 0;
+  if (!unpack_handle(args[0], mgr)) return nullptr;
+  rust::Vec<int64_t> st;
+  if (!call_rust([&] { st = sl_stats(mgr); })) return nullptr;
+  return int_list(st);
+}
+
+PyObject* direct_destroy(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_nargs("destroy", nargs, 1)) return nullptr;
+  uint64_t mgr = 0;
+  if (!unpack_handle(args[0], mgr)) return nullptr;
+  if (!call_rust([&] { sl_destroy(mgr); })) return nullptr;
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
     {"retire", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_retire)), METH_FASTCALL,
      "retire(handle, tensors, consumer, action, owner_or_None): the retire / retire_owned op's work"},
@@ -241,6 +293,14 @@ PyMethodDef methods[] = {
      "bind(handle, tensors, owner): the bind op's work"},
     {"acquire", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_acquire)), METH_FASTCALL,
      "acquire(handle, stream) -> int: the acquire op's work"},
+    {"create", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_create)), METH_FASTCALL,
+     "create(name) -> int: the create op's work"},
+    {"finalize", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_finalize)), METH_FASTCALL,
+     "finalize(handle) -> list[int]: the finalize op's work"},
+    {"stats", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_stats)), METH_FASTCALL,
+     "stats(handle) -> list[int]: the stats op's work"},
+    {"destroy", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_destroy)), METH_FASTCALL,
+     "destroy(handle): the destroy op's work"},
     {nullptr, nullptr, 0, nullptr},
 };
 

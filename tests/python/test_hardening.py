@@ -70,6 +70,18 @@ class _OpsRoute:
     def acquire(handle, stream):
         return ops.acquire(handle, stream)
 
+    @staticmethod
+    def stats(handle):
+        return ops.stats(handle)
+
+    @staticmethod
+    def finalize(handle):
+        return ops.finalize(handle)
+
+    @staticmethod
+    def destroy(handle):
+        return ops.destroy(handle)
+
 
 @pytest.mark.parametrize("route", ["direct", "ops"])
 def test_direct_entry_and_ops_fail_alike_and_change_nothing(route):
@@ -85,6 +97,9 @@ def test_direct_entry_and_ops_fail_alike_and_change_nothing(route):
         ("same tensor twice", lambda: r.retire(m.handle, [x, x], CPU, 0, None), RuntimeError, "same tensor"),
         ("aliasing views", lambda: r.retire(m.handle, [x, view], CPU, 0, CPU), RuntimeError, "alias"),
         ("unknown handle", lambda: r.acquire(123456789, CPU), RuntimeError, "unknown lifetime manager handle"),
+        ("unknown handle stats", lambda: r.stats(123456789), RuntimeError, "unknown lifetime manager handle"),
+        ("unknown handle finalize", lambda: r.finalize(123456789), RuntimeError, "unknown lifetime manager handle"),
+        ("unknown handle destroy", lambda: r.destroy(123456789), RuntimeError, "unknown lifetime manager handle"),
     ]
     if route == "direct":  # type errors the ops' schema parser reports in its own words
         cases += [
@@ -103,7 +118,10 @@ def test_direct_entry_and_ops_fail_alike_and_change_nothing(route):
     r.retire(m.handle, [y], CPU, 0, None)
     r.retire(m.handle, [x], CPU, 0, CPU)
     assert r.acquire(m.handle, CPU) == 0  # same-stream retires released at once
-    st = m.finalize()
+    st = dict(zip(sl.STATS_FIELDS, r.finalize(m.handle)))
+    assert list(st.values()) == list(r.stats(m.handle))
+    with pytest.raises(RuntimeError, match="finaliz"):
+        r.finalize(m.handle)  # twice
     extra = route == "direct"  # the single tensor above
     assert (st["bound"] - extra, st["immediate"] - extra, x.untyped_storage().nbytes()) == (2, 2, 0)
 

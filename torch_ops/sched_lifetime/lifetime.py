@@ -1,7 +1,9 @@
 """`LifetimeManager`: the Python face of the Rust lifetime manager (DESIGN.md §2).
 
 All decisions (what to park, when to wait, what to release, the fallback) are made in Rust;
-this module checks Python types, picks default streams and calls the ops."""
+this module checks Python types, picks default streams and calls Rust: through the eager entry
+`sched_lifetime._direct` (the ops' Rust calls without the torch.ops round trip), or the ops for
+tensors the entry does not take (subclasses, fakes)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,6 @@ from ._ops import INFO, STATS_FIELDS, direct, ops
 # plain (subclasses, fakes), and those take the op, whose dispatch handles them.
 _bind, _retire, _passthrough = ops.bind.default, ops.retire.default, ops.passthrough.default
 _retire_owned = ops.retire_owned.default
-_finalize, _stats = ops.finalize.default, ops.stats.default
 
 #: Action names accepted by `retire`, with their integer codes across the FFI (from Rust).
 ACTIONS: dict[str, int] = dict(INFO["actions"])
@@ -73,7 +74,7 @@ class LifetimeManager:
 
     def __init__(self, name: Optional[str] = None) -> None:
         self.name = name if name is not None else f"plan{next(_names)}"
-        self._handle: Optional[int] = ops.create(self.name)
+        self._handle: Optional[int] = direct.create(self.name)
 
     @property
     def handle(self) -> int:
@@ -128,18 +129,18 @@ class LifetimeManager:
         Raises if tensors were bound but never retired. Returns the final stats."""
         if event is not None:
             torch.accelerator.current_stream().wait_event(event)
-        return dict(zip(STATS_FIELDS, _finalize(self.handle)))
+        return dict(zip(STATS_FIELDS, direct.finalize(self.handle)))
 
     def stats(self) -> dict[str, int]:
         """Counters: retired by action, immediate, fallbacks, drains, waits, pending peaks."""
-        return dict(zip(STATS_FIELDS, _stats(self.handle)))
+        return dict(zip(STATS_FIELDS, direct.stats(self.handle)))
 
     def close(self) -> None:
         """Drop the manager. Parked tensors of an unfinalized plan take the record_stream
         fallback, so nothing is reused early."""
         if self._handle is not None:
             h, self._handle = self._handle, None
-            ops.destroy(h)
+            direct.destroy(h)
 
     def __enter__(self) -> "LifetimeManager":
         return self

@@ -63,6 +63,8 @@ def restorable(t: torch.Tensor) -> bool:
     """Whether a fresh tensor can take `t`'s exact strides: no two of its elements share memory
     (an expanded tensor's do). Only those are paged: the page-in rebuilds the strides, since a
     backward kernel given another layout may round differently."""
+    if t.is_contiguous():
+        return True
     covered = 0  # the furthest offset the dims seen so far reach, strides ascending
     for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
         if stride <= covered:
@@ -107,6 +109,7 @@ class HostPool:
             self._bufs.append(torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=pin))
         self.bytes = sum(sizes)
         self._taken: set[int] = set()
+        self._views: dict[tuple, torch.Tensor] = {}
         # Page-outs whose device storage is still held: (manager, copy-done event, owner stream).
         self._retiring: list[tuple[LifetimeManager, Any, Any]] = []
         self.drain_distance = drain_distance
@@ -135,8 +138,13 @@ class HostPool:
         self._free[self._bufs[slot].numel()].append(slot)
 
     def view(self, slot: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        """Buffer `slot` seen as a tensor of `shape` and `dtype`."""
-        return self._bufs[slot].view(dtype).view(shape)
+        """Buffer `slot` seen as a tensor of `shape` and `dtype` (made once per key: a step
+        pages the same shapes every time)."""
+        key = (slot, tuple(shape), dtype)
+        v = self._views.get(key)
+        if v is None:
+            v = self._views[key] = self._bufs[slot].view(dtype).view(shape)
+        return v
 
     def in_use(self) -> int:
         """Buffers taken and not given back."""
@@ -275,19 +283,21 @@ class Pager:
     def _pack(self, t: torch.Tensor) -> Any:
         i = self._index
         self._index += 1
-        if self.pool is not None:
-            self.pool.release_done()  # every save is a chance to free what the link has copied
+        pool = self.pool
+        if pool is not None and pool._retiring:
+            pool.release_done()  # every save is a chance to free what the link has copied
         if self.plan is None:  # calibrating: record, keep
             self._calib.append({"t": t, "bytes": t.numel() * t.element_size(), "shape": tuple(t.shape), "dtype": t.dtype, "weight": is_weight(t), "restorable": restorable(t)})
             return ("keep", i, t)
-        if i >= len(self._shapes) or (tuple(t.shape), t.dtype) != self._shapes[i]:
+        shapes = self._shapes
+        if i >= len(shapes) or t.shape != shapes[i][0] or t.dtype != shapes[i][1]:
             raise RuntimeError(
                 f"paging: saved tensor #{i} is {tuple(t.shape)} {t.dtype}, calibration saw "
-                f"{self._shapes[i] if i < len(self._shapes) else 'nothing'}; make a new Pager for a new shape"
+                f"{shapes[i] if i < len(shapes) else 'nothing'}; make a new Pager for a new shape"
             )
         if i not in self._page or not restorable(t):
             return ("keep", i, t)
-        p = self.pool.page_out(t)
+        p = pool.page_out(t)
         self._handles[i] = p
         self._stats["bytes_out"] += p.nbytes
         return ("paged", i)
@@ -300,8 +310,9 @@ class Pager:
             return packed[2]
         u = self._unpacks
         self._unpacks += 1
-        if self.pool is not None:
-            self.pool.release_done()
+        pool = self.pool
+        if pool is not None and pool._retiring:
+            pool.release_done()
         # Prefetch: page-ins of the tensors read within `prefetch` unpacks from now are queued
         # now, so the copy runs under the backward's compute; the wait stays at the use.
         order = self._in_order
@@ -315,7 +326,7 @@ class Pager:
                 raise RuntimeError(f"paging: saved tensor #{i} unpacked twice (retain_graph is not supported with paging)")
             self._launch_in(i)
         out, ev = self._ready.pop(i)
-        self.pool.page_wait(ev)
+        pool.page_wait(ev)
         return out
 
     def _launch_in(self, i: int) -> None:
