@@ -110,6 +110,7 @@ class HostPool:
         self.bytes = sum(sizes)
         self._taken: set[int] = set()
         self._views: dict[tuple, torch.Tensor] = {}
+        self._mark: Any = None  # the event `_after` re-records (made at its first use)
         # Page-outs whose device storage is still held: (manager, copy-done event, owner stream).
         self._retiring: list[tuple[LifetimeManager, Any, Any]] = []
         self.drain_distance = drain_distance
@@ -136,6 +137,15 @@ class HostPool:
             raise RuntimeError(f"host buffer {slot} given back but not taken")
         self._taken.remove(slot)
         self._free[self._bufs[slot].numel()].append(slot)
+
+    def _after(self, page: Any, comp: Any) -> None:
+        """`page` waits for the work queued on `comp` so far (`Stream.wait_stream` without its
+        new event per call: one event, re-recorded; a wait takes the record it sees)."""
+        ev = self._mark
+        if ev is None:
+            ev = self._mark = torch.cuda.Event()
+        ev.record(comp)
+        page.wait_event(ev)
 
     def view(self, slot: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """Buffer `slot` seen as a tensor of `shape` and `dtype` (made once per key: a step
@@ -173,7 +183,7 @@ class HostPool:
         buf = self.view(slot, tuple(t.shape), t.dtype)
         if t.is_cuda:
             comp, page = owner if owner is not None else torch.cuda.current_stream(t.device), self.page_stream
-            page.wait_stream(comp)
+            self._after(page, comp)
             with torch.cuda.stream(page):
                 buf.copy_(t.detach(), non_blocking=True)
                 done = torch.cuda.Event()
@@ -212,7 +222,7 @@ class HostPool:
             comp, page = alloc_stream if alloc_stream is not None else torch.cuda.current_stream(p.device), self.page_stream
             with torch.cuda.stream(comp):
                 out = torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=p.device)
-            page.wait_stream(comp)
+            self._after(page, comp)
             with torch.cuda.stream(page):
                 out.copy_(buf, non_blocking=True)
                 ev = torch.cuda.Event()
