@@ -500,16 +500,16 @@ fn validator_coverage_agrees_with_brute_force_reachability() {
 #[test]
 fn family_ours_never_worse_than_backward_then_forward_or_serial() {
     use sched_lifetime::scenarios::family;
-    for ratio in [0.25, 1.0, 2.0] {
+    for ratio in [0.25, 0.5, 1.0, 2.0] {
         for (name, spec) in family::members(ratio) {
             for budget in [1, 2, 4] {
                 let r = family::row(&name, &spec, budget).unwrap();
                 assert!(r.ours.0 <= r.b_then_f.0 && r.ours.0 <= r.serial.0, "{name} ratio {ratio} budget {budget}: {r:?}");
                 assert_eq!(r.hazards, 0, "{name} ratio {ratio} budget {budget}: the race checker found hazards");
-                // Pairing holds both sources in lockstep; ours must at least stay close (the
-                // balance issue asks for 1%; what is left is in the README's family table).
+                // The balance issue's bar: within 1% of the Megatron-style layer pairing (at
+                // its strongest: the shorter of both rule sets within a pair) where it exists.
                 if let Some(p) = r.pairing {
-                    assert!(r.ours.0 <= p.0 * 1.05, "{name} ratio {ratio} budget {budget}: ours {:?} pairing {p:?}", r.ours);
+                    assert!(r.ours.0 <= p.0 * 1.01, "{name} ratio {ratio} budget {budget}: ours {:?} pairing {p:?}", r.ours);
                 }
             }
         }
@@ -633,4 +633,26 @@ fn ready_first_rule_is_default_valid_and_prefers_compute_that_needs_no_wait() {
     let ready = sched::schedule(&g, b).unwrap();
     assert!(pos(&classic, "F1.n1.wait") < pos(&classic, "B0.n6"), "classic: the stalling candidate went first");
     assert!(pos(&ready, "B0.n6") < pos(&ready, "F1.n1.wait"), "ready_first: the ready candidate goes first");
+}
+
+#[test]
+fn a_value_last_used_on_its_owner_after_a_cross_stream_use_retires_on_that_stream() {
+    // router+shared: F.L0.a feeds the router, the dispatch (EP stream) and the shared expert
+    // (compute, issued after the dispatch). Retiring on compute would release at once while the
+    // dispatch may still read it; the plan event goes on the EP stream, drained where compute
+    // has already waited on the dispatch.
+    use sched_lifetime::ep::Role;
+    use sched_lifetime::scenarios::family;
+    let (_, spec) = family::members(0.25).into_iter().find(|(n, _)| n == "router+shared 2").unwrap();
+    let g = Graph::new(family::build(&spec)).unwrap();
+    let s = sched::schedule(&g, Budgets::default()).unwrap();
+    let r = s.retires.iter().find(|r| g.values[r.value.ix()].name == "F.L0.a").expect("F.L0.a is retired");
+    assert_eq!(g.nodes[r.last_consumer.ix()].name, "F.L0.shared");
+    assert_eq!((r.owner, r.consumer_stream), (Role::Compute, Role::Ep));
+    let drain = r.drain_before.expect("drained in the plan");
+    assert!(pos(&g, &s, &g.nodes[drain.ix()].name) >= pos(&g, &s, "F.L0.dispatch.wait"));
+    // Every retire whose last use is on the owner's stream names another stream.
+    for r in &s.retires {
+        assert_ne!(r.consumer_stream, r.owner, "{}", g.values[r.value.ix()].name);
+    }
 }

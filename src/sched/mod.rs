@@ -53,7 +53,9 @@ pub struct Retire {
     pub owner: Role,
     /// The last consumer in issue order.
     pub last_consumer: NodeId,
-    /// The last consumer's stream.
+    /// The stream the plan event is recorded on: the last consumer's, or, when the last use is
+    /// on the owner's own stream, the last cross-stream consumer's (a retire on the owner's
+    /// stream would release at once, before that other use is known to be done).
     pub consumer_stream: Role,
     /// The first owner-stream node ordered after the last consumer (the drain adds no wait
     /// there); None: terminal hand-back.

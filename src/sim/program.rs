@@ -523,9 +523,11 @@ pub fn run(plan: &Program, opts: SimOptions) -> Result<(Report, Machine)> {
                 }
             }
             // The last consumer is ordered after earlier consumers on other streams, so the
-            // plan event it records covers every use.
+            // plan event it records covers every use; except on the owner's own stream, where
+            // the retire goes to the last cross-stream consumer's stream instead (below, as
+            // the scheduler's retire points say) and nothing waits here.
             let cons = &plan.consumers[v as usize];
-            if cons.last() == Some(&(n as u32)) {
+            if cons.last() == Some(&(n as u32)) && !(managed && plan.owner(v) == s) {
                 for &c in &cons[..cons.len() - 1] {
                     if plan.stream_of[c as usize] != s {
                         m.wait(node_event[c as usize], s)?;
@@ -559,7 +561,26 @@ pub fn run(plan: &Program, opts: SimOptions) -> Result<(Report, Machine)> {
                 }
             } else if last {
                 let k = key(v, plan.value_bytes[v as usize]);
-                mgr.retire(&mut SimRuntime { machine: &mut m, skip_waits }, &[k], sid, plan.action_of[n], |_| v)?;
+                // Last use on the owner's stream after a use on another stream: the plan event
+                // goes on that other stream (its latest such use is queued there by now).
+                let cons = &plan.consumers[v as usize];
+                let on = if plan.owner(v) == s {
+                    let other = cons.iter().rev().map(|&c| plan.stream_of[c as usize]).find(|&cs| cs != s);
+                    // Drains at every node (no scheduled drain points, whose clocks cover each
+                    // use): the event must cover uses on a third stream too.
+                    if let (Some(o), false) = (other, plan.spec.explicit_acquire) {
+                        for &c in cons.iter() {
+                            let c_s = plan.stream_of[c as usize];
+                            if c_s != s && c_s != o {
+                                m.wait(node_event[c as usize], o)?;
+                            }
+                        }
+                    }
+                    other.map_or(sid, sim_stream)
+                } else {
+                    sid
+                };
+                mgr.retire(&mut SimRuntime { machine: &mut m, skip_waits }, &[k], on, plan.action_of[n], |_| v)?;
                 if !m.is_freed(v) && plan.action_of[n] != Action::Preserve {
                     m.park(v)?;
                 }
