@@ -260,22 +260,21 @@ PyObject* int_list(const rust::Vec<int64_t>& v) {
 }
 
 // finalize(handle) / stats(handle) -> list of ints (the ops' int[]); destroy(handle) -> None.
-PyObject* direct_finalize(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!check_nargs("finalize", nargs, 1)) return nullptr;
+PyObject* handle_to_ints(const char* name, PyObject* const* args, Py_ssize_t nargs, rust::Vec<int64_t> (*f)(uint64_t)) {
+  if (!check_nargs(name, nargs, 1)) return nullptr;
   uint64_t mgr = 0;
   if (!unpack_handle(args[0], mgr)) return nullptr;
   rust::Vec<int64_t> st;
-  if (!call_rust([&] { st = sl_finalize(mgr); })) return nullptr;
+  if (!call_rust([&] { st = f(mgr); })) return nullptr;
   return int_list(st);
 }
 
+PyObject* direct_finalize(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return handle_to_ints("finalize", args, nargs, &sl_finalize);
+}
+
 PyObject* direct_stats(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!check_nargs("stats", nargs, 1)) return nullptr;
-  uint64_t mgr = 0;
-  if (!unpack_handle(args[0], mgr)) return nullptr;
-  rust::Vec<int64_t> st;
-  if (!call_rust([&] { st = sl_stats(mgr); })) return nullptr;
-  return int_list(st);
+  return handle_to_ints("stats", args, nargs, &sl_stats);
 }
 
 PyObject* direct_destroy(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
