@@ -137,8 +137,16 @@ class Executor:
         # consumer stream, action, owner stream) after each node: no op call at the producer.
         self._retire_after: dict[str, dict[tuple[str, str, str, str], list[str]]] = {}
         self._drain_before: dict[str, list[tuple[str, str]]] = {}
+        # For lifetime="record_stream": every stream other than the owner's that reads the value
+        # (uses on two side streams need a record on each; the schedule names one).
+        reader_roles: dict[str, set[str]] = {}
+        for c, ins in self._ins.items():
+            for v in ins:
+                reader_roles.setdefault(v, set()).add(self._role[c])
+        self._other_roles: dict[str, tuple[str, ...]] = {}
         for r in schedule["retires"]:
             v = r["value"]
+            self._other_roles[v] = tuple(sorted(reader_roles.get(v, set()) - {r["owner"]}))
             if v in self._keep and r["action"] in INFO["storage_emptying_actions"]:
                 raise ValueError(f"value '{v}' is kept, but the schedule empties its storage after '{r['last_consumer']}'")
             plan = self._source[self._producer[v]]
@@ -263,9 +271,13 @@ class Executor:
                 continue
             if managers:
                 managers[plan].retire(ts, streams[consumer_role], action, owner_stream=streams[owner_role])
-            elif self.lifetime == "record_stream" and streams[consumer_role] is not streams[owner_role]:
-                for t in ts:
-                    t.record_stream(streams[consumer_role])
+            elif self.lifetime == "record_stream":
+                for v in values:
+                    t = env.get(v)
+                    if isinstance(t, torch.Tensor):
+                        for role in self._other_roles[v]:
+                            if streams[role] is not streams[owner_role]:
+                                t.record_stream(streams[role])
         for v in self._last_use.get(name, ()):
             env.pop(v, None)
 
