@@ -138,3 +138,20 @@ def test_simulate_schedule_compares_any_order_with_ours():
 def test_simulate_schedule_uses_per_kind_defaults_without_costs():
     rep = sl.simulate_schedule(moe_layer())  # no costs in the table
     assert rep["compute_us"] == 100.0 * 6 and rep["comm_us"] == 100.0 * 4
+
+
+def test_value_last_read_on_its_owner_after_a_side_stream_read_retires_on_the_side_stream():
+    """`a` is read by the dispatch (EP stream) and, issued after it, by the shared expert on
+    compute (its owner's stream). A retire on compute would release at once while the dispatch
+    may still read it: the plan event goes on the EP stream, drained at or after the dispatch's
+    wait."""
+    nodes = [compute("F.attn", "F1", "x", "a")]
+    nodes += comm("F.dispatch", "F1", "a", "d")
+    nodes += [compute("F.shared", "F1", "a", "s"), compute("F.mlp", "F1", "d", "m")]
+    graph = {"sources": [{"name": "F1", "microbatch": 0, "phase": "F"}], "inputs": ["x"], "nodes": nodes}
+    s = sl.schedule(graph)
+    o = s["order"]
+    assert o.index("F.dispatch") < o.index("F.shared")
+    (r,) = [r for r in s["retires"] if r["value"] == "a"]
+    assert (r["owner"], r["last_consumer"], r["consumer_stream"]) == ("compute", "F.shared", "ep")
+    assert r["drain_before"] is None or o.index(r["drain_before"]) >= o.index("F.dispatch.wait")
