@@ -77,18 +77,13 @@ pub fn finish(g: &Graph, order: Vec<NodeId>, budgets: Budgets) -> Schedule {
             continue;
         }
         let last = *cons.iter().max_by_key(|&&c| pos[c.ix()]).expect("non-empty");
-        // The plan event goes on the last cross-stream consumer's stream. When the last use is
-        // on the owner's stream itself, retiring there would release at once while an earlier
-        // use on another stream may still run; recorded after the last use is issued, the
-        // event on that other stream covers its use, and the drain below waits on it. (With
-        // uses on two other streams the event covers the later one; the drain point's clock
-        // covers both.)
-        let cs = if stream[last] == owner {
-            let other = cons.iter().filter(|&&c| stream[c] != owner).max_by_key(|&&c| pos[c.ix()]).expect("a cross-stream use");
-            stream[*other]
-        } else {
-            stream[last]
-        };
+        // The plan event goes on the last cross-stream consumer's stream (the last consumer's
+        // own, unless that one runs on the owner's stream: retiring there would release at once
+        // while the other stream's use may still run). Recorded after the last use is issued,
+        // the event covers that use, and the drain below waits on it. (With uses on two other
+        // streams the event covers the later one; the drain point's clock covers both.)
+        let other = cons.iter().filter(|&&c| stream[c] != owner).max_by_key(|&&c| pos[c.ix()]).expect("a cross-stream use");
+        let cs = stream[*other];
         // Drain before the first owner-stream node already ordered after the last consumer
         // (its clock covers it): the manager's wait there adds no dependency. Clocks only grow
         // along a stream, so a binary search finds it. None: the terminal hand-back.

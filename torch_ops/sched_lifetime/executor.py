@@ -266,18 +266,16 @@ class Executor:
         if name in self._events:
             self._events[name].record(s)
         for (plan, consumer_role, action, owner_role), values in self._retire_after.get(name, {}).items():
-            ts = [t for t in (env.get(v) for v in values) if isinstance(t, torch.Tensor)]
-            if not ts:
+            live = [(v, t) for v, t in ((v, env.get(v)) for v in values) if isinstance(t, torch.Tensor)]
+            if not live:
                 continue
             if managers:
-                managers[plan].retire(ts, streams[consumer_role], action, owner_stream=streams[owner_role])
+                managers[plan].retire([t for _, t in live], streams[consumer_role], action, owner_stream=streams[owner_role])
             elif self.lifetime == "record_stream":
-                for v in values:
-                    t = env.get(v)
-                    if isinstance(t, torch.Tensor):
-                        for role in self._other_roles[v]:
-                            if streams[role] is not streams[owner_role]:
-                                t.record_stream(streams[role])
+                for v, t in live:
+                    for role in self._other_roles[v]:
+                        if streams[role] is not streams[owner_role]:
+                            t.record_stream(streams[role])
         for v in self._last_use.get(name, ()):
             env.pop(v, None)
 

@@ -294,7 +294,7 @@ class Pager:
         i = self._index
         self._index += 1
         pool = self.pool
-        if pool is not None and pool._retiring:
+        if pool is not None:
             pool.release_done()  # every save is a chance to free what the link has copied
         if self.plan is None:  # calibrating: record, keep
             self._calib.append({"t": t, "bytes": t.numel() * t.element_size(), "shape": tuple(t.shape), "dtype": t.dtype, "weight": is_weight(t), "restorable": restorable(t)})
@@ -321,7 +321,7 @@ class Pager:
         u = self._unpacks
         self._unpacks += 1
         pool = self.pool
-        if pool is not None and pool._retiring:
+        if pool is not None:
             pool.release_done()
         # Prefetch: page-ins of the tensors read within `prefetch` unpacks from now are queued
         # now, so the copy runs under the backward's compute; the wait stays at the use.

@@ -108,7 +108,6 @@ class _Capture:
 
     def __init__(self, n_dynamo_inputs: int) -> None:
         self.n_dynamo_inputs = n_dynamo_inputs
-        self.device_index: Optional[int] = None
 
     def __call__(self, gm: fx.GraphModule, inputs: list, phase: str, inference: bool) -> Callable:
         from torch._dynamo.backends import cudagraphs as cg
@@ -122,14 +121,11 @@ class _Capture:
         skip = cg.check_for_skip(gm, fixed)
         if skip:
             raise RuntimeError(f"sched_lifetime backend: cudagraphs=True cannot capture the {phase} graph: {skip}")
-        index = cg.get_device_index(gm)
-        if self.device_index is None:
-            self.device_index = index
         out = cudagraphify_impl(
             boxed_nop(gm, inputs),
             inputs,
             range(fixed),
-            device_index=index,
+            device_index=cg.get_device_index(gm),
             is_backward=backward,
             is_inference=inference,
             stack_traces=cg.get_stack_traces(gm),
