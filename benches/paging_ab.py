@@ -1,5 +1,7 @@
 """GPU A/B: activation paging on the embedded MoE model, one GPU, one process: paging off,
-`sl.Pager` at several budgets and prefetch distances, and
+`sl.Pager` untimed (`pager:FRACTION:PREFETCH[:DRAIN]`: the budget alone, counted drain and
+prefetch) and timed (`timed:FRACTION[:SLACK]`: the calibration's timeline places every copy,
+only what hides is paged), and
 `torch.autograd.graph.save_on_cpu(pin_memory=True)`, one model shared by every arm (no optimizer
 step, so every arm computes the same gradients), steps interleaved across arms, medians.
 Per arm: step time, peak allocated above the step's start (the activations' high-water mark),
@@ -33,12 +35,16 @@ def arms(spec: str) -> dict:
             out[a] = (None, contextlib.nullcontext)
         elif a == "save_on_cpu":
             out[a] = (None, lambda: torch.autograd.graph.save_on_cpu(pin_memory=True))
-        elif a.startswith("pager:"):
+        elif a.startswith("pager:"):  # untimed: the budget alone, counted drain and prefetch
             _, frac, pf, drain = (a.split(":") + ["16"])[:4]
-            pager = sl.Pager(float(frac), prefetch=int(pf), drain_distance=int(drain))
+            pager = sl.Pager(float(frac), prefetch=int(pf), drain_distance=int(drain), timed=False)
+            out[a] = (pager, pager.step)
+        elif a.startswith("timed:"):  # calibrated timeline: only what hides, placed
+            _, frac, slack = (a.split(":") + ["1.25"])[:3]
+            pager = sl.Pager(float(frac), slack=float(slack))
             out[a] = (pager, pager.step)
         else:
-            raise SystemExit(f"unknown arm {a!r}: off, save_on_cpu, pager:FRACTION:PREFETCH[:DRAIN]")
+            raise SystemExit(f"unknown arm {a!r}: off, save_on_cpu, pager:FRACTION:PREFETCH[:DRAIN], timed:FRACTION[:SLACK]")
     return out
 
 
@@ -89,6 +95,25 @@ def table(rows: dict, paged: dict[str, Optional[int]], paged_label: str) -> dict
     return out
 
 
+def phases(model: MoEModel, batch: dict, ctx: Callable, dev: torch.device) -> dict:
+    """One untimed step: the forward's peak, what is still allocated at the forward -> backward
+    boundary, and the backward's peak, MiB above the step's start (allocator bookkeeping is on
+    the host: no sync needed, and none is made, so releases happen where they do in a timed
+    step)."""
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    with ctx():
+        loss = model(**batch)
+        fwd_peak = torch.cuda.max_memory_allocated(dev) - base
+        boundary = torch.cuda.memory_allocated(dev) - base
+        torch.cuda.reset_peak_memory_stats(dev)
+        loss.backward()
+        bwd_peak = torch.cuda.max_memory_allocated(dev) - base
+    torch.cuda.synchronize(dev)
+    return {"fwd_peak": fwd_peak / 2**20, "boundary": boundary / 2**20, "bwd_peak": bwd_peak / 2**20}
+
+
 def link_gbps(dev: torch.device, mib: int = 1024) -> tuple:
     """Measured device->pinned-host and pinned-host->device copy rates (GB/s), one buffer."""
     d = torch.empty(mib << 20, dtype=torch.uint8, device=dev)
@@ -122,7 +147,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="h200", choices=sorted(CONFIGS))
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--arms", default="off,pager:0.3:4,pager:0.5:4,pager:0.5:16,pager:0.7:16,save_on_cpu")
+    ap.add_argument("--arms", default="off,pager:0.1:64:16,timed:0.2,timed:1.0,save_on_cpu")
     ap.add_argument("--set", default="", help="config overrides, e.g. seq=8192,batch=1")
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -168,6 +193,14 @@ def main() -> None:
     print(f"paging A/B, config {a.config} {a.set}, {dev}, medians of {a.steps} interleaved steps (one fwd+bwd each)")
     paged = {name: pager.plan["bytes_paged"] for name, (pager, _) in setups.items() if pager is not None and pager.plan}
     out = table(rows, paged, "paged MiB")
+    if dev.type == "cuda":
+        print(f"{'arm':<16}{'fwd peak':>10}{'boundary':>10}{'bwd peak':>10}  (MiB above the step's start, one untimed step)")
+        for name, (_, ctx) in setups.items():
+            for p in params:
+                p.grad = None
+            ph = phases(model, model.batch(0, 0), ctx, dev)
+            out[name]["phases"] = ph
+            print(f"{name:<16}{ph['fwd_peak']:>10.0f}{ph['boundary']:>10.0f}{ph['bwd_peak']:>10.0f}")
     for name, (pager, _) in setups.items():
         out[name]["paged_bytes"] = paged.get(name)
         if pager is not None:

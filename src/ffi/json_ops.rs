@@ -45,7 +45,7 @@ const OPS: &[JsonOp] = &[
     JsonOp { schema: "schedule_order(str graph, str order, str ep_budget, str page_budget) -> str", run: schedule_order },
     JsonOp { schema: "lower(str graph, str order, bool serial) -> str", run: lower },
     JsonOp { schema: "simulate_schedule(str graph, str order, str costs, str policy, bool trace) -> str", run: simulate_schedule },
-    JsonOp { schema: "page_plan(str prefix, str budget, int min_distance) -> str", run: page_plan },
+    JsonOp { schema: "page_plan(str prefix, str budget, int min_distance, str timing=\"\") -> str", run: page_plan },
     JsonOp { schema: "live() -> str", run: |_| {
         let (managers, tensors) = super::registry::live();
         to_text(&serde_json::json!({"managers": managers, "tensors": tensors}), "live")
@@ -170,7 +170,8 @@ fn simulate_schedule(a: &Args) -> Result<Option<String>> {
 }
 
 /// What to page out of a live prefix (`[{"name", "bytes", "saved_at", "used_at"}]`) under a
-/// budget (`{"bytes": n}` or `{"fraction": f}`), as [`crate::paging::choose`] decides.
+/// budget (`{"bytes": n}` or `{"fraction": f}`), with an optional measured timeline
+/// (`crate::paging::Timing` as JSON; "" for none), as [`crate::paging::choose_timed`] decides.
 fn page_plan(a: &Args) -> Result<Option<String>> {
     let prefix: Vec<crate::paging::Saved> = serde_json::from_str(a.str("prefix")?)
         .map_err(|e| Error::InvalidInput(format!("live prefix is not valid: {e}")))?;
@@ -179,7 +180,11 @@ fn page_plan(a: &Args) -> Result<Option<String>> {
     let d = a.get("min_distance")?.as_i64().filter(|d| (0..=i64::from(u32::MAX)).contains(d)).ok_or_else(|| {
         Error::InvalidInput("min_distance must be an integer >= 0".into())
     })?;
-    to_text(&crate::paging::choose(&prefix, budget, d as u32)?, "page plan")
+    let timing: Option<crate::paging::Timing> = match a.str("timing")? {
+        "" => None,
+        t => Some(serde_json::from_str(t).map_err(|e| Error::InvalidInput(format!("paging timing is not valid: {e}")))?),
+    };
+    to_text(&crate::paging::choose_timed(&prefix, budget, d as u32, timing.as_ref())?, "page plan")
 }
 
 /// Panics on purpose with `message`: proves a panic inside an entry point surfaces as a Python

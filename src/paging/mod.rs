@@ -8,6 +8,15 @@
 //! `min_distance` steps of the boundary are never paged (their page-in could not hide). No
 //! activation checkpointing: nothing is recomputed. The choice depends only on its inputs, so
 //! every rank makes the same one.
+//!
+//! With a [`Timing`] (the calibration step's measured timeline: when each save and each
+//! unpack ran on the compute stream, and the link's copy rates) [`choose_timed`] also places
+//! the copies so they hide: a page-out is queued at its save and the device->host copies run one
+//! after another; a tensor is paged only if its copy, behind the ones before it, ends before a
+//! later save of the forward, and that save is where the compute stream waits on it and its
+//! storage is released (the wait finds the copy done, and the bytes are gone before the
+//! forward's peak). Page-ins are queued as late as the host->device queue allows, each
+//! finishing by its use: memory comes back just in time, not a fixed count of unpacks early.
 
 use serde::{Deserialize, Serialize};
 
@@ -51,11 +60,124 @@ pub struct PagePlan {
     pub short: bool,
     /// One line per tensor: paged or kept, and why.
     pub explain: Vec<String>,
+    /// With a timing, per paged tensor (in `page`'s order): the save index at which the compute
+    /// stream waits on its page-out and its device storage is released. Empty without one.
+    pub release_at: Vec<u32>,
+    /// With a timing, per paged tensor (in `page`'s order): the unpack index at which its
+    /// page-in is queued (before that unpack's own wait). Empty without one.
+    pub launch_at: Vec<u32>,
+}
+
+/// The calibration step's timeline, measured on the compute stream, and the link's rates.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Timing {
+    /// Time of each save, us from the first save, by save index (`Saved::saved_at`).
+    pub save_us: Vec<f64>,
+    /// Time of each unpack, us from the first unpack, by unpack index (`Saved::used_at`).
+    pub unpack_us: Vec<f64>,
+    /// Device -> host copy rate, bytes per us.
+    pub d2h_bytes_per_us: f64,
+    /// Host -> device copy rate, bytes per us.
+    pub h2d_bytes_per_us: f64,
+    /// Copies are planned as this many times slower than the measured rate (>= 1: a margin for
+    /// the link's other traffic and the timeline's noise).
+    #[serde(default = "default_slack")]
+    pub slack: f64,
+}
+
+fn default_slack() -> f64 {
+    1.25
+}
+
+impl Timing {
+    fn check(&self, prefix: &[Saved]) -> Result<()> {
+        let bad = |what: &str| Err(Error::InvalidInput(format!("paging timing: {what}")));
+        let finite = |v: &[f64]| v.iter().all(|x| x.is_finite() && *x >= 0.0);
+        if !finite(&self.save_us) || !finite(&self.unpack_us) {
+            return bad("times must be finite and >= 0");
+        }
+        if self.save_us.windows(2).any(|w| w[1] < w[0]) || self.unpack_us.windows(2).any(|w| w[1] < w[0]) {
+            return bad("times must not decrease with the index");
+        }
+        for (what, r) in [("d2h_bytes_per_us", self.d2h_bytes_per_us), ("h2d_bytes_per_us", self.h2d_bytes_per_us)] {
+            if !(r.is_finite() && r > 0.0) {
+                return bad(&format!("{what} must be > 0, got {r}"));
+            }
+        }
+        if !(self.slack.is_finite() && self.slack >= 1.0) {
+            return bad(&format!("slack must be >= 1, got {}", self.slack));
+        }
+        for s in prefix {
+            if s.saved_at as usize >= self.save_us.len() || s.used_at as usize >= self.unpack_us.len() {
+                return bad(&format!(
+                    "'{}' is saved at {} and used at {}, but the timeline has {} saves and {} unpacks",
+                    s.name, s.saved_at, s.used_at, self.save_us.len(), self.unpack_us.len()
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The page-outs of `set` (in save order) queued one after another on the link: per tensor
+    /// the save index where the compute stream can wait on it for free, or the first that
+    /// cannot end before the forward's last save.
+    fn releases(&self, set: &[&Saved]) -> std::result::Result<Vec<u32>, String> {
+        let mut free_at = 0.0f64; // when the link is done with the copies queued so far
+        let mut out = Vec::with_capacity(set.len());
+        for s in set {
+            let start = free_at.max(self.save_us[s.saved_at as usize]);
+            free_at = start + s.bytes as f64 / self.d2h_bytes_per_us * self.slack;
+            let after = (s.saved_at as usize + 1..self.save_us.len()).find(|&j| self.save_us[j] >= free_at);
+            match after {
+                Some(j) => out.push(j as u32),
+                None => return Err(s.name.clone()),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Per tensor of `set` (in save order), the unpack index at which to queue its page-in:
+    /// the host->device copies, in order of use, each ending by its use, as late as that
+    /// allows. With `late`, the names whose chain must start before the backward does (they
+    /// are queued at the first unpack and may make it wait).
+    fn launches(&self, set: &[&Saved], late: &mut Vec<String>) -> Vec<u32> {
+        let mut by_use: Vec<usize> = (0..set.len()).collect();
+        by_use.sort_by_key(|&k| (set[k].used_at, set[k].saved_at));
+        let mut out = vec![0u32; set.len()];
+        let mut next_start = f64::INFINITY; // the latest the copy after this one may start
+        for &k in by_use.iter().rev() {
+            let s = set[k];
+            let end = self.unpack_us[s.used_at as usize].min(next_start);
+            let start = end - s.bytes as f64 / self.h2d_bytes_per_us * self.slack;
+            next_start = start;
+            // The last unpack at or before `start` (the queue point is an unpack's host time,
+            // where the compute stream has reached that unpack).
+            let v = (0..=s.used_at as usize).rev().find(|&v| self.unpack_us[v] <= start);
+            out[k] = match v {
+                Some(v) => v as u32,
+                None => {
+                    late.push(s.name.clone());
+                    0
+                }
+            };
+        }
+        out
+    }
 }
 
 /// Choose what to page for `prefix` under `budget`; tensors read within `min_distance` backward
 /// steps of the boundary stay on the device.
 pub fn choose(prefix: &[Saved], budget: Budget, min_distance: u32) -> Result<PagePlan> {
+    choose_timed(prefix, budget, min_distance, None)
+}
+
+/// [`choose`], and with a `timing` only tensors whose page-out hides under the forward, with
+/// their release and page-in points (see the module docs).
+pub fn choose_timed(prefix: &[Saved], budget: Budget, min_distance: u32, timing: Option<&Timing>) -> Result<PagePlan> {
+    if let Some(t) = timing {
+        t.check(prefix)?;
+    }
     let mut names = std::collections::HashSet::new();
     for s in prefix {
         if !names.insert(s.name.as_str()) {
@@ -73,7 +195,7 @@ pub fn choose(prefix: &[Saved], budget: Budget, min_distance: u32) -> Result<Pag
     // Furthest backward use first; then larger; then by name (total order: reproducible).
     let mut by_pref: Vec<&Saved> = prefix.iter().collect();
     by_pref.sort_by(|a, b| b.used_at.cmp(&a.used_at).then(b.bytes.cmp(&a.bytes)).then(a.name.cmp(&b.name)));
-    let mut paged = std::collections::HashSet::new();
+    let mut page: Vec<&Saved> = Vec::new(); // in save order
     let mut bytes = 0u64;
     let mut explain = Vec::new();
     for s in by_pref {
@@ -82,20 +204,41 @@ pub fn choose(prefix: &[Saved], budget: Budget, min_distance: u32) -> Result<Pag
         } else if s.used_at < min_distance {
             explain.push(format!("{}: kept (read {} step(s) after the boundary, within {min_distance})", s.name, s.used_at));
         } else {
+            let at = page.partition_point(|p| (p.saved_at, &p.name) < (s.saved_at, &s.name));
+            page.insert(at, s);
+            if let Some(Err(blocked)) = timing.map(|t| t.releases(&page)) {
+                page.remove(at);
+                explain.push(format!(
+                    "{}: kept (its page-out, queued behind the others, would leave '{blocked}' unfinished at the forward's last save)",
+                    s.name
+                ));
+                continue;
+            }
             bytes += s.bytes;
-            paged.insert(s.name.as_str());
             explain.push(format!("{}: paged ({} bytes, read at backward step {})", s.name, s.bytes, s.used_at));
         }
     }
-    let mut page: Vec<&Saved> = prefix.iter().filter(|s| paged.contains(s.name.as_str())).collect();
-    page.sort_by_key(|s| (s.saved_at, s.name.clone()));
+    let (mut release_at, mut launch_at) = (Vec::new(), Vec::new());
+    if let Some(t) = timing {
+        release_at = t.releases(&page).map_err(|n| Error::Runtime(format!("paging plan: '{n}' was accepted but does not hide")))?;
+        let mut late = Vec::new();
+        launch_at = t.launches(&page, &mut late);
+        for (s, (r, l)) in page.iter().zip(release_at.iter().zip(&launch_at)) {
+            explain.push(format!("{}: released at save {r}, paged in at unpack {l} (used at {})", s.name, s.used_at));
+        }
+        for n in late {
+            explain.push(format!("{n}: page-in cannot end by its use at the planned rate; queued at the first unpack"));
+        }
+    }
     Ok(PagePlan {
-        page: page.into_iter().map(|s| s.name.clone()).collect(),
+        page: page.iter().map(|s| s.name.clone()).collect(),
         bytes_paged: bytes,
         bytes_live: live,
         target,
         short: bytes < target,
         explain,
+        release_at,
+        launch_at,
     })
 }
 
@@ -147,5 +290,68 @@ mod tests {
         dup.push(s("L0.a", 1, 9, 9));
         assert!(choose(&dup, Budget::Bytes(1), 0).unwrap_err().to_string().contains("'L0.a' twice"));
         assert!(choose(&[], Budget::Fraction(0.5), 0).unwrap().page.is_empty());
+    }
+
+    fn timing(h2d: f64) -> Timing {
+        Timing {
+            save_us: vec![0.0, 10.0, 20.0, 30.0, 40.0],
+            unpack_us: vec![0.0, 10.0, 20.0, 30.0, 40.0, 50.0],
+            d2h_bytes_per_us: 10.0,
+            h2d_bytes_per_us: h2d,
+            slack: 1.0,
+        }
+    }
+
+    #[test]
+    fn timed_pages_only_what_hides_and_releases_at_the_first_save_after_the_copy() {
+        let mut pre = prefix();
+        pre[3].bytes = 150; // L1.b: saved at 30 us, its copy would end at 45, after the last save (40)
+        let p = choose_timed(&pre, Budget::Fraction(1.0), 1, Some(&timing(10.0))).unwrap();
+        assert_eq!(p.page, ["L0.a", "L0.b", "L1.a"]);
+        // L0.a copies 0-10 (save 1 is at 10), L0.b queues behind it 10-15 (save 2), L1.a 20-30.
+        assert_eq!(p.release_at, [1, 2, 3]);
+        assert!(p.short);
+        assert!(p.explain.iter().any(|l| l.starts_with("L1.b: kept (its page-out") && l.contains("'L1.b' unfinished")), "{:?}", p.explain);
+        // A slower link: L0.b now ends at 20 behind L0.a (0-10), released at save 2 still; at
+        // slack 2 L0.a itself ends at 20 and L0.b at 30.
+        let slow = Timing { slack: 2.0, ..timing(10.0) };
+        let q = choose_timed(&pre, Budget::Fraction(1.0), 1, Some(&slow)).unwrap();
+        assert_eq!(q.release_at[..2], [2, 3]);
+        // Untimed: the same budget pages L1.b too, and places nothing.
+        let u = choose(&pre, Budget::Fraction(1.0), 1).unwrap();
+        assert!(u.page.contains(&"L1.b".to_string()) && u.release_at.is_empty() && u.launch_at.is_empty());
+    }
+
+    #[test]
+    fn timed_page_ins_are_queued_as_late_as_the_link_allows() {
+        let mut pre = prefix();
+        pre[3].bytes = 150;
+        // Uses: L1.a at unpack 3 (30 us), L0.b at 4 (40), L0.a at 5 (50). Backwards: L0.a must
+        // copy 40-50 (queued at unpack 4), L0.b 35-40 (unpack 3), L1.a 20-30 (unpack 2).
+        let p = choose_timed(&pre, Budget::Fraction(1.0), 1, Some(&timing(10.0))).unwrap();
+        assert_eq!(p.launch_at, [4, 3, 2]);
+        // At 2 bytes/us L0.a needs 0-50 (queued at unpack 0), and the two before it cannot end
+        // in time: queued at the first unpack, and said.
+        let p = choose_timed(&pre, Budget::Fraction(1.0), 1, Some(&timing(2.0))).unwrap();
+        assert_eq!(p.launch_at, [0, 0, 0]);
+        assert!(p.explain.iter().any(|l| l.starts_with("L0.b: page-in cannot end by its use")), "{:?}", p.explain);
+        assert!(!p.explain.iter().any(|l| l.starts_with("L0.a: page-in cannot")), "{:?}", p.explain);
+    }
+
+    #[test]
+    fn bad_timings_are_errors() {
+        let cases: [(Box<dyn Fn(&mut Timing)>, &str); 5] = [
+            (Box::new(|t| t.save_us.truncate(3)), "timeline has 3 saves"),
+            (Box::new(|t| t.unpack_us[2] = -1.0), "finite and >= 0"),
+            (Box::new(|t| t.save_us[1] = 50.0), "must not decrease"),
+            (Box::new(|t| t.h2d_bytes_per_us = 0.0), "h2d_bytes_per_us must be > 0"),
+            (Box::new(|t| t.slack = 0.5), "slack must be >= 1"),
+        ];
+        for (edit, msg) in cases {
+            let mut t = timing(10.0);
+            edit(&mut t);
+            let e = choose_timed(&prefix(), Budget::Fraction(0.5), 1, Some(&t)).unwrap_err().to_string();
+            assert!(e.contains(msg), "{e}");
+        }
     }
 }

@@ -32,7 +32,9 @@ def test_paging_on_vs_off_is_bit_exact_over_steps(budget, prefetch, shape, devic
     ref, paged = MoEModel(cfg, device=device), MoEModel(cfg, device=device)
     opt_r = torch.optim.SGD(ref.parameters(), lr=0.05)
     opt_p = torch.optim.SGD(paged.parameters(), lr=0.05)
-    pager = sl.Pager(budget, min_distance=0, min_bytes=1024, prefetch=prefetch)
+    # Untimed: the budget alone chooses (the tiny model's forward hides almost no copy; the
+    # timed plan has its own test below).
+    pager = sl.Pager(budget, min_distance=0, min_bytes=1024, prefetch=prefetch, timed=False)
     for step in range(3):
         for m, opt in ((ref, opt_r), (paged, opt_p)):
             opt.zero_grad()
@@ -50,6 +52,57 @@ def test_paging_on_vs_off_is_bit_exact_over_steps(budget, prefetch, shape, devic
     assert (s["max_prefetched"] > 0) == (prefetch > 0)
     assert pager.pool.in_use() == 0
     assert pager.explain().startswith(f"paging {len(pager.plan['page'])} tensors")
+
+
+@pytest.mark.cuda
+def test_a_timed_plan_releases_paged_storage_under_the_forward_and_stays_bit_exact():
+    """A forward long enough to hide its copies (weight-bound matmuls of a few rows, each
+    saving a small input, and a sleep per layer), with the host well ahead of the GPU: the
+    calibration's timeline lets the plan release every page-out during the forward at a
+    planned save, so the memory held at the forward -> backward boundary drops by the paged
+    bytes; an untimed plan (release when the host finds a copy done, or past a drain distance
+    above the count of copies) finds none done and holds them all to the boundary: the
+    control. Gradients bit-exact against no paging."""
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8192, 8192, bias=False, device=dev, dtype=torch.bfloat16) for _ in range(12)]
+    x0 = torch.randn(32, 8192, device=dev, dtype=torch.bfloat16)
+
+    def step(ctx):
+        for l in layers:
+            l.weight.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        with ctx:
+            torch.cuda._sleep(10_000_000)  # ~5 ms: the host runs ahead, no copy is found done
+            x = x0.clone().requires_grad_(True)
+            for l in layers:
+                torch.cuda._sleep(200_000)  # ~0.1 ms of compute per layer to hide a copy under
+                x = torch.nn.functional.gelu(l(x))
+            held = torch.cuda.memory_allocated() - base
+            x.float().square().sum().backward()
+        torch.cuda.synchronize()
+        return held, [l.weight.grad.clone() for l in layers]
+
+    import contextlib
+
+    held_off, ref = step(contextlib.nullcontext())
+    timed = sl.Pager(1.0, min_distance=0, min_bytes=1, slack=1.5)
+    untimed = sl.Pager(1.0, min_distance=0, min_bytes=1, timed=False, drain_distance=1000, prefetch=2)
+    for p in (timed, untimed):
+        step(p.step())  # calibrates
+    t = timed.plan["timing"]
+    assert len(t["save_us"]) > 12 and t["d2h_bytes_per_us"] > 1e3  # > 1 GB/s: a real link
+    assert len(timed.plan["release_at"]) == len(timed.plan["launch_at"]) == len(timed.plan["page"]) > 0
+    assert timed.plan["bytes_paged"] >= 8 * 32 * 8192 * 2  # most layer inputs hide
+    for _ in range(2):
+        held_t, g_t = step(timed.step())
+        held_u, g_u = step(untimed.step())
+        assert all(torch.equal(a, b) for a, b in zip(ref, g_t)) and all(torch.equal(a, b) for a, b in zip(ref, g_u))
+        assert held_t <= held_off - timed.plan["bytes_paged"], (held_off, held_t, timed.plan["bytes_paged"])
+        assert held_u >= held_off  # the control: nothing released before the boundary
+    s = timed.stats()
+    assert s["bytes_out"] == s["bytes_in"] == 2 * timed.plan["bytes_paged"]
 
 
 def test_the_choice_is_reproducible_and_the_furthest_use_goes_first():

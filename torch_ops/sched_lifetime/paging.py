@@ -24,6 +24,7 @@ silent fallback. `stats()` gives bytes out and in (equal every step) and peak ho
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import json
@@ -47,9 +48,11 @@ def _budget_text(budget: Budget) -> str:
     return json.dumps({"bytes": budget} if isinstance(budget, int) else {"fraction": budget})
 
 
-def page_plan(prefix: list[dict], budget: Budget, min_distance: int = 1) -> dict:
-    """Rust's choice for a live prefix (`[{"name", "bytes", "saved_at", "used_at"}]`)."""
-    return json.loads(ops.page_plan(json.dumps(prefix), _budget_text(budget), int(min_distance)))
+def page_plan(prefix: list[dict], budget: Budget, min_distance: int = 1, timing: Optional[dict] = None) -> dict:
+    """Rust's choice for a live prefix (`[{"name", "bytes", "saved_at", "used_at"}]`); with a
+    measured `timing` (`{"save_us", "unpack_us", "d2h_bytes_per_us", "h2d_bytes_per_us",
+    "slack"}`) only what hides, with release and page-in points (`release_at`, `launch_at`)."""
+    return json.loads(ops.page_plan(json.dumps(prefix), _budget_text(budget), int(min_distance), "" if timing is None else json.dumps(timing)))
 
 
 def is_weight(t: torch.Tensor) -> bool:
@@ -70,6 +73,17 @@ def restorable(t: torch.Tensor) -> bool:
         if stride <= covered:
             return False
         covered += stride * (size - 1)
+    return True
+
+
+def _dense(shape: tuple, stride: tuple) -> bool:
+    """Whether a tensor of `shape` and `stride` covers its span exactly (a permutation of a
+    contiguous layout): its bytes copy as one block into a host buffer of the same strides."""
+    expected = 1
+    for st, sz in sorted((st, sz) for st, sz in zip(stride, shape) if sz != 1):
+        if st != expected:
+            return False
+        expected *= sz
     return True
 
 
@@ -114,11 +128,48 @@ class HostPool:
         # Page-outs whose device storage is still held: (manager, copy-done event, owner stream).
         self._retiring: list[tuple[LifetimeManager, Any, Any]] = []
         self.drain_distance = drain_distance
+        self.released = 0  # page-outs whose device storage was released, in all
+        # Host-cost caches (a page copy is tens of microseconds of Python otherwise): the page
+        # stream, the last current stream seen (by its raw id), spare copy-done events.
+        self._page: Any = None
+        self._cur: tuple = (None, None)
+        self._spare: list = []
 
     @property
     def page_stream(self) -> Any:
         """The stream every page copy of this pool runs on (None on CPU)."""
-        return SideStreams.of(self.device).page if self.device.type == "cuda" else None
+        if self._page is None and self.device.type == "cuda":
+            self._page = SideStreams.of(self.device).page
+        return self._page
+
+    def current_stream(self) -> Any:
+        """`torch.cuda.current_stream(device)`, without building a new Stream when it has not
+        changed since the last call."""
+        raw = torch._C._cuda_getCurrentStream(self.device.index if self.device.index is not None else torch.cuda.current_device())
+        if self._cur[0] != raw:
+            self._cur = (raw, torch.cuda.Stream(stream_id=raw[0], device_index=raw[1], device_type=raw[2]))
+        return self._cur[1]
+
+    def _on(self, stream: Any) -> tuple:
+        """Make `stream` current (the stream context's switch without its lookups); returns
+        the raw id of the stream it replaces, for `_back`."""
+        prev = torch._C._cuda_getCurrentStream(stream.device_index)
+        torch._C._cuda_setStream(stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type)
+        return prev
+
+    @staticmethod
+    def _back(prev: tuple) -> None:
+        torch._C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+
+    def _event(self) -> Any:
+        """A copy-done event: a spare one (its last record was waited on) or a new one."""
+        return self._spare.pop() if self._spare else torch.cuda.Event()
+
+    def recycle(self, ev: Any) -> None:
+        """Give back a copy-done event once its wait is queued (a later record does not change
+        what an earlier wait waits for)."""
+        if ev is not None:
+            self._spare.append(ev)
 
     def take(self, nbytes: int) -> int:
         """A free buffer of exactly `nbytes` (the one given back longest ago)."""
@@ -147,13 +198,17 @@ class HostPool:
         ev.record(comp)
         page.wait_event(ev)
 
-    def view(self, slot: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        """Buffer `slot` seen as a tensor of `shape` and `dtype` (made once per key: a step
-        pages the same shapes every time)."""
-        key = (slot, tuple(shape), dtype)
+    def view(self, slot: int, shape: tuple, dtype: torch.dtype, stride: Optional[tuple] = None) -> torch.Tensor:
+        """Buffer `slot` seen as a tensor of `shape` and `dtype`, contiguous or with `stride`
+        when that layout is dense (then a page copy is one block, with no gather kernel and no
+        device temporary); made once per key: a step pages the same shapes every time."""
+        key = (slot, tuple(shape), dtype, stride)
         v = self._views.get(key)
         if v is None:
-            v = self._views[key] = self._bufs[slot].view(dtype).view(shape)
+            if stride is not None and not _dense(shape, stride):
+                stride = None
+            flat = self._bufs[slot].view(dtype)
+            v = self._views[key] = flat.view(shape) if stride is None else flat.as_strided(shape, stride)
         return v
 
     def in_use(self) -> int:
@@ -180,14 +235,17 @@ class HostPool:
         stream; a page node running on the page stream passes the compute stream)."""
         nbytes = t.numel() * t.element_size()
         slot = self.take(nbytes)
-        buf = self.view(slot, tuple(t.shape), t.dtype)
+        buf = self.view(slot, tuple(t.shape), t.dtype, t.stride())
         if t.is_cuda:
-            comp, page = owner if owner is not None else torch.cuda.current_stream(t.device), self.page_stream
+            comp, page = owner if owner is not None else self.current_stream(), self.page_stream
             self._after(page, comp)
-            with torch.cuda.stream(page):
+            prev = self._on(page)
+            try:
                 buf.copy_(t.detach(), non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(page)
+            finally:
+                self._back(prev)
+            done = self._event()
+            done.record(page)
             m = LifetimeManager("page_out")
             m.bind(t, comp)
             m.retire(t, page, "drop_reference")
@@ -216,17 +274,23 @@ class HostPool:
         reading it (None on CPU). The buffer goes back to the freelist at once: the next
         page-out that takes it is queued behind this copy on the page stream. `alloc_stream`:
         the consumer's stream (default: the current stream)."""
-        buf = self.view(p.slot, p.shape, p.dtype)
+        buf = self.view(p.slot, p.shape, p.dtype, p.stride)
         ev = None
         if p.device.type == "cuda":
-            comp, page = alloc_stream if alloc_stream is not None else torch.cuda.current_stream(p.device), self.page_stream
-            with torch.cuda.stream(comp):
+            comp, page = alloc_stream if alloc_stream is not None else self.current_stream(), self.page_stream
+            prev = self._on(comp)
+            try:
                 out = torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=p.device)
+            finally:
+                self._back(prev)
             self._after(page, comp)
-            with torch.cuda.stream(page):
+            prev = self._on(page)
+            try:
                 out.copy_(buf, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(page)
+            finally:
+                self._back(prev)
+            ev = self._event()
+            ev.record(page)
         else:
             out = torch.empty_strided(p.shape, p.stride, dtype=p.dtype).copy_(buf)
         self.give(p.slot)
@@ -237,13 +301,22 @@ class HostPool:
     def page_wait(self, ev: Any) -> None:
         """The compute stream waits for a page-in (no host sync)."""
         if ev is not None:
-            torch.cuda.current_stream(self.device).wait_event(ev)
+            self.current_stream().wait_event(ev)
 
     def _drain_one(self) -> None:
-        m, _, owner = self._retiring.pop(0)  # the owner stream waits on the copy, then releases
+        m, done, owner = self._retiring.pop(0)  # the owner stream waits on the copy, then releases
         m.acquire(owner)
         m.finalize()
         m.close()
+        self._spare.append(done)  # the acquire's wait on the copy is queued
+        self.released += 1
+
+    def release_until(self, n: int) -> None:
+        """Release the oldest page-outs until `n` have been released in all (a calibrated
+        plan's release points: there the copy is done by the measured timeline, so the compute
+        stream's wait costs nothing)."""
+        while self.released < n and self._retiring:
+            self._drain_one()
 
     def release_done(self) -> None:
         """Release the device storage of every page-out whose copy has finished, oldest first
@@ -262,14 +335,37 @@ class Pager:
     """Pages saved activations out to host memory and back (see the module docstring)."""
 
     def __init__(
-        self, budget: Budget, min_distance: int = 1, min_bytes: int = 1 << 16, drain_distance: int = 16, prefetch: int = 64
+        self,
+        budget: Budget,
+        min_distance: int = 1,
+        min_bytes: int = 1 << 16,
+        drain_distance: int = 16,
+        prefetch: int = 64,
+        timed: bool = True,
+        slack: float = 1.25,
     ) -> None:
+        """`timed` (CUDA): the calibration step also measures its timeline (an event at every
+        save and unpack) and the link's rates, and Rust pages only what hides under the forward,
+        releasing each page-out where its copy is done and queueing each page-in as late as the
+        link allows (`slack`: copies planned that many times slower than measured). Untimed (and
+        on CPU): the budget alone chooses, a page-out is released when found done or once more
+        than `drain_distance` copies are in flight, and page-ins are queued `prefetch` unpacks
+        ahead."""
         _budget_text(budget)  # validate now
         if drain_distance < 0:
             raise ValueError(f"drain_distance must be >= 0, got {drain_distance}")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (backward unpacks ahead), got {prefetch!r}")
+        if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not slack >= 1:
+            raise ValueError(f"slack must be a number >= 1, got {slack!r}")
         self.prefetch = prefetch
+        self.timed = bool(timed)
+        self.slack = float(slack)
+        self._events: dict[str, list] = {"save": [], "unpack": []}  # calibration's timeline
+        self._launch_at: dict[int, int] = {}
+        self._release_at: list[int] = []  # save index of each release, ascending
+        self._released0 = 0
+        self._next_release = 0
         self._handles: dict[int, Paged] = {}
         self._ready: dict[int, tuple] = {}
         self._in_order: list[int] = []
@@ -294,9 +390,11 @@ class Pager:
         i = self._index
         self._index += 1
         pool = self.pool
-        if pool is not None:
-            pool.release_done()  # every save is a chance to free what the link has copied
+        if pool is not None and not self._release_at:
+            pool.release_done()  # untimed: every save is a chance to free what the link has copied
         if self.plan is None:  # calibrating: record, keep
+            if self.timed and t.is_cuda:
+                self._mark("save")
             self._calib.append({"t": t, "bytes": t.numel() * t.element_size(), "shape": tuple(t.shape), "dtype": t.dtype, "weight": is_weight(t), "restorable": restorable(t)})
             return ("keep", i, t)
         shapes = self._shapes
@@ -306,15 +404,24 @@ class Pager:
                 f"{shapes[i] if i < len(shapes) else 'nothing'}; make a new Pager for a new shape"
             )
         if i not in self._page or not restorable(t):
-            return ("keep", i, t)
-        p = pool.page_out(t)
-        self._handles[i] = p
-        self._stats["bytes_out"] += p.nbytes
-        return ("paged", i)
+            packed: Any = ("keep", i, t)
+        else:
+            p = pool.page_out(t)
+            self._handles[i] = p
+            self._stats["bytes_out"] += p.nbytes
+            packed = ("paged", i)
+        if self._release_at and i >= self._next_release:  # the plan's release points up to this save
+            rel = self._release_at
+            k = bisect.bisect_right(rel, i)
+            pool.release_until(self._released0 + k)
+            self._next_release = rel[k] if k < len(rel) else 1 << 62
+        return packed
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         kind, i = packed[0], packed[1]
         if self.plan is None:
+            if self._events["save"]:  # a timed calibration on CUDA
+                self._mark("unpack")
             self._first_use.setdefault(i, self._unpacks)
             self._unpacks += 1
             return packed[2]
@@ -326,7 +433,7 @@ class Pager:
         # Prefetch: page-ins of the tensors read within `prefetch` unpacks from now are queued
         # now, so the copy runs under the backward's compute; the wait stays at the use.
         order = self._in_order
-        while self._next_in < len(order) and self._first_use[order[self._next_in]] <= u + self.prefetch:
+        while self._next_in < len(order) and self._launch_at[order[self._next_in]] <= u:
             self._launch_in(order[self._next_in])
             self._next_in += 1
         if kind == "keep":
@@ -337,6 +444,7 @@ class Pager:
             self._launch_in(i)
         out, ev = self._ready.pop(i)
         pool.page_wait(ev)
+        pool.recycle(ev)
         return out
 
     def _launch_in(self, i: int) -> None:
@@ -357,6 +465,8 @@ class Pager:
         self._next_in = 0
         self._handles.clear()
         self._ready.clear()
+        self._released0 = self.pool.released if self.pool is not None else 0
+        self._next_release = self._release_at[0] if self._release_at else 0
         out0, in0 = self._stats["bytes_out"], self._stats["bytes_in"]
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -372,16 +482,59 @@ class Pager:
                 self.pool.drain()
                 self.pool.reclaim()  # a step cut short (an exception) leaves nothing taken
 
+    def _mark(self, kind: str) -> None:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        self._events[kind].append(ev)
+
+    def _timing(self) -> Optional[dict]:
+        """The calibration step's timeline (us from its first save / first unpack) and the
+        link's measured rates, or None when untimed or nothing ran on CUDA."""
+        saves, unpacks = self._events["save"], self._events["unpack"]
+        self._events = {"save": [], "unpack": []}
+        if not saves or len(saves) != len(self._calib) or len(unpacks) != self._unpacks:
+            return None
+        dev = self._calib[0]["t"].device
+        torch.cuda.synchronize(dev)
+        rates = []
+        n = 64 << 20
+        d, h = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        for dst, src in ((h, d), (d, h)):
+            dst.copy_(src, non_blocking=True)  # warm
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(2):
+                dst.copy_(src, non_blocking=True)
+            b.record()
+            b.synchronize()
+            rates.append(2 * n / (a.elapsed_time(b) * 1e3))
+        return {
+            "save_us": [saves[0].elapsed_time(e) * 1e3 for e in saves],
+            "unpack_us": [unpacks[0].elapsed_time(e) * 1e3 for e in unpacks],
+            "d2h_bytes_per_us": rates[0],
+            "h2d_bytes_per_us": rates[1],
+            "slack": self.slack,
+        }
+
     def _calibrate(self) -> None:
+        timing = self._timing() if self.timed else None
         prefix = []
         for i, c in enumerate(self._calib):
             if c["bytes"] < self.min_bytes or c["weight"] or not c["restorable"] or i not in self._first_use:
                 continue
             prefix.append({"name": f"#{i}", "bytes": c["bytes"], "saved_at": i, "used_at": self._first_use[i]})
         # used_at counts backward steps from the boundary: the first unpack is step 0.
-        self.plan = page_plan(prefix, self.budget, self.min_distance)
-        self._page = {int(n[1:]) for n in self.plan["page"]}
-        self._in_order = sorted(self._page, key=lambda i: (self._first_use[i], i))
+        self.plan = page_plan(prefix, self.budget, self.min_distance, timing)
+        self.plan["timing"] = timing
+        paged = [int(n[1:]) for n in self.plan["page"]]
+        self._page = set(paged)
+        if timing is not None:
+            self._launch_at = dict(zip(paged, self.plan["launch_at"]))
+            self._release_at = list(self.plan["release_at"])
+        else:
+            self._launch_at = {i: max(0, self._first_use[i] - self.prefetch) for i in paged}
+            self._release_at = []
+        self._in_order = sorted(self._page, key=lambda i: (self._launch_at[i], self._first_use[i], i))
         self._shapes = [(c["shape"], c["dtype"]) for c in self._calib]
         page = sorted(self._page)
         if page:
@@ -389,7 +542,9 @@ class Pager:
             if len(devs) > 1:
                 raise RuntimeError(f"paging: saved tensors on several devices {sorted(map(str, devs))}; use one Pager per device")
             dev = devs.pop()
-            self.pool = HostPool([self._calib[i]["bytes"] for i in page], dev, self.drain_distance)
+            # A timed plan places every release; the count-based drain is only a backstop.
+            drain = len(page) if timing is not None else self.drain_distance
+            self.pool = HostPool([self._calib[i]["bytes"] for i in page], dev, drain)
             self._stats["host_bytes"] = self.pool.bytes
         self._calib = []  # drop the references the calibration held
 
