@@ -49,13 +49,13 @@ def arms(spec: str) -> dict:
 
 
 def interleaved(prepare: dict[str, Callable[[int], Callable[[], list]]], steps: int, dev: torch.device) -> dict:
-    """Steps 0..steps, every arm once per step in order; step 0 warms up (or calibrates) and is
-    not timed. `prepare[arm](step)` sets the step up (untimed) and returns the timed run, which
+    """Steps 0..steps+1, every arm once per step in order; steps 0 and 1 warm up (or calibrate)
+    and are not timed. `prepare[arm](step)` sets the step up (untimed) and returns the timed run, which
     returns the tensors to compare. Per arm: step ms, peak allocated above the step's start,
     and parity (torch.equal against the first arm, every step)."""
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     rows: dict = {n: {"ms": [], "peak": [], "parity": True} for n in prepare}
-    for step in range(steps + 1):
+    for step in range(steps + 2):
         ref = None
         for name, setup in prepare.items():
             run = setup(step)
@@ -72,7 +72,7 @@ def interleaved(prepare: dict[str, Callable[[int], Callable[[], list]]], steps: 
                 ref = [t.clone() for t in got]
             elif not all(torch.equal(x, y) for x, y in zip(ref, got)):
                 rows[name]["parity"] = False
-            if step > 0:
+            if step > 1:  # steps 0 and 1 warm up (a timed Pager calibrates over two)
                 rows[name]["ms"].append(ms)
                 rows[name]["peak"].append(peak)
     return rows

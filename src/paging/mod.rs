@@ -84,6 +84,17 @@ pub struct Timing {
     /// the link's other traffic and the timeline's noise).
     #[serde(default = "default_slack")]
     pub slack: f64,
+    /// Optional memory timeline (all three or none): the most bytes allocated in the interval
+    /// ending at each save (from the previous one, or the step's start) ...
+    #[serde(default)]
+    pub save_peak: Vec<u64>,
+    /// ... in the interval ending at each unpack (from the previous one, or the last save) ...
+    #[serde(default)]
+    pub unpack_peak: Vec<u64>,
+    /// ... and after the last unpack. With it, a tensor is paged only if that lowers the
+    /// step's peak: one released after the peak, or back before it, only costs copies.
+    #[serde(default)]
+    pub tail_peak: u64,
 }
 
 fn default_slack() -> f64 {
@@ -107,6 +118,13 @@ impl Timing {
         }
         if !(self.slack.is_finite() && self.slack >= 1.0) {
             return bad(&format!("slack must be >= 1, got {}", self.slack));
+        }
+        let partial = self.save_peak.len() != self.save_us.len() || self.unpack_peak.len() != self.unpack_us.len();
+        if (!self.save_peak.is_empty() || !self.unpack_peak.is_empty()) && partial {
+            return bad(&format!(
+                "the memory timeline has {} save and {} unpack peaks for {} saves and {} unpacks",
+                self.save_peak.len(), self.unpack_peak.len(), self.save_us.len(), self.unpack_us.len()
+            ));
         }
         for s in prefix {
             if s.saved_at as usize >= self.save_us.len() || s.used_at as usize >= self.unpack_us.len() {
@@ -135,6 +153,39 @@ impl Timing {
             }
         }
         Ok(out)
+    }
+
+    fn has_memory(&self) -> bool {
+        !self.save_peak.is_empty()
+    }
+
+    /// The step's peak with `set` paged (in save order; `None` when a page-out would not hide),
+    /// as (the highest interval, how many intervals reach it): a paged tensor is off the device
+    /// from the interval after its release save through the interval of its page-in's unpack
+    /// (the intervals, saves then unpacks then the tail, make that one range).
+    fn peak_with(&self, set: &[&Saved]) -> Option<(u64, usize)> {
+        let rel = self.releases(set).ok()?;
+        let launch = self.launches(set, &mut Vec::new());
+        let (ns, nu) = (self.save_peak.len(), self.unpack_peak.len());
+        let mut diff = vec![0i128; ns + nu + 2];
+        for (k, s) in set.iter().enumerate() {
+            let (from, to) = (rel[k] as usize + 1, ns + launch[k] as usize);
+            if from <= to {
+                diff[from] += i128::from(s.bytes);
+                diff[to + 1] -= i128::from(s.bytes);
+            }
+        }
+        let (mut off, mut best, mut count) = (0i128, 0u64, 0usize);
+        for (i, &p) in self.save_peak.iter().chain(&self.unpack_peak).chain(std::iter::once(&self.tail_peak)).enumerate() {
+            off += diff[i];
+            let v = (i128::from(p) - off).max(0) as u64;
+            match v.cmp(&best) {
+                std::cmp::Ordering::Greater => (best, count) = (v, 1),
+                std::cmp::Ordering::Equal => count += 1,
+                std::cmp::Ordering::Less => {}
+            }
+        }
+        Some((best, count))
     }
 
     /// Per tensor of `set` (in save order), the unpack index at which to queue its page-in:
@@ -198,25 +249,9 @@ pub fn choose_timed(prefix: &[Saved], budget: Budget, min_distance: u32, timing:
     let mut page: Vec<&Saved> = Vec::new(); // in save order
     let mut bytes = 0u64;
     let mut explain = Vec::new();
-    for s in by_pref {
-        if bytes >= target {
-            explain.push(format!("{}: kept (target of {target} bytes met)", s.name));
-        } else if s.used_at < min_distance {
-            explain.push(format!("{}: kept (read {} step(s) after the boundary, within {min_distance})", s.name, s.used_at));
-        } else {
-            let at = page.partition_point(|p| (p.saved_at, &p.name) < (s.saved_at, &s.name));
-            page.insert(at, s);
-            if let Some(Err(blocked)) = timing.map(|t| t.releases(&page)) {
-                page.remove(at);
-                explain.push(format!(
-                    "{}: kept (its page-out, queued behind the others, would leave '{blocked}' unfinished at the forward's last save)",
-                    s.name
-                ));
-                continue;
-            }
-            bytes += s.bytes;
-            explain.push(format!("{}: paged ({} bytes, read at backward step {})", s.name, s.bytes, s.used_at));
-        }
+    match timing {
+        Some(t) if t.has_memory() => lower_the_peak(t, &by_pref, target, min_distance, &mut page, &mut bytes, &mut explain),
+        _ => by_budget(timing, by_pref, target, min_distance, &mut page, &mut bytes, &mut explain),
     }
     let (mut release_at, mut launch_at) = (Vec::new(), Vec::new());
     if let Some(t) = timing {
@@ -240,6 +275,89 @@ pub fn choose_timed(prefix: &[Saved], budget: Budget, min_distance: u32, timing:
         release_at,
         launch_at,
     })
+}
+
+/// Where `s` goes in `page` (save order).
+fn slot_of(page: &[&Saved], s: &Saved) -> usize {
+    page.partition_point(|p| (p.saved_at, &p.name) < (s.saved_at, &s.name))
+}
+
+/// The budget alone (and, with a timing, only what hides): furthest use first until the target.
+fn by_budget<'a>(
+    timing: Option<&Timing>, by_pref: Vec<&'a Saved>, target: u64, min_distance: u32, page: &mut Vec<&'a Saved>, bytes: &mut u64,
+    explain: &mut Vec<String>,
+) {
+    for s in by_pref {
+        if *bytes >= target {
+            explain.push(format!("{}: kept (target of {target} bytes met)", s.name));
+        } else if s.used_at < min_distance {
+            explain.push(format!("{}: kept (read {} step(s) after the boundary, within {min_distance})", s.name, s.used_at));
+        } else {
+            let at = slot_of(page, s);
+            page.insert(at, s);
+            if let Some(Err(blocked)) = timing.map(|t| t.releases(page)) {
+                page.remove(at);
+                explain.push(format!(
+                    "{}: kept (its page-out, queued behind the others, would leave '{blocked}' unfinished at the forward's last save)",
+                    s.name
+                ));
+                continue;
+            }
+            *bytes += s.bytes;
+            explain.push(format!("{}: paged ({} bytes, read at backward step {})", s.name, s.bytes, s.used_at));
+        }
+    }
+}
+
+/// With the memory timeline: repeatedly page the first tensor (furthest use first) whose page-out
+/// hides and that lowers the step's peak (or the number of intervals at it), until the target
+/// or until no tensor lowers it.
+fn lower_the_peak<'a>(
+    t: &Timing, by_pref: &[&'a Saved], target: u64, min_distance: u32, page: &mut Vec<&'a Saved>, bytes: &mut u64,
+    explain: &mut Vec<String>,
+) {
+    let mut cur = t.peak_with(page).unwrap_or((u64::MAX, 0));
+    let start = cur.0;
+    let mut done: std::collections::HashSet<&str> = std::collections::HashSet::new();
+    for s in by_pref {
+        if s.used_at < min_distance {
+            explain.push(format!("{}: kept (read {} step(s) after the boundary, within {min_distance})", s.name, s.used_at));
+            done.insert(&s.name);
+        }
+    }
+    while *bytes < target {
+        let mut took = false;
+        let open: Vec<&'a Saved> = by_pref.iter().copied().filter(|s| !done.contains(s.name.as_str())).collect();
+        for s in open {
+            let at = slot_of(page, s);
+            page.insert(at, s);
+            match t.peak_with(page) {
+                None => {
+                    // Adding tensors only delays the queue: it will not hide later either.
+                    explain.push(format!("{}: kept (its page-out, queued behind the others, would not finish under the forward)", s.name));
+                    done.insert(&s.name);
+                }
+                Some(p) if p < cur => {
+                    explain.push(format!("{}: paged ({} bytes, read at backward step {}; peak {} -> {} bytes)", s.name, s.bytes, s.used_at, cur.0, p.0));
+                    *bytes += s.bytes;
+                    cur = p;
+                    done.insert(&s.name);
+                    took = true;
+                    break;
+                }
+                Some(_) => {}
+            }
+            page.remove(at);
+        }
+        if !took {
+            break;
+        }
+    }
+    for s in by_pref.iter().filter(|s| !done.contains(s.name.as_str())) {
+        let why = if *bytes >= target { format!("target of {target} bytes met") } else { format!("paging it does not lower the peak of {} bytes", cur.0) };
+        explain.push(format!("{}: kept ({why})", s.name));
+    }
+    explain.push(format!("peak {start} -> {} bytes (planned, from the calibration step's timeline)", cur.0));
 }
 
 #[cfg(test)]
@@ -299,7 +417,37 @@ mod tests {
             d2h_bytes_per_us: 10.0,
             h2d_bytes_per_us: h2d,
             slack: 1.0,
+            save_peak: vec![],
+            unpack_peak: vec![],
+            tail_peak: 0,
         }
+    }
+
+    fn with_memory(tail: u64) -> Timing {
+        Timing { save_peak: vec![100, 200, 300, 400, 500], unpack_peak: vec![450, 400, 300, 200, 100, 50], tail_peak: tail, ..timing(10.0) }
+    }
+
+    #[test]
+    fn with_the_memory_timeline_only_what_lowers_the_peak_is_paged() {
+        // The peak is the forward's end (save 4, 500). L0.a (released at save 1, back at
+        // unpack 4) takes it to 400, L0.b to 350, L1.a to 250 (saves 3 and 4); L1.b is off
+        // only from after save 4 to unpack 1, below the peak: not paged, and said.
+        let p = choose_timed(&prefix(), Budget::Fraction(1.0), 1, Some(&with_memory(10))).unwrap();
+        assert_eq!(p.page, ["L0.a", "L0.b", "L1.a"]);
+        assert_eq!((p.release_at.clone(), p.launch_at.clone()), (vec![1, 2, 3], vec![4, 3, 2]));
+        assert!(p.explain.iter().any(|l| l == "L1.b: kept (paging it does not lower the peak of 250 bytes)"), "{:?}", p.explain);
+        assert!(p.explain.iter().any(|l| l == "L0.b: paged (50 bytes, read at backward step 4; peak 400 -> 350 bytes)"), "{:?}", p.explain);
+        assert!(p.explain.iter().any(|l| l == "peak 500 -> 250 bytes (planned, from the calibration step's timeline)"), "{:?}", p.explain);
+        // The budget still caps it.
+        let p = choose_timed(&prefix(), Budget::Bytes(120), 1, Some(&with_memory(10))).unwrap();
+        assert_eq!(p.page, ["L0.a", "L0.b"]);
+        // A peak after the last unpack cannot be lowered: nothing is paged.
+        let p = choose_timed(&prefix(), Budget::Fraction(1.0), 1, Some(&with_memory(1000))).unwrap();
+        assert!(p.page.is_empty() && p.short, "{:?}", p.page);
+        // A partial timeline is an error.
+        let bad = Timing { unpack_peak: vec![1, 2], ..with_memory(10) };
+        let e = choose_timed(&prefix(), Budget::Fraction(1.0), 1, Some(&bad)).unwrap_err().to_string();
+        assert!(e.contains("2 unpack peaks for 5 saves and 6 unpacks"), "{e}");
     }
 
     #[test]
@@ -340,7 +488,8 @@ mod tests {
 
     #[test]
     fn bad_timings_are_errors() {
-        let cases: [(Box<dyn Fn(&mut Timing)>, &str); 5] = [
+        type Edit = Box<dyn Fn(&mut Timing)>;
+        let cases: [(Edit, &str); 5] = [
             (Box::new(|t| t.save_us.truncate(3)), "timeline has 3 saves"),
             (Box::new(|t| t.unpack_us[2] = -1.0), "finite and >= 0"),
             (Box::new(|t| t.save_us[1] = 50.0), "must not decrease"),

@@ -344,10 +344,14 @@ class Pager:
         timed: bool = True,
         slack: float = 1.25,
     ) -> None:
-        """`timed` (CUDA): the calibration step also measures its timeline (an event at every
-        save and unpack) and the link's rates, and Rust pages only what hides under the forward,
-        releasing each page-out where its copy is done and queueing each page-in as late as the
-        link allows (`slack`: copies planned that many times slower than measured). Untimed (and
+        """`timed` (CUDA): calibration takes two steps, the first measuring the memory timeline
+        (the most memory allocated between saves and unpacks: it resets the peak memory
+        statistic at each), the second the time line (an event at every save and unpack; the
+        hooks do nothing else there, so the host keeps its usual lead) and the link's rates;
+        then Rust pages only what hides under the
+        forward and lowers the step's peak, releasing each page-out where its copy is done and
+        queueing each page-in as late as the link allows (`slack`: copies planned that many
+        times slower than measured); the budget caps it. Untimed (and
         on CPU): the budget alone chooses, a page-out is released when found done or once more
         than `drain_distance` copies are in flight, and page-ins are queued `prefetch` unpacks
         ahead."""
@@ -362,6 +366,9 @@ class Pager:
         self.timed = bool(timed)
         self.slack = float(slack)
         self._events: dict[str, list] = {"save": [], "unpack": []}  # calibration's timeline
+        self._peaks: dict[str, list] = {"save": [], "unpack": []}
+        self._timing_pass = False
+        self._tail = 0
         self._launch_at: dict[int, int] = {}
         self._release_at: list[int] = []  # save index of each release, ascending
         self._released0 = 0
@@ -393,9 +400,17 @@ class Pager:
         if pool is not None and not self._release_at:
             pool.release_done()  # untimed: every save is a chance to free what the link has copied
         if self.plan is None:  # calibrating: record, keep
+            if self._timing_pass:  # second calibration step: the timeline only
+                c = self._calib[i] if i < len(self._calib) else None
+                if c is None or c["shape"] != tuple(t.shape) or c["dtype"] != t.dtype:
+                    raise RuntimeError(f"paging: saved tensor #{i} is {tuple(t.shape)} {t.dtype}, the first calibration step saw {c and (c['shape'], c['dtype'])}")
+                self._events["save"].append(self._event_now())
+                return ("keep", i, t)
             if self.timed and t.is_cuda:
-                self._mark("save")
-            self._calib.append({"t": t, "bytes": t.numel() * t.element_size(), "shape": tuple(t.shape), "dtype": t.dtype, "weight": is_weight(t), "restorable": restorable(t)})
+                self._peak("save", t.device)
+            # Metadata only: a reference here would keep every activation alive through the
+            # backward and distort the memory timeline.
+            self._calib.append({"device": t.device, "bytes": t.numel() * t.element_size(), "shape": tuple(t.shape), "dtype": t.dtype, "weight": is_weight(t), "restorable": restorable(t)})
             return ("keep", i, t)
         shapes = self._shapes
         if i >= len(shapes) or t.shape != shapes[i][0] or t.dtype != shapes[i][1]:
@@ -420,8 +435,10 @@ class Pager:
     def _unpack(self, packed: Any) -> torch.Tensor:
         kind, i = packed[0], packed[1]
         if self.plan is None:
-            if self._events["save"]:  # a timed calibration on CUDA
-                self._mark("unpack")
+            if self._timing_pass:
+                self._events["unpack"].append(self._event_now())
+            elif self._peaks["save"]:  # a timed calibration on CUDA
+                self._peak("unpack", self._calib[0]["device"])
             self._first_use.setdefault(i, self._unpacks)
             self._unpacks += 1
             return packed[2]
@@ -459,20 +476,27 @@ class Pager:
 
     @contextlib.contextmanager
     def step(self) -> Iterator["Pager"]:
-        """One forward + backward with the hooks on; the first one calibrates."""
+        """One forward + backward with the hooks on; the first one calibrates (the first two
+        when timed on CUDA)."""
         self._index = 0
         self._unpacks = 0
         self._next_in = 0
         self._handles.clear()
         self._ready.clear()
         self._released0 = self.pool.released if self.pool is not None else 0
+        if self.plan is None and self.timed and not self._timing_pass and torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()  # the first interval starts with the step
         self._next_release = self._release_at[0] if self._release_at else 0
         out0, in0 = self._stats["bytes_out"], self._stats["bytes_in"]
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield self
             if self.plan is None:
-                self._calibrate()
+                if self.timed and self._peaks["save"] and not self._timing_pass:
+                    self._tail = torch.cuda.max_memory_allocated(self._calib[0]["device"])
+                    self._timing_pass = True  # the next step measures the timeline, then plans
+                else:
+                    self._calibrate()
             moved_out, moved_in = self._stats["bytes_out"] - out0, self._stats["bytes_in"] - in0
             if moved_out != moved_in:
                 raise RuntimeError(f"paging: {moved_out} bytes paged out but {moved_in} paged in this step (a saved tensor never unpacked?)")
@@ -482,19 +506,33 @@ class Pager:
                 self.pool.drain()
                 self.pool.reclaim()  # a step cut short (an exception) leaves nothing taken
 
-    def _mark(self, kind: str) -> None:
+    @staticmethod
+    def _event_now() -> Any:
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
-        self._events[kind].append(ev)
+        return ev
+
+    def _peak(self, kind: str, dev: torch.device) -> None:
+        """First calibration step: the most bytes allocated since the last save or unpack (the
+        peak statistic is reset at each; slow on the host, so the timeline is measured in a
+        second step)."""
+        self._peaks[kind].append(torch._C._cuda_memoryStats(dev.index)["allocated_bytes"]["all"]["peak"])
+        torch._C._cuda_resetPeakMemoryStats(dev.index)
 
     def _timing(self) -> Optional[dict]:
         """The calibration step's timeline (us from its first save / first unpack) and the
         link's measured rates, or None when untimed or nothing ran on CUDA."""
         saves, unpacks = self._events["save"], self._events["unpack"]
-        self._events = {"save": [], "unpack": []}
-        if not saves or len(saves) != len(self._calib) or len(unpacks) != self._unpacks:
+        peaks = self._peaks
+        self._events, self._peaks = {"save": [], "unpack": []}, {"save": [], "unpack": []}
+        if not saves:
             return None
-        dev = self._calib[0]["t"].device
+        if len(saves) != len(self._calib) or len(unpacks) != len(peaks["unpack"]):
+            raise RuntimeError(
+                f"paging: the second calibration step saved {len(saves)} and unpacked {len(unpacks)} tensors, "
+                f"the first {len(self._calib)} and {len(peaks['unpack'])}; make a new Pager for a new shape"
+            )
+        dev = self._calib[0]["device"]
         torch.cuda.synchronize(dev)
         rates = []
         n = 64 << 20
@@ -514,6 +552,9 @@ class Pager:
             "d2h_bytes_per_us": rates[0],
             "h2d_bytes_per_us": rates[1],
             "slack": self.slack,
+            "save_peak": peaks["save"],
+            "unpack_peak": peaks["unpack"],
+            "tail_peak": self._tail,
         }
 
     def _calibrate(self) -> None:
@@ -538,7 +579,7 @@ class Pager:
         self._shapes = [(c["shape"], c["dtype"]) for c in self._calib]
         page = sorted(self._page)
         if page:
-            devs = {self._calib[i]["t"].device for i in page}
+            devs = {self._calib[i]["device"] for i in page}
             if len(devs) > 1:
                 raise RuntimeError(f"paging: saved tensors on several devices {sorted(map(str, devs))}; use one Pager per device")
             dev = devs.pop()
@@ -546,7 +587,7 @@ class Pager:
             drain = len(page) if timing is not None else self.drain_distance
             self.pool = HostPool([self._calib[i]["bytes"] for i in page], dev, drain)
             self._stats["host_bytes"] = self.pool.bytes
-        self._calib = []  # drop the references the calibration held
+        self._calib = []
 
     def stats(self) -> dict[str, int]:
         """Bytes paged out and in (equal after every step), host bytes held, steps, and the most
