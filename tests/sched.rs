@@ -656,3 +656,110 @@ fn a_value_last_used_on_its_owner_after_a_cross_stream_use_retires_on_that_strea
         assert_ne!(r.consumer_stream, r.owner, "{}", g.values[r.value.ix()].name);
     }
 }
+
+/// Rule `search` (cost-guided, issue 8): under the simulator's model it is never worse than the
+/// default order (its first candidate), strictly better on some seeds and within 5% of the
+/// exhaustive optimum on most; every order valid and within budget; the same order twice;
+/// without node costs the default order itself; plain `schedule_with` refuses it (no cost
+/// model).
+#[test]
+fn search_rule_is_valid_deterministic_and_never_worse_than_the_default() {
+    use sched_lifetime::scenarios::optimum;
+    use sched_lifetime::sched::Rules;
+    use sched_lifetime::sim;
+    let search = Rules::parse("search").unwrap();
+    let (mut better, mut near, mut total) = (0, 0, 0);
+    for seed in 0..16u64 {
+        for ep in [1u32, 2] {
+            let b = Budgets::new(ep, 2).unwrap();
+            let spec = if seed % 2 == 0 { optimum::small_random_moe(seed, 10) } else { optimum::small_random(seed, 10) };
+            let g = Graph::new(spec.clone()).unwrap();
+            let s = sim::schedule(&g, b, search).unwrap();
+            validate(&g, &s).unwrap_or_else(|e| panic!("seed {seed} ep {ep}: {e}"));
+            assert_eq!(sim::schedule(&g, b, search).unwrap().order, s.order, "seed {seed}: not deterministic");
+            let d = sched::schedule(&g, b).unwrap();
+            let (ms, md) = (sim::makespan(&g, &s.order).unwrap(), sim::makespan(&g, &d.order).unwrap());
+            assert!(ms <= md, "seed {seed} ep {ep}: search {ms} > default {md}");
+            better += usize::from(ms < md * 0.999);
+            let best = optimum::exhaustive(&g, b, 200_000).unwrap().expect("small").makespan_us;
+            total += 1;
+            near += usize::from(ms <= best * 1.05);
+            let mut zero = spec;
+            for n in &mut zero.nodes {
+                n.cost = 0.0;
+            }
+            let gz = Graph::new(zero).unwrap();
+            assert_eq!(sim::schedule(&gz, b, search).unwrap().order, sched::schedule(&gz, b).unwrap().order, "seed {seed}: no costs");
+        }
+    }
+    assert!(better > 0, "search never beat the default: it would prove nothing");
+    assert!(near * 10 >= total * 9, "search within 5% of the optimum on {near} of {total} seeds");
+    let g = Graph::new(optimum::small_random_moe(0, 10)).unwrap();
+    let e = sched::schedule_with(&g, Budgets::new(1, 2).unwrap(), search).unwrap_err().to_string();
+    assert!(e.contains("needs a cost model"), "{e}");
+}
+
+/// The search's local moves with an injected cost model: rating an order by how late one
+/// node comes, the search moves that node as early as the edges and budgets allow (right
+/// after its predecessor's chain), and never past a budget.
+#[test]
+fn search_moves_nodes_where_the_cost_model_wants_them_within_edges_and_budgets() {
+    use sched_lifetime::scenarios::optimum;
+    use sched_lifetime::sched::Rules;
+    let g = Graph::new(optimum::small_random_moe(3, 14)).unwrap();
+    let b = Budgets::new(1, 2).unwrap();
+    let target = g.node_ids().rev().find(|&u| g.nodes[u].kind == Kind::Compute && g.nodes[u].source.ix() == 1).unwrap();
+    let pos = |o: &[sched_lifetime::ir::NodeId]| o.iter().position(|&u| u == target).unwrap();
+    let cost = |o: &[sched_lifetime::ir::NodeId]| Ok(pos(o) as f64);
+    let s = sched::schedule_searched(&g, b, Rules::default(), 2000, &cost).unwrap();
+    validate(&g, &s).unwrap();
+    // Its earliest possible place: after all its ancestors.
+    let mut anc = std::collections::HashSet::new();
+    let mut stack = vec![target];
+    while let Some(u) = stack.pop() {
+        for &p in &g.preds[u] {
+            if anc.insert(p) {
+                stack.push(p);
+            }
+        }
+    }
+    assert_eq!(pos(&s.order), anc.len(), "{:?}", s.order.iter().map(|&u| g.nodes[u].name.clone()).collect::<Vec<_>>());
+    let d = sched::schedule(&g, b).unwrap();
+    assert!(pos(&d.order) > anc.len(), "the default already placed it first: the test would prove nothing");
+}
+
+/// The opt-in cost rules the search starts from do what they say: `soonest_launch` issues
+/// first the launch-enabling compute closest (in compute time) to its launch, `reverse_sources`
+/// lets the later source go first between sources of equal priority, `critical_path` puts the
+/// longest remaining path first; every variant valid.
+#[test]
+fn cost_rules_order_by_distance_to_launch_source_and_critical_path() {
+    use sched_lifetime::scenarios::optimum;
+    use sched_lifetime::sched::Rules;
+    // Random seed 1: B0.n6 (149 us) enables B0.n7's launch; F1.n0 + F1.n1 (812 + 777 us)
+    // enable F1.n2's.
+    let g = Graph::new(optimum::small_random(1, 14)).unwrap();
+    let b = Budgets::new(2, 2).unwrap();
+    let first = |rules: &str| {
+        let s = sched::schedule_with(&g, b, Rules::parse(rules).unwrap()).unwrap();
+        validate(&g, &s).unwrap();
+        g.nodes[s.order[0].ix()].name.clone()
+    };
+    assert_eq!(first(""), "F1.n0");
+    assert_eq!(first("soonest_launch"), "B0.n6");
+    assert_eq!(first("reverse_sources"), "B0.n6");
+    assert_eq!(first("soonest_launch,reverse_sources"), "B0.n6");
+    // Longest path first: seed 25's backward chain is the longer one, so its head goes first
+    // (the default, timing-free, starts with the forward's by table order).
+    let g25 = Graph::new(optimum::small_random(25, 14)).unwrap();
+    let first25 = |rules: &str| g25.nodes[sched::schedule_with(&g25, b, Rules::parse(rules).unwrap()).unwrap().order[0].ix()].name.clone();
+    assert_eq!((first25(""), first25("critical_path"), first25("soonest_launch")), ("F1.n0".into(), "B0.n5".into(), "F1.n0".into()));
+    for seed in 0..200u64 {
+        let g = Graph::new(random_graph(seed)).unwrap();
+        let budgets = Budgets::new(1 + (seed % 3) as u32, 1 + (seed % 2) as u32).unwrap();
+        for rules in ["soonest_launch", "critical_path", "reverse_sources", "classic,soonest_launch,critical_path,reverse_sources"] {
+            let s = sched::schedule_with(&g, budgets, Rules::parse(rules).unwrap()).unwrap_or_else(|e| panic!("seed {seed} {rules}: {e}"));
+            validate(&g, &s).unwrap_or_else(|e| panic!("seed {seed} {rules}: {e}"));
+        }
+    }
+}

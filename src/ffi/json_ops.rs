@@ -108,7 +108,7 @@ fn budgets(a: &Args) -> Result<Budgets> {
 
 fn schedule(a: &Args) -> Result<Option<String>> {
     let g = Graph::from_json(a.str("graph")?)?;
-    let s = crate::sched::schedule_with(&g, budgets(a)?, crate::sched::Rules::parse(a.str("rules")?)?)?;
+    let s = crate::sim::schedule(&g, budgets(a)?, crate::sched::Rules::parse(a.str("rules")?)?)?;
     let ex = a.flag("explain")?.then(|| crate::sched::explain(&g, &s));
     to_text(&crate::sched::named(&g, &s, ex), "schedule")
 }

@@ -192,7 +192,8 @@ pub struct NodeSpec {
     /// For waits: the launch they wait for.
     #[serde(default)]
     pub launch: Option<String>,
-    /// Cost for the simulator and reports (never used by the policy).
+    /// Cost (us) for the simulator and reports; the default policy never reads it (it is
+    /// timing-free), the opt-in cost rules (`soonest_launch`, `critical_path`, `search`) do.
     #[serde(default)]
     pub cost: f64,
 }

@@ -218,6 +218,8 @@ pub struct FamilyRow {
     pub ours: (f64, f64),
     /// Our schedule under the `classic` rules (before `ready_first` became default).
     pub ours_classic: (f64, f64),
+    /// Our schedule under rule `search` (cost-guided: the graph's costs, the simulator).
+    pub ours_search: (f64, f64),
     /// Reuse hazards the race checker found over every simulated order (must be 0).
     pub hazards: usize,
 }
@@ -247,6 +249,7 @@ pub fn row(name: &str, spec: &FamilySpec, budget: u32) -> Result<FamilyRow> {
     let comm: f64 = g.nodes.iter().filter(|n| n.kind.is_launch()).map(|n| n.cost).sum();
     let ours = schedule(&g, budgets)?.order;
     let classic = crate::sched::schedule_with(&g, budgets, crate::sched::Rules::CLASSIC)?.order;
+    let searched = crate::sim::schedule(&g, budgets, crate::sched::Rules { search: true, ..Default::default() })?.order;
     let table: Vec<NodeId> = g.node_ids().collect();
     let mut hazards = 0;
     // Our drain points for every order; the serial one drains at every node, as in the sweep.
@@ -275,6 +278,7 @@ pub fn row(name: &str, spec: &FamilySpec, budget: u32) -> Result<FamilyRow> {
         pairing,
         ours: sim(&ours, false)?,
         ours_classic: sim(&classic, false)?,
+        ours_search: sim(&searched, false)?,
         hazards,
     })
 }

@@ -8,7 +8,7 @@ use super::Rng;
 use crate::ep::{Budgets, PerRole, Role};
 use crate::error::Result;
 use crate::ir::{Graph, GraphSpec, Kind, NodeId, NodeSpec, OutputSpec, Phase, Source};
-use crate::sched::{schedule, schedule_with, Rules};
+use crate::sched::{schedule, Rules};
 
 /// A small random graph: a forward and a backward source, each a chain of compute nodes and
 /// comm launch/wait pairs (with, in the backward, a weight-gradient side node now and then);
@@ -203,6 +203,6 @@ pub fn compare_on(spec: GraphSpec, budgets: Budgets, cap: usize) -> Result<Optio
 /// Our simulated makespan (us) on a graph table under opt-in `rules`.
 pub fn ours_makespan(spec: &GraphSpec, budgets: Budgets, rules: Rules) -> Result<f64> {
     let g = Graph::new(spec.clone())?;
-    let s = schedule_with(&g, budgets, rules)?;
+    let s = crate::sim::schedule(&g, budgets, rules)?;
     Ok(simulate_order(&g, &s.order, false, true)?.0)
 }

@@ -16,6 +16,7 @@
 
 mod explain;
 mod policy;
+mod search;
 mod syncs;
 mod validate;
 
@@ -92,20 +93,31 @@ pub struct Rules {
     /// stall the compute stream on a transfer (wait late, taken one step further). Default on;
     /// `classic` turns it off (the policy before it, kept for A/Bs).
     pub ready_first: bool,
+    /// Cost rule (opt-in; uses the graph's node costs): launch-enabling compute closest (in
+    /// compute time) to its launch goes first.
+    pub soonest_launch: bool,
+    /// Cost rule (opt-in): within a class, the node with the longest remaining path goes first.
+    pub critical_path: bool,
+    /// Between sources of equal priority, the later source's nodes first (table order
+    /// otherwise).
+    pub reverse_sources: bool,
+    /// Cost-guided search among orders (needs a cost model: `sim::schedule`; plain
+    /// `schedule_with` refuses it).
+    pub search: bool,
 }
 
 impl Default for Rules {
     fn default() -> Rules {
-        Rules { ready_first: true }
+        Rules { ready_first: true, soonest_launch: false, critical_path: false, reverse_sources: false, search: false }
     }
 }
 
 impl Rules {
     /// The rule names `parse` accepts.
-    pub const NAMES: &'static [&'static str] = &["ready_first", "classic"];
+    pub const NAMES: &'static [&'static str] = &["ready_first", "classic", "soonest_launch", "critical_path", "reverse_sources", "search"];
 
     /// The policy before `ready_first` became default.
-    pub const CLASSIC: Rules = Rules { ready_first: false };
+    pub const CLASSIC: Rules = Rules { ready_first: false, soonest_launch: false, critical_path: false, reverse_sources: false, search: false };
 
     /// Comma-separated rule names ("" = the default rules).
     pub fn parse(text: &str) -> Result<Rules> {
@@ -114,6 +126,10 @@ impl Rules {
             match name {
                 "ready_first" => r.ready_first = true,
                 "classic" => r.ready_first = false,
+                "soonest_launch" => r.soonest_launch = true,
+                "critical_path" => r.critical_path = true,
+                "reverse_sources" => r.reverse_sources = true,
+                "search" => r.search = true,
                 other => {
                     return Err(crate::error::Error::InvalidInput(format!(
                         "unknown scheduler rule '{other}'; known rules: {}",
@@ -135,6 +151,23 @@ pub fn schedule(g: &Graph, budgets: Budgets) -> Result<Schedule> {
 pub fn schedule_with(g: &Graph, budgets: Budgets, rules: Rules) -> Result<Schedule> {
     let _span = tracing::debug_span!("schedule", nodes = g.len()).entered();
     Budgets::new(budgets.ep, budgets.page)?;
+    if rules.search {
+        return Err(crate::error::Error::InvalidInput(
+            "scheduler rule 'search' needs a cost model (sim::schedule, or the schedule op)".into(),
+        ));
+    }
     let order = policy::order(g, budgets, rules)?;
+    Ok(finish(g, order, budgets))
+}
+
+/// Schedule `g` under `budgets` with rule `search` on: the order among the policy's variants
+/// and their local moves that `cost` (a makespan model of an order) rates shortest, at most
+/// `max_evals` calls of it (module `search`).
+pub fn schedule_searched(
+    g: &Graph, budgets: Budgets, rules: Rules, max_evals: usize, cost: &dyn Fn(&[NodeId]) -> Result<f64>,
+) -> Result<Schedule> {
+    Budgets::new(budgets.ep, budgets.page)?;
+    let order = search::order(g, budgets, rules, max_evals, cost)?;
+    debug_assert!(search::feasible(g, &order, budgets));
     Ok(finish(g, order, budgets))
 }

@@ -27,8 +27,8 @@ const ENABLING: usize = 0;
 const OTHER: usize = 1;
 const WGRAD: usize = 2;
 
-/// A queue key: (source priority, node).
-type Key = (i32, NodeId);
+/// A queue key: (source priority, cost rank (0 unless a cost rule is on), node).
+type Key = (i32, i64, NodeId);
 
 struct State<'g> {
     g: &'g Graph,
@@ -45,6 +45,8 @@ struct State<'g> {
     order: Vec<NodeId>,
     class: Vec<u8>,
     prio: Vec<i32>,
+    /// Cost rank per node (lower goes first within a class; 0 without cost rules).
+    rank: Vec<i64>,
     /// Ready launches per side stream.
     launches: PerRole<BTreeSet<Key>>,
     /// Compute candidates per source and class.
@@ -59,13 +61,46 @@ struct State<'g> {
 
 /// The issue order of `g` under `budgets` (and opt-in `rules`).
 pub(super) fn order(g: &Graph, budgets: Budgets, rules: super::Rules) -> Result<Vec<NodeId>> {
-    let mut st = State::new(g, budgets);
+    let mut st = State::new(g, budgets, rules);
     st.ready_first = rules.ready_first;
     st.run()
 }
 
+/// Cost ranks (us, rounded; lower first) under the opt-in cost rules: `soonest_launch` ranks
+/// launch-enabling compute by the compute time from it to the launch it enables (the nearest),
+/// `critical_path` ranks everything else by its bottom level (longest path to the end, comm
+/// included), longest first.
+fn cost_ranks(g: &Graph, enabling: &[bool], rules: super::Rules) -> Vec<i64> {
+    let n = g.len();
+    if !rules.soonest_launch && !rules.critical_path {
+        return vec![0; n];
+    }
+    let cost = |u: NodeId| if g.nodes[u].kind.is_wait() || g.nodes[u].kind == Kind::Noop { 0.0 } else { g.nodes[u].cost };
+    let mut to_launch = vec![f64::INFINITY; n];
+    let mut blevel = vec![0.0f64; n];
+    for &u in g.topo.iter().rev() {
+        blevel[u.ix()] = cost(u) + g.succs[u].iter().map(|&s| blevel[s.ix()]).fold(0.0, f64::max);
+        if g.nodes[u].kind.is_launch() {
+            to_launch[u.ix()] = 0.0;
+        } else if enabling[u.ix()] {
+            to_launch[u.ix()] = cost(u) + g.succs[u].iter().map(|&s| to_launch[s.ix()]).fold(f64::INFINITY, f64::min);
+        }
+    }
+    (0..n)
+        .map(|i| {
+            if rules.soonest_launch && enabling[i] && g.nodes[NodeId::new(i)].kind == Kind::Compute {
+                to_launch[i].round() as i64
+            } else if rules.critical_path {
+                -(blevel[i].round() as i64)
+            } else {
+                0
+            }
+        })
+        .collect()
+}
+
 impl<'g> State<'g> {
-    fn new(g: &'g Graph, budgets: Budgets) -> Self {
+    fn new(g: &'g Graph, budgets: Budgets, rules: super::Rules) -> Self {
         let n = g.len();
         // Launch-enabling: ancestors of a launch (every launch is pending while its ancestor
         // is ready, so the static answer is the dynamic one).
@@ -85,7 +120,14 @@ impl<'g> State<'g> {
                 }
             })
             .collect();
-        let prio = g.nodes.iter().map(|nd| g.sources[nd.source].priority).collect();
+        // Ties between sources of equal priority: table order, or (`reverse_sources`) the
+        // later source first.
+        let prio = g
+            .nodes
+            .iter()
+            .map(|nd| g.sources[nd.source].priority * 1024 - if rules.reverse_sources { nd.source.ix() as i32 } else { 0 })
+            .collect();
+        let rank = cost_ranks(g, &enabling, rules);
         let mut st = State {
             g,
             budgets,
@@ -98,6 +140,7 @@ impl<'g> State<'g> {
             order: Vec::with_capacity(n),
             class,
             prio,
+            rank,
             launches: Default::default(),
             compute: (0..g.sources.len()).map(|_| Default::default()).collect(),
             noops: BTreeSet::new(),
@@ -115,7 +158,7 @@ impl<'g> State<'g> {
     }
 
     fn key(&self, u: NodeId) -> Key {
-        (self.prio[u], u)
+        (self.prio[u], self.rank[u.ix()], u)
     }
 
     /// `u` has no unissued predecessor other than ready waits.
@@ -206,13 +249,13 @@ impl<'g> State<'g> {
             let pick = if r == Role::Page {
                 // Source-aware paging: alternate sources when both have copies ready.
                 let last = self.last_page_source;
-                self.launches[r].iter().find(|k| Some(self.g.nodes[k.1].source) != last).or(self.launches[r].first()).copied()
+                self.launches[r].iter().find(|k| Some(self.g.nodes[k.2].source) != last).or(self.launches[r].first()).copied()
             } else {
                 self.launches[r].first().copied()
             };
             if let Some(k) = pick {
                 self.launches[r].remove(&k);
-                return Some(k.1);
+                return Some(k.2);
             }
         }
         None
@@ -220,7 +263,7 @@ impl<'g> State<'g> {
 
     /// The first weight-gradient candidate that needs no wait (by priority, then order).
     fn ready_wgrad(&self) -> Option<Key> {
-        self.compute.iter().flat_map(|c| c[WGRAD].iter().find(|k| self.pending[k.1] == 0).copied()).min()
+        self.compute.iter().flat_map(|c| c[WGRAD].iter().find(|k| self.pending[k.2] == 0).copied()).min()
     }
 
     fn next_compute(&self) -> Option<Key> {
@@ -233,7 +276,7 @@ impl<'g> State<'g> {
                     continue;
                 }
                 for (c, set) in classes.iter().enumerate() {
-                    let ready = if self.ready_first { set.iter().find(|k| self.pending[k.1] == 0).map(|&k| (c, false, k)) } else { None };
+                    let ready = if self.ready_first { set.iter().find(|k| self.pending[k.2] == 0).map(|&k| (c, false, k)) } else { None };
                     if let Some(cand) = ready.or_else(|| set.first().map(|&k| (c, self.ready_first, k))) {
                         if best.is_none_or(|b| cand < b) {
                             best = Some(cand);
@@ -253,7 +296,7 @@ impl<'g> State<'g> {
         while self.order.len() < n {
             if let Some(&k) = self.noops.first() {
                 self.noops.remove(&k);
-                self.issue(k.1);
+                self.issue(k.2);
                 continue;
             }
             if let Some(l) = self.next_launch() {
@@ -261,7 +304,7 @@ impl<'g> State<'g> {
                 continue;
             }
             if let Some(k) = self.next_compute() {
-                let u = k.1;
+                let u = k.2;
                 // Late wait: the waits this node needs, just before it; then look again.
                 let waits: smallvec::SmallVec<[NodeId; 4]> =
                     self.g.preds[u].iter().copied().filter(|&p| !self.issued[p]).collect();
@@ -270,11 +313,11 @@ impl<'g> State<'g> {
                 if let Some(&w) = waits.iter().find(|&&w| !self.filled[w]) {
                     self.filled[w] = true;
                     if let Some(f) = self.ready_wgrad() {
-                        let s = self.g.nodes[f.1].source;
+                        let s = self.g.nodes[f.2].source;
                         self.compute[s][WGRAD].remove(&f);
                         // Filling a gap does not use up the yield owed to the other source.
                         let owed = self.yield_from;
-                        self.issue(f.1);
+                        self.issue(f.2);
                         self.yield_from = owed;
                         continue;
                     }

@@ -1,0 +1,105 @@
+//! Cost-guided search (opt-in rule `search`; issue 8). The greedy policy is timing-free; given
+//! node costs, this picks among orders by an injected cost model (the simulator's makespan, see
+//! `sim::schedule`): the policy's order under each rule variant (the default first), then from
+//! each distinct one a local search moving one node at a time within a window, keeping a move
+//! only if it shortens the modelled makespan; at most `max_evals` model calls in all. Every
+//! candidate respects the graph's edges and the launch budgets; ties keep the earlier
+//! candidate, so with costs that decide nothing the default order stands. Deterministic: the
+//! same graph, costs and budgets give the same order on every rank.
+
+use super::{policy, Rules};
+use crate::ep::{Budgets, PerRole, Role};
+use crate::error::Result;
+use crate::ir::{Graph, NodeId};
+
+/// Moves within this many positions (the whole order when it is short).
+const WINDOW: usize = 8;
+
+/// The rule variants whose orders seed the search: the default first.
+fn variants(base: Rules) -> Vec<Rules> {
+    let mut out = vec![Rules { search: false, ..base }];
+    for reverse_sources in [false, true] {
+        for (ready_first, soonest_launch, critical_path) in
+            [(true, false, false), (false, false, false), (true, true, false), (true, false, true), (true, true, true), (false, true, false), (false, false, true)]
+        {
+            let r = Rules { ready_first, soonest_launch, critical_path, reverse_sources, search: false };
+            if !out.contains(&r) {
+                out.push(r);
+            }
+        }
+    }
+    out
+}
+
+/// Whether `order` respects the edges of `g` and the launch budgets.
+pub(super) fn feasible(g: &Graph, order: &[NodeId], budgets: Budgets) -> bool {
+    let mut pos = vec![usize::MAX; g.len()];
+    for (i, &u) in order.iter().enumerate() {
+        pos[u.ix()] = i;
+    }
+    if order.len() != g.len() || g.node_ids().any(|u| g.preds[u].iter().any(|&p| pos[p.ix()] > pos[u.ix()])) {
+        return false;
+    }
+    let mut in_flight: PerRole<usize> = PerRole::default();
+    for &u in order {
+        let kind = g.nodes[u].kind;
+        if kind.is_launch() {
+            let r = Role::of(kind);
+            in_flight[r] += 1;
+            if in_flight[r] > budgets.of(r) {
+                return false;
+            }
+        } else if kind.is_wait() {
+            if let Some(l) = g.nodes[u].partner {
+                in_flight[Role::of(g.nodes[l].kind)] -= 1;
+            }
+        }
+    }
+    true
+}
+
+/// The best order found for `g` (see the module docs); `cost` models an order's makespan.
+pub(super) fn order(g: &Graph, budgets: Budgets, base: Rules, max_evals: usize, cost: &dyn Fn(&[NodeId]) -> Result<f64>) -> Result<Vec<NodeId>> {
+    let mut starts: Vec<(f64, Vec<NodeId>)> = Vec::new();
+    for r in variants(base) {
+        let o = policy::order(g, budgets, r)?;
+        if starts.iter().all(|(_, s)| *s != o) {
+            starts.push((cost(&o)?, o));
+        }
+    }
+    // Stable: equal makespans keep the variant order (the default first).
+    starts.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut evals = starts.len();
+    let (mut best_m, mut best) = starts[0].clone();
+    let n = g.len();
+    let win = if n <= 4 * WINDOW { n } else { WINDOW };
+    for (m0, o0) in starts {
+        let (mut m, mut cur) = (m0, o0);
+        'improve: while evals < max_evals {
+            for i in 0..n {
+                for j in i.saturating_sub(win)..(i + win + 1).min(n) {
+                    if i == j || evals >= max_evals {
+                        continue;
+                    }
+                    let mut o = cur.clone();
+                    let x = o.remove(i);
+                    o.insert(j, x);
+                    if !feasible(g, &o, budgets) {
+                        continue;
+                    }
+                    evals += 1;
+                    let mo = cost(&o)?;
+                    if mo < m {
+                        (m, cur) = (mo, o);
+                        continue 'improve;
+                    }
+                }
+            }
+            break;
+        }
+        if m < best_m {
+            (best_m, best) = (m, cur);
+        }
+    }
+    Ok(best)
+}
