@@ -503,4 +503,55 @@ mod tests {
             assert!(e.contains(msg), "{e}");
         }
     }
+
+    #[test]
+    fn timing_defaults_and_edges_of_its_checks() {
+        // The slack defaults to 1.25 when the timeline does not say.
+        let t: Timing = serde_json::from_str(r#"{"save_us": [0, 10], "unpack_us": [0], "d2h_bytes_per_us": 1, "h2d_bytes_per_us": 1}"#).unwrap();
+        assert_eq!((t.slack, t.save_peak.len(), t.tail_peak), (1.25, 0, 0));
+        // Equal consecutive times are a valid timeline (two saves in one kernel's shadow).
+        let flat = Timing { save_us: vec![0.0, 0.0, 20.0, 30.0, 40.0], unpack_us: vec![0.0, 10.0, 10.0, 30.0, 40.0, 50.0], ..timing(10.0) };
+        assert!(choose_timed(&prefix(), Budget::Bytes(100), 1, Some(&flat)).is_ok());
+        // Save peaks without unpack peaks is a partial memory timeline.
+        let half = Timing { save_peak: vec![1; 5], ..timing(10.0) };
+        let e = choose_timed(&prefix(), Budget::Bytes(100), 1, Some(&half)).unwrap_err().to_string();
+        assert!(e.contains("5 save and 0 unpack peaks"), "{e}");
+        // A copy that takes no time is released at the next save, never at its own.
+        let mut zero = prefix();
+        zero[1].bytes = 0;
+        let p = choose_timed(&zero[1..2], Budget::Bytes(0), 1, Some(&timing(10.0))).unwrap();
+        assert!(p.page.is_empty(), "a target of 0 bytes is met at once");
+        let p = choose_timed(&zero[..2], Budget::Bytes(101), 1, Some(&timing(10.0))).unwrap();
+        assert_eq!((p.page.clone(), p.release_at.clone()), (vec!["L0.a".to_string(), "L0.b".to_string()], vec![1, 2]));
+        // Page-in time scales with the slack: L0.a's 10 us copy planned as 30 us ends by its use
+        // at 50 us from 20 us, queued at unpack 2 (its page-out, 0-30 us, at save 3).
+        let slow = Timing { slack: 3.0, ..timing(10.0) };
+        let p = choose_timed(&prefix(), Budget::Bytes(100), 1, Some(&slow)).unwrap();
+        assert_eq!((p.page.clone(), p.release_at.clone(), p.launch_at.clone()), (vec!["L0.a".to_string()], vec![3], vec![2]));
+        // A target met exactly is not short.
+        let p = choose(&prefix(), Budget::Bytes(150), 1).unwrap();
+        assert_eq!((p.bytes_paged, p.short), (150, false));
+    }
+
+    #[test]
+    fn the_peak_model_counts_the_page_in_interval_ties_and_the_budget() {
+        // The peak is at unpack 4, the interval that ends where L0.a's page-in is queued: L0.a is
+        // still off the device there, so paging it lowers the peak; nothing else reaches it.
+        let at_launch = Timing { save_peak: vec![100; 5], unpack_peak: vec![100, 100, 100, 100, 500, 100], tail_peak: 0, ..timing(10.0) };
+        let p = choose_timed(&prefix(), Budget::Fraction(1.0), 1, Some(&at_launch)).unwrap();
+        assert_eq!(p.page, ["L0.a"]);
+        // Two intervals at the peak (saves 1 and 3): L0.a, released at save 1, lowers only the
+        // second; one fewer interval at the peak counts as lower, and nothing lowers save 1's.
+        let plateau = Timing { save_peak: vec![100, 500, 100, 500, 100], unpack_peak: vec![100; 6], tail_peak: 0, ..timing(10.0) };
+        let p = choose_timed(&prefix(), Budget::Fraction(1.0), 1, Some(&plateau)).unwrap();
+        assert_eq!(p.page, ["L0.a"]);
+        assert!(p.explain.iter().any(|l| l == "peak 500 -> 500 bytes (planned, from the calibration step's timeline)"), "{:?}", p.explain);
+        // min_distance 3 still lets L1.a (read at 3) go, and keeps L1.b (read at 2).
+        let p = choose_timed(&prefix(), Budget::Fraction(1.0), 3, Some(&with_memory(10))).unwrap();
+        assert_eq!(p.page, ["L0.a", "L0.b", "L1.a"]);
+        assert!(p.explain.iter().any(|l| l.starts_with("L1.b: kept (read 2 step(s)")), "{:?}", p.explain);
+        // A byte target met exactly stops the peak search there.
+        let p = choose_timed(&prefix(), Budget::Bytes(150), 1, Some(&with_memory(10))).unwrap();
+        assert_eq!((p.page.clone(), p.short), (vec!["L0.a".to_string(), "L0.b".to_string()], false));
+    }
 }
