@@ -173,3 +173,28 @@ def test_rule_search_uses_the_graphs_costs_and_never_loses_to_the_default():
     assert sl.schedule(g, rules="search")["order"] == s["order"]
     assert "search" in sl.INFO["scheduler_rules"]
     sl.validate(g, s["order"], [p[:2] for p in s["syncs"]])
+
+
+def test_chunk_costs_reach_the_graph_and_order_ours_search_uses_them():
+    """`Chunk.costs` (e.g. a run's durations.json) become the graph's node costs; order
+    `ours:search` then picks by simulated makespan, never longer than `ours`, and without costs
+    it is `ours`."""
+    import json
+    import os
+    from dataclasses import replace
+
+    from sched_lifetime.models import CONFIGS, MoEModel
+
+    m = MoEModel(replace(CONFIGS["tiny"], layers=4))
+    c = m.chunk()
+    assert c.order_schedule(True, True, "ours:search")["order"] == c.order_schedule(True, True, "ours")["order"]
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "..", "..", "benches", "data", "h200_main_job_durations.json")) as f:
+        c.costs = json.load(f)
+    g = c.graph(True, True)
+    assert all(n["cost"] == c.costs[n["name"]] for n in g["nodes"])
+    ours, found = c.order_schedule(True, True, "ours"), c.order_schedule(True, True, "ours:search")
+    m_ours = sl.simulate_schedule(g, ours["order"])["makespan_us"]
+    m_found = sl.simulate_schedule(g, found["order"])["makespan_us"]
+    # Measured 2 x H200 node times: 185.9 ms (ours) vs 178.2 ms (search), SIMULATED.
+    assert m_found < 0.99 * m_ours, (m_found, m_ours)

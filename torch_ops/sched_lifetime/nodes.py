@@ -94,6 +94,10 @@ class Chunk:
         if len(set(names)) != len(names):
             raise ValueError("node names must be unique")
         self._by_name = {n.name: n for n in self.nodes}
+        #: Node costs (us) by graph node name, e.g. a previous run's `durations.json`: written
+        #: into the graph's `cost` fields so the opt-in cost rules (order `"ours:search"`) can
+        #: use them; the default order is timing-free and never reads them.
+        self.costs: dict[str, float] = {}
         produced = set(self.inputs)
         for n in self.nodes:
             for v in n.inputs:
@@ -509,6 +513,9 @@ def _pair_graph(fchunk: Optional[Chunk], bchunk: Optional[Chunk]) -> dict:
         nodes += fchunk._forward_table
         control += fchunk._forward_control
         inputs += [f"F.{v}" for v in fchunk.inputs]
+    costs = {**(bchunk.costs if bchunk is not None else {}), **(fchunk.costs if fchunk is not None else {})}
+    if costs:
+        nodes = [dict(n, cost=float(costs[n["name"]])) if n["name"] in costs else n for n in nodes]
     g = {"sources": sources, "inputs": inputs, "nodes": nodes}
     if control:
         g["control"] = control

@@ -43,7 +43,13 @@ GRAPH_ARMS = {"ours+graph": ("ours", "scheduled")}
 #: Arms not in the default list, for A/Bs: `ours+classic`, the `classic` scheduler rules (the
 #: default before `ready_first`); `ours+ep2`, two EP launches in flight (the default before
 #: budget 1: on 2 x H200, h200 config, 8 microbatches, budget 1 ran 1054 ms against 1147 ms).
-EXTRA_ARMS = {"ours+classic": ("ours:classic", "scheduled"), "ours+ep2": ("ours:ep_budget=2", "scheduled")}
+#: `ours+search`, rule `search` (the order the simulator rates shortest with the node costs of
+#: `--costs`, e.g. a previous run's durations.json).
+EXTRA_ARMS = {
+    "ours+classic": ("ours:classic", "scheduled"),
+    "ours+ep2": ("ours:ep_budget=2", "scheduled"),
+    "ours+search": ("ours:search", "scheduled"),
+}
 
 
 def _free_port() -> int:
@@ -222,6 +228,11 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
     rank0 = transport.rank == 0
     names = [a for a in args.arms.split(",") if a]
     arms = {a: Arm(a, cfg, transport, device, args.lr) for a in names}
+    if args.costs:
+        with open(args.costs) as f:
+            costs = {str(k): float(v) for k, v in json.load(f).items()}
+        for arm in arms.values():
+            arm.chunk.costs = costs
     first = next(iter(arms.values()))
     failed: dict[str, str] = {}
     # Every rank must issue the same collectives in the same order.
@@ -468,6 +479,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="directory for train.json and the trace")
     p.add_argument("--nccl-channels", type=int, default=0, help="limit NCCL to this many channels (0: NCCL's choice)")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress line per step")
+    p.add_argument("--costs", default=None, help='JSON {"node": us} (e.g. a previous run\'s durations.json) for arm ours+search')
     return p
 
 
@@ -481,6 +493,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise SystemExit(f"unknown arm {a!r}; expected some of {sorted(ARMS) + sorted(GRAPH_ARMS) + sorted(EXTRA_ARMS)}")
         if a in GRAPH_ARMS and not use_cuda:
             raise SystemExit(f"arm {a!r} captures a CUDA graph: it needs a GPU")
+        if a == "ours+search" and not args.costs:
+            raise SystemExit("arm 'ours+search' needs --costs (node costs in us, e.g. a previous run's durations.json)")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     # Deterministic cuBLAS (must be set before the first cuBLAS call).
