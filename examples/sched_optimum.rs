@@ -5,7 +5,7 @@
 //! "ours" is the default, timing-free policy; "search" is rule `search` (the same graph's node
 //! costs, the simulator as cost model: the policy's rule variants and local moves, the shortest
 //! kept; `sim::schedule`).
-//! `cargo run --release --example sched_optimum [SEEDS]`
+//! `cargo run --release --example sched_optimum [SEEDS] [any|moe]`
 use sched_lifetime::ep::Budgets;
 use sched_lifetime::scenarios::optimum;
 use sched_lifetime::sched::Rules;
@@ -41,7 +41,11 @@ fn main() {
     println!("SIMULATED. ours and search vs the exhaustive optimum (every valid order simulated), {seeds} seeds, graphs of <= 14 nodes.");
     println!("| graphs | EP budget | seeds searched | ours: within 1% | within 5% | mean ours/optimum | worst | search: within 1% | within 5% | mean | worst |");
     println!("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|");
+    let only = std::env::args().nth(2); // "any" or "moe": one family
     for (family, moe) in [("any chains", false), ("MoE-like", true)] {
+        if only.as_deref().is_some_and(|o| o != if moe { "moe" } else { "any" }) {
+            continue;
+        }
         for ep in [1u32, 2] {
             let budgets = Budgets::new(ep, 2).expect("budgets");
             let (mut ours, mut searched) = (Tally::default(), Tally::default());

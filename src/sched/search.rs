@@ -1,7 +1,7 @@
 //! Cost-guided search (opt-in rule `search`; issue 8). The greedy policy is timing-free; given
 //! node costs, this picks among orders by an injected cost model (the simulator's makespan, see
 //! `sim::schedule`): the policy's order under each rule variant (the default first), then from
-//! each distinct one a local search moving one node at a time within a window, keeping a move
+//! each distinct one a local search moving one to three adjacent nodes within a window, keeping a move
 //! only if it shortens the modelled makespan; at most `max_evals` model calls in all. Every
 //! candidate respects the graph's edges and the launch budgets; ties keep the earlier
 //! candidate, so with costs that decide nothing the default order stands. Deterministic: the
@@ -76,22 +76,26 @@ pub(super) fn order(g: &Graph, budgets: Budgets, base: Rules, max_evals: usize, 
     for (m0, o0) in starts {
         let (mut m, mut cur) = (m0, o0);
         'improve: while evals < max_evals {
-            for i in 0..n {
-                for j in i.saturating_sub(win)..(i + win + 1).min(n) {
-                    if i == j || evals >= max_evals {
-                        continue;
-                    }
-                    let mut o = cur.clone();
-                    let x = o.remove(i);
-                    o.insert(j, x);
-                    if !feasible(g, &o, budgets) {
-                        continue;
-                    }
-                    evals += 1;
-                    let mo = cost(&o)?;
-                    if mo < m {
-                        (m, cur) = (mo, o);
-                        continue 'improve;
+            // Move one node, or two or three adjacent ones together (a launch with its wait, a
+            // node with the launch it enables), to another place within the window.
+            for k in 1..=3usize.min(n) {
+                for i in 0..=n - k {
+                    for j in i.saturating_sub(win)..(i + win + 1).min(n - k + 1) {
+                        if i == j || evals >= max_evals {
+                            continue;
+                        }
+                        let mut o = cur.clone();
+                        let block: Vec<NodeId> = o.drain(i..i + k).collect();
+                        o.splice(j..j, block);
+                        if !feasible(g, &o, budgets) {
+                            continue;
+                        }
+                        evals += 1;
+                        let mo = cost(&o)?;
+                        if mo < m {
+                            (m, cur) = (mo, o);
+                            continue 'improve;
+                        }
                     }
                 }
             }
