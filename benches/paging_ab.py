@@ -24,6 +24,7 @@ import torch
 import sched_lifetime as sl
 from sched_lifetime.models import moe as moe_mod
 from sched_lifetime.models.moe import CONFIGS, MoEModel, with_overrides
+from sched_lifetime.paging import link_rates
 
 
 def arms(spec: str) -> dict:
@@ -114,22 +115,6 @@ def phases(model: MoEModel, batch: dict, ctx: Callable, dev: torch.device) -> di
     return {"fwd_peak": fwd_peak / 2**20, "boundary": boundary / 2**20, "bwd_peak": bwd_peak / 2**20}
 
 
-def link_gbps(dev: torch.device, mib: int = 1024) -> tuple:
-    """Measured device->pinned-host and pinned-host->device copy rates (GB/s), one buffer."""
-    d = torch.empty(mib << 20, dtype=torch.uint8, device=dev)
-    h = torch.empty(mib << 20, dtype=torch.uint8, pin_memory=True)
-    rates = []
-    for dst, src in ((h, d), (d, h)):
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        for _ in range(3):
-            dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize(dev)
-        rates.append(3 * (mib << 20) / (time.perf_counter() - t0) / 1e9)
-    return tuple(rates)
-
-
 def forward_ms(model: MoEModel, batch: dict, sync) -> float:
     """Median of 3 forwards with autograd on (what a page-out has to hide under)."""
     ts = []
@@ -184,7 +169,7 @@ def main() -> None:
 
     rows = interleaved({name: prepare(ctx) for name, (_, ctx) in setups.items()}, a.steps, dev)
     if dev.type == "cuda":
-        d2h, h2d = link_gbps(dev)
+        d2h, h2d = (r / 1e3 for r in link_rates(dev, mib=1024, reps=3))  # GB/s
         fwd = forward_ms(model, model.batch(0, 0), sync)
         print(
             f"link: device->host {d2h:.1f} GB/s, host->device {h2d:.1f} GB/s; forward {fwd:.1f} ms: at most "

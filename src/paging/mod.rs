@@ -277,6 +277,11 @@ pub fn choose_timed(prefix: &[Saved], budget: Budget, min_distance: u32, timing:
     })
 }
 
+/// Why `s` stays on the device when it is read within `min_distance` backward steps.
+fn read_too_soon(s: &Saved, min_distance: u32) -> String {
+    format!("{}: kept (read {} step(s) after the boundary, within {min_distance})", s.name, s.used_at)
+}
+
 /// Where `s` goes in `page` (save order).
 fn slot_of(page: &[&Saved], s: &Saved) -> usize {
     page.partition_point(|p| (p.saved_at, &p.name) < (s.saved_at, &s.name))
@@ -291,7 +296,7 @@ fn by_budget<'a>(
         if *bytes >= target {
             explain.push(format!("{}: kept (target of {target} bytes met)", s.name));
         } else if s.used_at < min_distance {
-            explain.push(format!("{}: kept (read {} step(s) after the boundary, within {min_distance})", s.name, s.used_at));
+            explain.push(read_too_soon(s, min_distance));
         } else {
             let at = slot_of(page, s);
             page.insert(at, s);
@@ -321,7 +326,7 @@ fn lower_the_peak<'a>(
     let mut done: std::collections::HashSet<&str> = std::collections::HashSet::new();
     for s in by_pref {
         if s.used_at < min_distance {
-            explain.push(format!("{}: kept (read {} step(s) after the boundary, within {min_distance})", s.name, s.used_at));
+            explain.push(read_too_soon(s, min_distance));
             done.insert(&s.name);
         }
     }

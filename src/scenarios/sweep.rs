@@ -6,7 +6,7 @@ use crate::ep::Budgets;
 use crate::error::Result;
 use crate::ir::{Graph, Kind, NodeId};
 use crate::sched::{finish, schedule, Schedule};
-use crate::sim::{self, lower_drained, Policy, Program, SimOptions};
+use crate::sim;
 
 /// One row of the sweep (all figures simulated).
 #[derive(Clone, Debug, serde::Serialize)]
@@ -38,8 +38,7 @@ pub struct SweepRow {
 
 /// Simulated with the real lifetime manager: (makespan, exposed comm, max reserved, hazards).
 pub(super) fn simulate_order(g: &Graph, order: &[NodeId], serial: bool, scheduled_drains: bool) -> Result<(f64, f64, u64, usize)> {
-    let plan = Program::new(lower_drained(g, order, serial, scheduled_drains))?;
-    let r = sim::simulate(&plan, SimOptions::new(Policy::Scheduled))?;
+    let r = sim::simulate_graph(g, order, serial, scheduled_drains)?;
     Ok((r.makespan_us, r.exposed_comm_us, r.reserved_peak.bytes, r.hazards.len()))
 }
 

@@ -24,10 +24,17 @@ use crate::ep::Budgets;
 use crate::ir::{Graph, NodeId};
 use crate::sched::{Rules, Schedule};
 
+/// `order` on `g` through the simulator with the graph's node costs and scheduled release
+/// (`serial`: all on one stream; `scheduled_drains`: drains where the schedule puts them, else
+/// at the owner's next node).
+pub fn simulate_graph(g: &Graph, order: &[NodeId], serial: bool, scheduled_drains: bool) -> crate::Result<Report> {
+    simulate(&Program::new(lower_drained(g, order, serial, scheduled_drains))?, SimOptions::new(Policy::Scheduled))
+}
+
 /// The simulated makespan (us) of `order` on `g` with the graph's node costs, drains where the
 /// schedule puts them, scheduled release (the cost model of rule `search`).
 pub fn makespan(g: &Graph, order: &[NodeId]) -> crate::Result<f64> {
-    Ok(simulate(&Program::new(lower_drained(g, order, false, true))?, SimOptions::new(Policy::Scheduled))?.makespan_us)
+    Ok(simulate_graph(g, order, false, true)?.makespan_us)
 }
 
 /// Schedule `g` under `rules`: the policy's order, or with rule `search` (and node costs) the

@@ -76,6 +76,25 @@ def restorable(t: torch.Tensor) -> bool:
     return True
 
 
+def link_rates(dev: torch.device, mib: int = 64, reps: int = 2) -> tuple[float, float]:
+    """Measured device -> pinned host and pinned host -> device copy rates (bytes per us) of one
+    `mib` MiB buffer, `reps` copies each after a warm-up, timed with CUDA events."""
+    torch.cuda.synchronize(dev)
+    n = mib << 20
+    d, h = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    rates = []
+    for dst, src in ((h, d), (d, h)):
+        dst.copy_(src, non_blocking=True)  # warm
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        rates.append(reps * n / (a.elapsed_time(b) * 1e3))
+    return rates[0], rates[1]
+
+
 def _dense(shape: tuple, stride: tuple) -> bool:
     """Whether a tensor of `shape` and `stride` covers its span exactly (a permutation of a
     contiguous layout): its bytes copy as one block into a host buffer of the same strides."""
@@ -161,6 +180,17 @@ class HostPool:
     def _back(prev: tuple) -> None:
         torch._C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
 
+    def _copy_on(self, page: Any, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        """`dst.copy_(src)` queued on `page`; returns the event recorded after it."""
+        prev = self._on(page)
+        try:
+            dst.copy_(src, non_blocking=True)
+        finally:
+            self._back(prev)
+        ev = self._event()
+        ev.record(page)
+        return ev
+
     def _event(self) -> Any:
         """A copy-done event: a spare one (its last record was waited on) or a new one."""
         return self._spare.pop() if self._spare else torch.cuda.Event()
@@ -239,13 +269,7 @@ class HostPool:
         if t.is_cuda:
             comp, page = owner if owner is not None else self.current_stream(), self.page_stream
             self._after(page, comp)
-            prev = self._on(page)
-            try:
-                buf.copy_(t.detach(), non_blocking=True)
-            finally:
-                self._back(prev)
-            done = self._event()
-            done.record(page)
+            done = self._copy_on(page, buf, t.detach())
             m = LifetimeManager("page_out")
             m.bind(t, comp)
             m.retire(t, page, "drop_reference")
@@ -284,13 +308,7 @@ class HostPool:
             finally:
                 self._back(prev)
             self._after(page, comp)
-            prev = self._on(page)
-            try:
-                out.copy_(buf, non_blocking=True)
-            finally:
-                self._back(prev)
-            ev = self._event()
-            ev.record(page)
+            ev = self._copy_on(page, out, buf)
         else:
             out = torch.empty_strided(p.shape, p.stride, dtype=p.dtype).copy_(buf)
         self.give(p.slot)
@@ -532,20 +550,7 @@ class Pager:
                 f"paging: the second calibration step saved {len(saves)} and unpacked {len(unpacks)} tensors, "
                 f"the first {len(self._calib)} and {len(peaks['unpack'])}; make a new Pager for a new shape"
             )
-        dev = self._calib[0]["device"]
-        torch.cuda.synchronize(dev)
-        rates = []
-        n = 64 << 20
-        d, h = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, pin_memory=True)
-        for dst, src in ((h, d), (d, h)):
-            dst.copy_(src, non_blocking=True)  # warm
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(2):
-                dst.copy_(src, non_blocking=True)
-            b.record()
-            b.synchronize()
-            rates.append(2 * n / (a.elapsed_time(b) * 1e3))
+        rates = link_rates(self._calib[0]["device"])
         return {
             "save_us": [saves[0].elapsed_time(e) * 1e3 for e in saves],
             "unpack_us": [unpacks[0].elapsed_time(e) * 1e3 for e in unpacks],
