@@ -23,10 +23,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import sched_lifetime as sl  # noqa: E402
 
 MM = 4096
+SMALL = 8  # a small matmul has MM / SMALL rows: the unit for what a full one would overshoot
 
 
-def calibrate() -> tuple[float, float]:
-    """(us per 4096^3 bf16 matmul, us per MiB of device-to-host copy)."""
+def calibrate() -> tuple[float, float, float]:
+    """(us per 4096^3 bf16 matmul, us per 512x4096x4096 one, us per MiB of device-to-host copy)."""
     a = torch.randn(MM, MM, device="cuda", dtype=torch.bfloat16)
     src = torch.empty(512 << 20, device="cuda", dtype=torch.uint8)
     dst = torch.empty(512 << 20, dtype=torch.uint8, pin_memory=True)
@@ -43,8 +44,9 @@ def calibrate() -> tuple[float, float]:
         return s.elapsed_time(e) * 1e3 / n
 
     mm_us = timed(lambda: a @ a, 50)
+    small_us = timed(lambda: a[: MM // SMALL] @ a, 50)
     copy_us_per_mib = timed(lambda: dst.copy_(src, non_blocking=True), 5) / 512
-    return mm_us, copy_us_per_mib
+    return mm_us, small_us, copy_us_per_mib
 
 
 class Runner:
@@ -52,12 +54,14 @@ class Runner:
     cost, launches are device-to-host copies sized to theirs; every node runs on the stream its
     schedule names, with that schedule's record/wait edges."""
 
-    def __init__(self, graph: dict, mm_us: float, copy_us_per_mib: float) -> None:
+    def __init__(self, graph: dict, mm_us: float, small_us: float, copy_us_per_mib: float) -> None:
         self.graph = graph
         self.nodes = {n["name"]: n for n in graph["nodes"]}
-        self.mm_us, self.copy_us_per_mib = mm_us, copy_us_per_mib
+        self.mm_us, self.small_us, self.copy_us_per_mib = mm_us, small_us, copy_us_per_mib
         self.a = torch.randn(MM, MM, device="cuda", dtype=torch.bfloat16)
         self.out = torch.empty(MM, MM, device="cuda", dtype=torch.bfloat16)
+        self.small = self.a[: MM // SMALL]
+        self.small_out = torch.empty(MM // SMALL, MM, device="cuda", dtype=torch.bfloat16)
         big = max((n.get("cost", 0) for n in graph["nodes"] if n["kind"] == "comm_launch"), default=0)
         self.max_bytes = int(big / copy_us_per_mib * (1 << 20)) + (1 << 20)
         self.src = torch.empty(self.max_bytes, device="cuda", dtype=torch.uint8)
@@ -71,8 +75,11 @@ class Runner:
 
             def fn(*_args):
                 if n["kind"] == "compute" and skip != "compute":
-                    for _ in range(max(1, round(n["cost"] / self.mm_us))):
+                    big, small = self.split(n["cost"])
+                    for _ in range(big):
                         torch.matmul(self.a, self.a, out=self.out)
+                    for _ in range(small):
+                        torch.matmul(self.small, self.a, out=self.small_out)
                 elif n["kind"] == "comm_launch" and skip != "comm":
                     nbytes = int(n["cost"] / self.copy_us_per_mib * (1 << 20))
                     self.dst[:nbytes].copy_(self.src[:nbytes], non_blocking=True)
@@ -81,6 +88,11 @@ class Runner:
             return fn
 
         return {name: node_fn(name) for name, n in self.nodes.items() if n["kind"] in ("compute", "comm_launch")}
+
+    def split(self, cost: float) -> tuple[int, int]:
+        """(full matmuls, small matmuls) that take about `cost` us; at least one small one."""
+        big = int(cost // self.mm_us)
+        return big, max(1 if big == 0 else 0, round((cost - big * self.mm_us) / self.small_us))
 
     def run(self, arm: str, schedule: dict, one_stream: bool = False, skip: str = "") -> float:
         """Milliseconds from the first issue to the last completion on any stream."""
@@ -104,16 +116,28 @@ def main() -> None:
     p.add_argument("--ratios", default="0.5,1.0,2.0")
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--family",
+        default="",
+        help="comma-separated family members (sl.scenario_graph('family:M:R')), or 'all': run those "
+        "shapes instead of the symmetric chunk, with ours:search and the layer pairing where it exists",
+    )
     args = p.parse_args()
-    mm_us, copy_us = calibrate()
-    print(f"calibration: 4096^3 bf16 matmul {mm_us:.1f} us, device-to-host copy {copy_us:.2f} us/MiB")
+    mm_us, small_us, copy_us = calibrate()
+    print(
+        f"calibration: 4096^3 bf16 matmul {mm_us:.1f} us, {MM // SMALL}x4096x4096 {small_us:.1f} us, "
+        f"device-to-host copy {copy_us:.2f} us/MiB"
+    )
+    if args.family:
+        family(args, mm_us, small_us, copy_us)
+        return
     print(f"{'layers':>6}{'ratio':>7}{'compute':>9}{'comm':>8}{'one stream':>12}{'B-then-F':>10}{'Megatron':>10}{'ours':>8}{'ours/Meg':>10}{'ours/bound':>12}   (ms, median of {args.iters})")
     rows = []
     for ratio in [float(r) for r in args.ratios.split(",")]:
         sc = sl.scenario_graph(f"moe_chunk:{args.layers}:{ratio}")
         graph = sc["graph"]
         ours = sl.schedule(graph)
-        r = Runner(graph, mm_us, copy_us)
+        r = Runner(graph, mm_us, small_us, copy_us)
         arms = {
             "one_stream": (ours, True, ""),
             "b_then_f": (sc["orders"]["b_then_f"], False, ""),
@@ -139,6 +163,70 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"mm_us": mm_us, "copy_us_per_mib": copy_us, "rows": rows}, f, indent=1)
+
+
+def family(args, mm_us: float, small_us: float, copy_us: float) -> None:
+    """Each family member (issue 8's asymmetric shapes) on real streams: one stream, B-then-F, the
+    layer pairing (where the layers pair), ours, ours under rule `search` (costs: the graph's),
+    and the SIMULATED makespan of ours and search beside the measured ones."""
+    members = FAMILY if args.family == "all" else args.family.split(",")
+    print(
+        f"{'member':>20}{'ratio':>6}{'bound':>7}{'one str':>8}{'BthenF':>8}{'pairing':>8}{'ours':>7}{'search':>7}"
+        f"{'ours/pair':>10}{'srch/ours':>10}{'sim ours':>9}{'sim srch':>9}   (ms, median of {args.iters})"
+    )
+    rows = []
+    for ratio in [float(r) for r in args.ratios.split(",")]:
+        for m in members:
+            sc = sl.scenario_graph(f"family:{m}:{ratio}")
+            graph = sc["graph"]
+            ours = sl.schedule(graph)
+            searched = sl.schedule(graph, rules="search")
+            r = Runner(graph, mm_us, small_us, copy_us)
+            arms = {
+                "one_stream": (ours, True, ""),
+                "b_then_f": (sc["orders"]["b_then_f"], False, ""),
+                "ours": (ours, False, ""),
+                "search": (searched, False, ""),
+                "compute_only": (ours, True, "comm"),
+                "comm_only": (ours, False, "compute"),
+            }
+            if "pairing" in sc["orders"]:
+                arms["pairing"] = (sc["orders"]["pairing"], False, "")
+            times = {k: [] for k in arms}
+            for _ in range(2):
+                for k, a in arms.items():
+                    r.run(k, *a)
+            for _ in range(args.iters):
+                for k, a in arms.items():
+                    times[k].append(r.run(k, *a))
+            med = {k: statistics.median(v) for k, v in times.items()}
+            sim = {k: sl.simulate_schedule(graph, o["order"])["makespan_us"] / 1e3 for k, o in (("ours", ours), ("search", searched))}
+            bound = max(med["compute_only"], med["comm_only"])
+            rows.append({"member": m, "ratio": ratio, **med, "bound": bound, "sim_ours": sim["ours"], "sim_search": sim["search"]})
+            pair = med.get("pairing")
+            print(
+                f"{m:>20}{ratio:>6.2f}{bound:>7.2f}{med['one_stream']:>8.2f}{med['b_then_f']:>8.2f}"
+                + (f"{pair:>8.2f}" if pair else f"{'-':>8}")
+                + f"{med['ours']:>7.2f}{med['search']:>7.2f}"
+                + (f"{med['ours'] / pair:>10.3f}" if pair else f"{'-':>10}")
+                + f"{med['search'] / med['ours']:>10.3f}{sim['ours']:>9.2f}{sim['search']:>9.2f}"
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"mm_us": mm_us, "small_us": small_us, "copy_us_per_mib": copy_us, "family": rows}, f, indent=1)
+
+
+FAMILY = [
+    "symmetric_4",
+    "router+shared_2",
+    "router+shared_4",
+    "dense1+moe_4",
+    "mtp_3",
+    "F2_with_B4",
+    "F4_with_B2",
+    "three_sources_3",
+    "jittered_shared_4",
+]
 
 
 if __name__ == "__main__":

@@ -196,6 +196,33 @@ pub fn pairing_order(spec: &FamilySpec, budgets: Budgets, rules: crate::sched::R
     Ok(Some(crate::sched::schedule_with(&barred, budgets, rules)?.order))
 }
 
+/// The pairing baseline at its strongest, finished (syncs and drains) under `budgets`: within a
+/// pair, the shorter (SIMULATED) of our default and `classic` orders. None where the layers do
+/// not pair.
+pub fn best_pairing(spec: &FamilySpec, g: &Graph, budgets: Budgets) -> Result<Option<Vec<NodeId>>> {
+    let mut best: Option<(f64, Vec<NodeId>)> = None;
+    for rules in [crate::sched::Rules::default(), crate::sched::Rules::CLASSIC] {
+        if let Some(o) = pairing_order(spec, budgets, rules)? {
+            let o = finish(g, o, budgets).order;
+            let (makespan, ..) = simulate_order(g, &o, false, true)?;
+            if best.as_ref().is_none_or(|b| makespan < b.0) {
+                best = Some((makespan, o));
+            }
+        }
+    }
+    Ok(best.map(|b| b.1))
+}
+
+/// A member by its name with spaces as underscores (`router+shared_4`), at `ratio`.
+pub fn member(slug: &str, ratio: f64) -> Option<FamilySpec> {
+    members(ratio).into_iter().find(|(n, _)| n.replace(' ', "_") == slug).map(|m| m.1)
+}
+
+/// The members' names as `member` takes them.
+pub fn slugs() -> Vec<String> {
+    members(1.0).into_iter().map(|(n, _)| n.replace(' ', "_")).collect()
+}
+
 /// One row of the family sweep (SIMULATED).
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct FamilyRow {
@@ -258,16 +285,10 @@ pub fn row(name: &str, spec: &FamilySpec, budget: u32) -> Result<FamilyRow> {
         hazards += h;
         Ok((makespan, exposed))
     };
-    // The pairing baseline at its strongest: within a pair, the shorter of our two rule sets.
-    let mut pairing: Option<(f64, f64)> = None;
-    for rules in [crate::sched::Rules::default(), crate::sched::Rules::CLASSIC] {
-        if let Some(o) = pairing_order(spec, budgets, rules)? {
-            let r = sim(&finish(&g, o, budgets).order, false)?;
-            if pairing.is_none_or(|p| r.0 < p.0) {
-                pairing = Some(r);
-            }
-        }
-    }
+    let pairing = match best_pairing(spec, &g, budgets)? {
+        Some(o) => Some(sim(&o, false)?),
+        None => None,
+    };
     Ok(FamilyRow {
         shape: name.into(),
         ratio: spec.ratio,

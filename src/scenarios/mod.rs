@@ -34,7 +34,7 @@ pub struct GraphScenario {
 #[derive(Clone, Debug, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Scenario {
-    /// `moe_chunk:LAYERS:RATIO`.
+    /// `moe_chunk:LAYERS:RATIO`, `family:MEMBER:RATIO`.
     Graph(GraphScenario),
     /// `megatron_hero`, `lagging_pipeline`, `random:SEED`, `chain:N`.
     Program {
@@ -43,7 +43,7 @@ pub enum Scenario {
     },
 }
 
-const NAMES: &str = "moe_chunk:LAYERS:RATIO (a graph), megatron_hero, lagging_pipeline, random:SEED or chain:N (programs)";
+const NAMES: &str = "moe_chunk:LAYERS:RATIO or family:MEMBER:RATIO (graphs), megatron_hero, lagging_pipeline, random:SEED or chain:N (programs)";
 
 /// A scenario by name.
 pub fn by_name(name: &str) -> Result<Scenario> {
@@ -55,6 +55,7 @@ pub fn by_name(name: &str) -> Result<Scenario> {
         Some(("random", s)) => s.parse().map(random_program).map_err(|_| bad()).and_then(program),
         Some(("chain", n)) => n.parse().map(chain).map_err(|_| bad()).and_then(program),
         Some(("moe_chunk", _)) => moe_chunk(name).map(Scenario::Graph),
+        Some(("family", _)) => family_member(name).map(Scenario::Graph),
         _ => Err(bad()),
     }
 }
@@ -76,4 +77,31 @@ fn moe_chunk(name: &str) -> Result<GraphScenario> {
         ("b_then_f".to_string(), named_order(moe::backward_then_forward(&g))),
     ];
     Ok(GraphScenario { graph: spec, orders: orders.into_iter().collect() })
+}
+
+/// `family:MEMBER:RATIO` (MEMBER as `family::slugs` names it, e.g. `router+shared_4`): the
+/// member's graph table and its baselines with their record/wait edges (`b_then_f`, and
+/// `pairing` where the layers pair), so a GPU script can run each order next to ours.
+fn family_member(name: &str) -> Result<GraphScenario> {
+    let bad = || {
+        let slugs = family::slugs().join(", ");
+        Error::InvalidInput(format!("'{name}': expected family:MEMBER:RATIO, MEMBER one of {slugs}; RATIO > 0"))
+    };
+    let mut parts = name.split(':').skip(1);
+    let slug = parts.next().ok_or_else(bad)?;
+    let ratio: f64 = parts.next().and_then(|x| x.parse().ok()).filter(|r: &f64| r.is_finite() && *r > 0.0).ok_or_else(bad)?;
+    if parts.next().is_some() {
+        return Err(bad());
+    }
+    let spec = family::member(slug, ratio).ok_or_else(bad)?;
+    let gs = family::build(&spec);
+    let g = Graph::new(gs.clone())?;
+    let budgets = Budgets::default();
+    let named_order = |order: Vec<NodeId>| named(&g, &finish(&g, order, budgets), None);
+    let mut orders = std::collections::BTreeMap::new();
+    orders.insert("b_then_f".to_string(), named_order(moe::backward_then_forward(&g)));
+    if let Some(o) = family::best_pairing(&spec, &g, budgets)? {
+        orders.insert("pairing".to_string(), named_order(o));
+    }
+    Ok(GraphScenario { graph: gs, orders })
 }

@@ -114,6 +114,29 @@ def test_moe_chunk_scenario_gives_graph_and_baseline_orders():
         sl.scenario_graph("moe_chunk:0:x")
 
 
+def test_family_scenario_gives_a_member_with_its_baselines():
+    sc = sl.scenario_graph("family:router+shared_4:1.0")
+    g = sc["graph"]
+    names = {n["name"] for n in g["nodes"]}
+    assert "F.L0.router" in names and "F.L0.shared" in names
+    assert set(sc["orders"]) == {"b_then_f", "pairing"}
+    ours = sl.simulate_schedule(g)
+    searched = sl.simulate_schedule(g, sl.schedule(g, rules="search")["order"])
+    for name, o in sc["orders"].items():
+        assert sorted(o["order"]) == sorted(names)
+        sl.validate(g, o["order"], [p[:2] for p in o["syncs"]])
+        sim = sl.simulate_schedule(g, o["order"])
+        assert not sim["hazards"]
+        if name == "b_then_f":
+            assert ours["makespan_us"] < sim["makespan_us"]
+    assert searched["makespan_us"] <= ours["makespan_us"]
+    # Unequal layer counts do not pair: no pairing baseline.
+    assert set(sl.scenario_graph("family:F2_with_B4:0.5")["orders"]) == {"b_then_f"}
+    for bad in ("family:nope:1.0", "family:mtp_3", "family:mtp_3:0", "family:mtp_3:1.0:x"):
+        with pytest.raises(ValueError, match="expected family:MEMBER:RATIO, MEMBER one of symmetric_4, router"):
+            sl.scenario_graph(bad)
+
+
 def test_simulate_schedule_compares_any_order_with_ours():
     sc = sl.scenario_graph("moe_chunk:2:1.0")
     g = sc["graph"]
