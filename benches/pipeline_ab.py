@@ -88,6 +88,7 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--out", default=None)
     ap.add_argument("--ep", type=int, default=1, help="EP ranks per pipeline rank (world = 2 x EP)")
+    ap.add_argument("--cprofile", default=None, help="rank 0 writes a cProfile of 5 more 'ours' steps here")
     a = ap.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -147,6 +148,20 @@ def main() -> None:
                 first[name] = ([x.detach().clone() for x in losses], [p.grad.clone() for m in mods for p in m.parameters()])
             else:
                 times[name].append(dt)
+    if a.cprofile:  # the host path of our handler, after the timed steps
+        import cProfile
+
+        mods, sched = arms["ours"]
+        prof = cProfile.Profile()
+        for _ in range(5):
+            for m in mods:
+                m.zero_grad(set_to_none=True)
+            dist.barrier()
+            prof.enable()
+            sched.step(tok, target=lab, losses=[]) if prank == 0 else sched.step()
+            prof.disable()
+        if rank == 0:
+            prof.dump_stats(a.cprofile)
     # One more step per arm, measured alone: pending-free peak (sampled after every
     # OVERLAP_F_B action), and a profile (GPU compute busy time vs the step's wall time).
     from torch.distributed.pipelining.schedules import OVERLAP_F_B
