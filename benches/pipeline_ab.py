@@ -62,7 +62,7 @@ def compute_busy_ms(prof) -> float:
     return busy / 1e3
 
 
-def build(cfg, rank: int, dev: torch.device, handler: bool, n_mb: int, lifetime: str = "scheduled", pp_group=None, ep_group=None):
+def build(cfg, rank: int, dev: torch.device, handler: bool, n_mb: int, lifetime: str = "scheduled", pp_group=None, ep_group=None, dw_nodes: bool = True):
     """DualPipeV over 4 stages on pipeline rank `rank` (stages rank and 3 - rank)."""
     from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
 
@@ -71,7 +71,7 @@ def build(cfg, rank: int, dev: torch.device, handler: bool, n_mb: int, lifetime:
     mods, stages = [], []
     for k in (rank, 3 - rank):
         m = MoEStage(model, k, k + 1)
-        m = NodeStage(m, device=dev, lifetime=lifetime) if handler else m
+        m = NodeStage(m, device=dev, lifetime=lifetime, dw_nodes=dw_nodes) if handler else m
         inp, out = stage_io(cfg, k, 4, dev)
         mods.append(m)
         stages.append(PipelineStage(m, k, 4, dev, input_args=inp, output_args=out, group=pp_group))
@@ -88,7 +88,8 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--out", default=None)
     ap.add_argument("--ep", type=int, default=1, help="EP ranks per pipeline rank (world = 2 x EP)")
-    ap.add_argument("--cprofile", default=None, help="rank 0 writes a cProfile of 5 more 'ours' steps here")
+    ap.add_argument("--cprofile", default=None, help="rank 0 writes a cProfile of 5 more steps of --cprofile-arm here")
+    ap.add_argument("--cprofile-arm", default="ours")
     a = ap.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -124,6 +125,8 @@ def main() -> None:
         "no handler": build(cfg, prank, dev, False, a.microbatches, pp_group=pp_group, ep_group=ep_group),
         "ours": build(cfg, prank, dev, True, a.microbatches, pp_group=pp_group, ep_group=ep_group),
         "ours+record": build(cfg, prank, dev, True, a.microbatches, "record_stream", pp_group=pp_group, ep_group=ep_group),
+        # dW computed with dI in one autograd call per node (NodeStage(dw_nodes=False)).
+        "ours+fused_dw": build(cfg, prank, dev, True, a.microbatches, pp_group=pp_group, ep_group=ep_group, dw_nodes=False),
     }
     g = torch.Generator().manual_seed(7 + 1000 * ep_rank)
     tok = torch.randint(0, cfg.vocab, (a.microbatches * cfg.batch, cfg.seq), generator=g).to(dev)
@@ -151,7 +154,7 @@ def main() -> None:
     if a.cprofile:  # the host path of our handler, after the timed steps
         import cProfile
 
-        mods, sched = arms["ours"]
+        mods, sched = arms[a.cprofile_arm]
         prof = cProfile.Profile()
         for _ in range(5):
             for m in mods:
@@ -221,8 +224,9 @@ def main() -> None:
             print(f"host syncs in one 'ours' step: {len([w for w in caught if 'synchroniz' in str(w.message)])} at {sites[:8]}")
     (la, ga), (lb, gb) = first["no handler"], first["ours"]
     equal = len(la) == len(lb) and all(torch.equal(x, y) for x, y in zip(la, lb)) and all(torch.equal(x, y) for x, y in zip(ga, gb))
-    lc, gc = first["ours+record"]
-    equal &= all(torch.equal(x, y) for x, y in zip(la, lc)) and all(torch.equal(x, y) for x, y in zip(ga, gc))
+    for other in ("ours+record", "ours+fused_dw"):
+        lc, gc = first[other]
+        equal &= all(torch.equal(x, y) for x, y in zip(la, lc)) and all(torch.equal(x, y) for x, y in zip(ga, gc))
     eq = [None] * world
     dist.all_gather_object(eq, equal)
     overlaps = [m.overlapped for m in arms["ours"][0]]

@@ -27,11 +27,12 @@ def test_node_path_equals_plain_backward(config, capacity):
     for i in range(n):
         (ref(**ref.batch(0, i)) / n).backward()
     want = {k: p.grad for k, p in ref.named_parameters()}
-    for order, lifetime in [("sequential", "scheduled"), ("b_then_f", "scheduled"), ("ours", "scheduled"), ("ours", "record_stream"), ("ours:classic", "scheduled"), ("ours:ep_budget=1", "scheduled")]:
+    arms = [("sequential", "scheduled"), ("b_then_f", "scheduled"), ("ours", "scheduled"), ("ours", "record_stream"), ("ours:classic", "scheduled"), ("ours:ep_budget=1", "scheduled")]
+    for order, lifetime, dw_nodes in [(o, lt, True) for o, lt in arms] + [("ours", "scheduled", False), ("sequential", "scheduled", False)]:
         m = MoEModel(cfg)
-        train_step(m.chunk(), [m.batch(0, i) for i in range(n)], order, lifetime)
+        train_step(m.chunk(dw_nodes=dw_nodes), [m.batch(0, i) for i in range(n)], order, lifetime)
         for k, p in m.named_parameters():
-            assert torch.equal(p.grad, want[k]), (order, lifetime, k)
+            assert torch.equal(p.grad, want[k]), (order, lifetime, dw_nodes, k)
 
 
 def test_dw_nodes_are_wgrad_and_read_what_di_reads():
@@ -40,6 +41,14 @@ def test_dw_nodes_are_wgrad_and_read_what_di_reads():
     assert b["B.L0.experts.dw"]["wgrad"] and b["B.L0.experts.dw"]["inputs"] == b["B.L0.experts"]["inputs"]
     assert b["B.L0.dispatch"]["kind"] == "comm_launch" and b["B.L0.dispatch"]["outputs"][0]["alloc"] == "consumer"
     assert "B.embed" not in b and b["B.embed.dw"]["wgrad"]  # tokens take no gradient
+
+
+def test_fused_dw_nodes_leave_only_dw_without_di():
+    ch = MoEModel(CONFIGS["tiny"]).chunk(dw_nodes=False)
+    b = {n["name"] for n in ch.graph(False, True)["nodes"]}
+    assert "B.L0.experts" in b and "B.L0.experts.dw" not in b
+    assert not any(n.endswith(".dw") for n in b if n != "B.embed.dw")
+    assert "B.embed.dw" in b  # tokens take no gradient: the embedding's whole backward is dW
 
 
 def test_chunk_rejects_bad_descriptions_naming_the_node():

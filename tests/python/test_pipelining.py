@@ -57,7 +57,7 @@ def _run_arm(kind: str, cfg, stage_ids, n_stages: int, handler: bool, steps: int
         m = MoEStage(model, k * per, (k + 1) * per)
         inp, out = stage_io(cfg, k, n_stages)
         if handler:
-            m = GraphStage(m, (inp,)) if kind.endswith("_graph") else NodeStage(m)
+            m = GraphStage(m, (inp,)) if kind.endswith("_graph") else NodeStage(m, dw_nodes=kind != "dualpipev_fused")
         mods.append(m)
         stages.append(PipelineStage(m, k, n_stages, torch.device("cpu"), input_args=inp, output_args=out, group=pp_group))
     if kind.startswith("dualpipev"):
@@ -85,7 +85,12 @@ def _run_arm(kind: str, cfg, stage_ids, n_stages: int, handler: bool, steps: int
         grads.append([None if p.grad is None else p.grad.clone() for p in params])
         opt.step()
     overlaps = [m.overlapped for m in mods] if handler else []
-    return losses, grads, registered, overlaps, rank
+    deferred = [
+        {**m.dw_deferred, "dw_only": sum(1 for n in m.chunk.nodes if n.params and not n.grad_inputs)}
+        for m in mods
+        if isinstance(m, NodeStage)
+    ]
+    return losses, grads, registered, (overlaps, deferred), rank
 
 
 def _worker(rank: int, port: int, out: str, kind: str) -> None:
@@ -127,14 +132,14 @@ def _worker(rank: int, port: int, out: str, kind: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["dualpipev", "dualpipev_odd", "dualpipev_graph", "dualpipev_ep2", "interleaved", "1f1b"])
+@pytest.mark.parametrize("kind", ["dualpipev", "dualpipev_fused", "dualpipev_odd", "dualpipev_graph", "dualpipev_ep2", "interleaved", "1f1b"])
 def test_pipeline_schedules_bit_exact_with_the_handler(tmp_path, kind):
     world = 4 if kind == "dualpipev_ep2" else 2
     mp.spawn(_worker, args=(_port(), str(tmp_path), kind), nprocs=world, join=True)
     loss_ranks = []
     for rank in range(world):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
-        (rl, rg, _, _, _), (ol, og, registered, overlaps, _) = got["ref"], got["ours"]
+        (rl, rg, _, _, _), (ol, og, registered, (overlaps, deferred), _) = got["ref"], got["ours"]
         assert len(rl) == STEPS and len(og) == STEPS
         for a, b in zip(rl, ol):
             assert len(a) == len(b)
@@ -148,6 +153,14 @@ def test_pipeline_schedules_bit_exact_with_the_handler(tmp_path, kind):
             assert registered is True
             # Overlap really happened on both stages of the rank (a forward ran inside a backward).
             assert all(n > 0 for n in overlaps), overlaps
+            # A full backward (OVERLAP_F_B) ran its dW nodes inside the multiplexed pair; only
+            # BACKWARD_INPUT deferred dW to BACKWARD_WEIGHT (none with fused dW nodes).
+            if not kind.endswith("_graph"):
+                assert all(d["full"] == 0 for d in deferred), deferred
+                # Fused: only nodes whose whole backward is dW (no input takes a gradient,
+                # e.g. the embedding) still have a dW node to defer.
+                fused = kind == "dualpipev_fused"
+                assert all((d["input"] == 0) == (fused and not d["dw_only"]) for d in deferred), deferred
         else:
             assert registered is False  # no OVERLAP_F_B in these schedules: the handler stays out
             assert overlaps == [0] * len(overlaps)

@@ -85,8 +85,15 @@ class Chunk:
 
     ORDERS = ("ours", "b_then_f", "sequential")
 
-    def __init__(self, nodes: Sequence[NodeDef], inputs: Sequence[str], loss_output: str, device: torch.device) -> None:
+    def __init__(
+        self, nodes: Sequence[NodeDef], inputs: Sequence[str], loss_output: str, device: torch.device, dw_nodes: bool = True
+    ) -> None:
         self.nodes = list(nodes)
+        #: True: each compute node with weights has a separate dW node (`B.<node>.dw`) the
+        #: scheduler may defer under the other source's transfers. False: its dI node computes
+        #: dW too, in the same autograd call (fewer nodes and engine calls: for chunks with
+        #: little or no communication to hide, where the host path is what costs).
+        self.dw_nodes = dw_nodes
         self.inputs = list(inputs)
         self.loss_output = loss_output
         self.device = device
@@ -209,7 +216,7 @@ class Chunk:
             if partials:
                 table.append({"name": f"B.{n.name}", "source": "B", "kind": "compute", "inputs": grads, "outputs": partials})
                 done.append(f"B.{n.name}")
-            if n.params:
+            if n.params and (self.dw_nodes or not partials):
                 # dW reads what dI reads, so dI's live-ins stay until dW has run; it runs
                 # after dI (a control edge), from the gradients dI computed.
                 if partials:
@@ -287,6 +294,7 @@ class Chunk:
             return fns
         has_dw = bool(n.params)
         params = list(n.params)
+        fused = has_dw and not self.dw_nodes  # dI computes dW in the same call
 
         paged = n.name in self._paged
 
@@ -294,9 +302,14 @@ class Chunk:
             st = ctx.bwd
             if paged:  # the last input is the page-in's token (the unpack hook reads st.paged_in)
                 grads = grads[:-1]
-            leaves, outs = st.saved[n.name] if has_dw else st.saved.pop(n.name)
+            leaves, outs = st.saved[n.name] if has_dw and not fused else st.saved.pop(n.name)
             g = summed(grads)
-            if not has_dw:
+            if fused:
+                res = torch.autograd.grad(outs, [*leaves, *params], g, allow_unused=True)
+                st.paged_in.pop(n.name, None)
+                accumulate_grads(params, res[len(leaves) :])
+                res = res[: len(leaves)]
+            elif not has_dw:
                 res = torch.autograd.grad(outs, leaves, g, allow_unused=True)
                 st.paged_in.pop(n.name, None)
             else:
@@ -328,7 +341,7 @@ class Chunk:
 
         if n.grad_inputs:
             fns[f"B.{n.name}"] = d_input
-        if has_dw:
+        if has_dw and (not fused or not n.grad_inputs):
             fns[f"B.{n.name}.dw"] = d_weight
         return fns
 

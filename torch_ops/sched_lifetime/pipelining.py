@@ -137,6 +137,7 @@ class _Chain(torch.autograd.Function):
             out = run_pair(fstage.chunk if fstage else None, fwd, stage.chunk, ctx.state, grad, stage.order, stage.lifetime)
         finally:
             stage._dw_jobs, stage.chunk.deferred_dw = stage.chunk.deferred_dw, None
+        stage.dw_deferred["full" if stage._full_backward else "input"] += len(stage._dw_jobs or ())
         if fstage is not None:
             fstage._ready = (fargs, (fstate, out[f"F.{fstage.chunk.loss_output}"]))
             fstage.overlapped += 1
@@ -149,7 +150,9 @@ class NodeStage(_DualPipeHook, nn.Module):
     `nodes`: the description (defaults to `module.nodes()`); `inputs`: the names of the
     forward's positional arguments; `output`: the value it returns (one tensor). `order`:
     "ours" (the scheduler's) or a baseline ("b_then_f", "sequential"); `lifetime`:
-    "scheduled" or "record_stream" (the executor's modes)."""
+    "scheduled" or "record_stream" (the executor's modes); `dw_nodes`: separate dW nodes the
+    scheduler can place under transfers and a pipeline can defer to BACKWARD_WEIGHT (True), or
+    dW computed with dI in one autograd call (False: a cheaper host path, no dI/dW split)."""
 
     def __init__(
         self,
@@ -160,6 +163,7 @@ class NodeStage(_DualPipeHook, nn.Module):
         device: Any = None,
         order: str = "ours",
         lifetime: str = "scheduled",
+        dw_nodes: bool = True,
     ) -> None:
         super().__init__()
         self.module = module
@@ -169,16 +173,21 @@ class NodeStage(_DualPipeHook, nn.Module):
             nodes = module.nodes()
         _refuse_reentrant_checkpoint(module)
         dev = torch.device(device) if device is not None else _module_device(module)
-        self.chunk = Chunk(nodes, inputs, output, dev)
+        self.chunk = Chunk(nodes, inputs, output, dev, dw_nodes=dw_nodes)
         self._params = [p for n in self.chunk.nodes for p in n.params]
         self.order, self.lifetime = order, lifetime
         self._count = itertools.count()
         self._ready: Optional[tuple] = None
         #: How many of this stage's forwards ran multiplexed with another stage's backward.
         self.overlapped = 0
-        #: Defer dW to `dw_builder()`'s runner (set by `enable_overlap`: the pipeline stage
-        #: then runs dI at BACKWARD_INPUT and dW at BACKWARD_WEIGHT).
+        #: Defer dW to `dw_builder()`'s runner (set by `enable_overlap`'s wrapper for the
+        #: length of an input-only backward: the stage runs dI at BACKWARD_INPUT and dW at
+        #: BACKWARD_WEIGHT; a full backward runs its dW nodes where the scheduler put them).
         self.split_dw = False
+        #: dW jobs deferred to the dw_builder's runner, by the kind of backward that deferred
+        #: them ("full": FULL_BACKWARD / OVERLAP_F_B, "input": BACKWARD_INPUT).
+        self.dw_deferred = {"full": 0, "input": 0}
+        self._full_backward = True
         self._dw_jobs: Optional[list[Callable[[], None]]] = None
 
     def dw_builder(self) -> Callable[[], None]:
@@ -345,9 +354,11 @@ def enable_overlap(schedule: Any) -> bool:
     for st in stages:
         if isinstance(st.submod, NodeStage):
             # dI at BACKWARD_INPUT, dW at BACKWARD_WEIGHT: the runtime calls the stage's
-            # dw_builder right after the input backward and runs it at the weight action.
-            st.submod.split_dw = True
+            # dw_builder right after the input backward and runs it at the weight action. A
+            # full backward (FULL_BACKWARD, OVERLAP_F_B) keeps its dW nodes where the scheduler
+            # put them, inside the multiplexed pair.
             st.dw_builder = st.submod.dw_builder
+            _split_dw_on_input_backward(st)
         elif isinstance(st.submod, GraphStage):
             # No split in a compiled backward: BACKWARD_INPUT runs all of it, the weight
             # action has nothing left to do.
@@ -367,6 +378,25 @@ def enable_overlap(schedule: Any) -> bool:
         )
     schedule.register_custom_function(OVERLAP_F_B, _overlap_f_b)
     return True
+
+
+def _split_dw_on_input_backward(stage: Any) -> None:
+    """Wrap `stage.backward_one_chunk` so its NodeStage defers dW (to the dw_builder's runner)
+    only for an input-only backward (`full_backward=False`, BACKWARD_INPUT)."""
+    if getattr(stage, "_sl_split_wrapped", False):
+        return
+    orig, mod = stage.backward_one_chunk, stage.submod
+
+    def backward_one_chunk(*args: Any, **kwargs: Any) -> Any:
+        full = bool(kwargs.get("full_backward", args[2] if len(args) > 2 else True))
+        mod.split_dw, mod._full_backward = not full, full
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            mod.split_dw, mod._full_backward = False, True
+
+    stage.backward_one_chunk = backward_one_chunk
+    stage._sl_split_wrapped = True
 
 
 def _overlap_f_b(action: Any, ctx: Any) -> None:

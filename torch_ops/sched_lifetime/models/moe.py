@@ -384,9 +384,9 @@ class MoEModel(nn.Module):
         )
         return nodes
 
-    def chunk(self, device: Any = None) -> Chunk:
+    def chunk(self, device: Any = None, dw_nodes: bool = True) -> Chunk:
         dev = torch.device(device) if device is not None else next(self.parameters()).device
-        return Chunk(self.nodes(), ["tokens", "labels"], "loss", dev)
+        return Chunk(self.nodes(), ["tokens", "labels"], "loss", dev, dw_nodes=dw_nodes)
 
     def batch(self, step: int, microbatch: int, device: Any = None) -> dict[str, torch.Tensor]:
         """Synthetic tokens and labels, the same on every arm (different per rank)."""
