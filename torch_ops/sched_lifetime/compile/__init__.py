@@ -21,8 +21,10 @@ Streams: a functional collective is issued on the caller's stream and runs on it
 group's own (high-priority, for `ep.new_ep_group`) NCCL stream; c10d holds its inputs until
 `wait_tensor`, so no cross-stream value is left for the lifetime manager in these graphs, and
 none of its calls is inserted. `multiplex(fwd, bwd)` schedules a forward graph of one
-microbatch with a backward graph of another into one module (two sources). Not yet: nodes on
-our own side streams (page nodes), the paging option (it raises).
+microbatch with a backward graph of another into one module (two sources). `paging=True`
+adds the paging pass (`paging_pass`): saved activations to pinned host memory after their
+producer, back before their first backward use, on the page stream (eager, not with
+`cudagraphs`).
 
 `cudagraphs=True` captures each rewritten graph in a CUDA graph the way torch's own
 "cudagraphs" backend does (cudagraph trees: static parameters, a private memory pool, replays
@@ -41,6 +43,7 @@ from ..schedule import format_explain, schedule
 from .graph_step import GraphStep, capture_graphs, compile_graphs
 from .multiplex_pass import multiplex
 from .order_pass import rewrite
+from .paging_pass import GraphPager
 from .to_ir import to_ir
 
 __all__ = ["OPTIONS", "GraphStep", "backend", "capture_graphs", "check_options", "compile_fx_graph", "compile_graphs", "history", "multiplex", "rewrite", "to_ir"]
@@ -51,7 +54,11 @@ OPTIONS: dict[str, Any] = {
     "explain": False,  # print each graph's schedule and what each launch ran under
     "ep_budget": None,  # launches in flight (None: SCHED_LIFETIME_EP_LAUNCH_BUDGET, else 1)
     "lifetime": "scheduled",  # cross-stream lifetime; compiled graphs have no side-stream values yet
-    "paging": False,  # activation paging (not in the compile path yet)
+    "paging": False,  # saved activations to host memory and back (eager only, not with cudagraphs)
+    "paging_budget": 0.5,  # what to page: a fraction of the saved activations' bytes, or bytes (int)
+    "paging_prefetch": 2,  # a page-in is launched this many compute nodes before its first use
+    "paging_buffers": 2,  # host buffers per paged value (forwards in flight before their backwards)
+    "paging_min_bytes": 1 << 16,  # smaller saved values stay on the device
     "cudagraphs": False,  # capture each compiled graph in a CUDA graph (torch's cudagraph trees)
 }
 
@@ -72,8 +79,17 @@ def check_options(options: Optional[dict]) -> dict:
             raise ValueError(f"sched_lifetime backend: option {k!r} must be a bool, got {opts[k]!r}")
     if opts["lifetime"] not in ("scheduled", "record_stream"):
         raise ValueError(f"sched_lifetime backend: option 'lifetime' must be 'scheduled' or 'record_stream', got {opts['lifetime']!r}")
-    if opts["paging"]:
-        raise ValueError("sched_lifetime backend: paging=True is not available in the compile path yet (use sl.Pager around eager steps)")
+    if opts["paging"] and opts["cudagraphs"]:
+        raise ValueError(
+            "sched_lifetime backend: paging=True with cudagraphs=True is not supported: releasing a paged-out "
+            "tensor's device storage queries its copy's event, which capture does not allow"
+        )
+    b = opts["paging_budget"]
+    if isinstance(b, bool) or not isinstance(b, (int, float)) or b < 0 or (isinstance(b, float) and b > 1):
+        raise ValueError(f"sched_lifetime backend: option 'paging_budget' must be a fraction in [0, 1] or bytes (int >= 0), got {b!r}")
+    for k, lo in (("paging_prefetch", 0), ("paging_buffers", 1), ("paging_min_bytes", 0)):
+        if isinstance(opts[k], bool) or not isinstance(opts[k], int) or opts[k] < lo:
+            raise ValueError(f"sched_lifetime backend: option {k!r} must be an int >= {lo}, got {opts[k]!r}")
     return opts
 
 
@@ -85,10 +101,18 @@ def backend(gm: fx.GraphModule, example_inputs: list, options: Optional[dict] = 
 
     opts = check_options(options)
     captured = _Capture(len(example_inputs)) if opts["cudagraphs"] else None
+    pager = None
+    partition = default_partition
+    if opts["paging"]:
+        pager = GraphPager(opts["paging_budget"], opts["paging_prefetch"], opts["paging_buffers"], opts["paging_min_bytes"])
+        partition = pager.partition(default_partition)
 
     def compiler(phase: str, inference: bool = False) -> Callable:
         def compile_graph(g: fx.GraphModule, inputs: list) -> Callable:
             out = compile_fx_graph(g, phase, opts)
+            if pager is not None and not inference:
+                out = pager.forward(out) if phase == "fwd" else pager.backward(out)
+                out.sched_lifetime["paging"] = pager
             if captured is not None:
                 return captured(out, inputs, phase, inference)
             return make_boxed_func(out)
@@ -96,7 +120,7 @@ def backend(gm: fx.GraphModule, example_inputs: list, options: Optional[dict] = 
         return compile_graph
 
     return aot_autograd(
-        fw_compiler=compiler("fwd"), bw_compiler=compiler("bwd"), inference_compiler=compiler("fwd", inference=True), partition_fn=default_partition
+        fw_compiler=compiler("fwd"), bw_compiler=compiler("bwd"), inference_compiler=compiler("fwd", inference=True), partition_fn=partition
     )(gm, example_inputs)
 
 

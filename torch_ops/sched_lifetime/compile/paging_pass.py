@@ -1,0 +1,216 @@
+"""The paging pass (option `paging=True`): saved activations of a compiled forward go to host
+memory and come back in the backward. GraphModule in, GraphModule out; what to page is Rust's
+choice (`page_plan`, the same planner as `sl.Pager`), the copies run through the same
+`HostPool` (page stream, pinned buffers allocated once at compile time, freelist in
+page-stream order, device storage released through the lifetime manager).
+
+At partition time (AOTAutograd's partition function, wrapped) both graphs are known: every
+saved value that is an activation (not a graph input: parameters and user inputs stay) with at
+least `min_bytes` is a candidate, with its save order in the forward and the order of its first
+use in the backward; Rust picks under the budget. After Rust's scheduling pass:
+
+- forward: `_page_out` right after the node that produces a chosen value (its copy is queued on
+  the page stream behind the compute so far and runs under the rest of the forward); the graph
+  saves the host tensor it returns instead of the device one, so the device storage goes once
+  the copy is done and the forward no longer reads it;
+- backward: `_page_in_launch` `prefetch` compute nodes before the value's first use (a device
+  tensor allocated on the compute stream, the copy queued on the page stream, the host buffer
+  back on the freelist), `_page_wait` right before the use (the compute stream waits on the
+  copy's event); the uses read the waited tensor.
+
+Eager only: the release of a paged-out tensor's device storage asks whether its copy is done
+(an event query), which capture does not allow; `paging` with `cudagraphs` is an error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+
+from ..paging import Budget, HostPool, page_plan
+
+#: Live pagers by key (the graphs' page nodes carry the key, an int, as their first argument).
+_PAGERS: "weakref.WeakValueDictionary[int, GraphPager]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+class GraphPager:
+    """One compiled function's paging: the plan, the host pool and the per-step stats."""
+
+    def __init__(self, budget: Budget, prefetch: int = 2, buffers: int = 2, min_bytes: int = 1 << 16) -> None:
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"sched_lifetime backend: option 'paging_prefetch' must be an int >= 0, got {prefetch!r}")
+        if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 1:
+            raise ValueError(f"sched_lifetime backend: option 'paging_buffers' must be an int >= 1, got {buffers!r}")
+        self.budget, self.prefetch, self.buffers, self.min_bytes = budget, prefetch, buffers, min_bytes
+        self.key = next(_KEYS)
+        _PAGERS[self.key] = self
+        self.plan: Optional[dict] = None
+        self.pool: Optional[HostPool] = None
+        self.chosen: list[str] = []
+        self._num_fwd_outputs = 0
+        self._held: dict[int, Any] = {}  # host buffer address -> Paged
+        self._events: dict[int, Any] = {}  # id of a paged-in tensor -> its copy's event
+        self.stats = {"bytes_out": 0, "bytes_in": 0, "copies_out": 0, "copies_in": 0}
+
+    # -- planning (partition time) -----------------------------------------------------
+
+    def partition(self, partition_fn: Callable) -> Callable:
+        """`partition_fn` that also plans what to page from the two graphs it returns."""
+
+        def partition(joint: fx.GraphModule, inputs: Any, *, num_fwd_outputs: int, **kw: Any) -> tuple:
+            fw, bw = partition_fn(joint, inputs, num_fwd_outputs=num_fwd_outputs, **kw)
+            self._plan(fw, bw, num_fwd_outputs)
+            return fw, bw
+
+        return partition
+
+    def _plan(self, fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> None:
+        self._num_fwd_outputs = num_fwd_outputs
+        out = next(iter(fw.graph.find_nodes(op="output"))).args[0]
+        saved = [n for n in out[num_fwd_outputs:] if isinstance(n, fx.Node)]
+        pos = {n: i for i, n in enumerate(fw.graph.nodes)}
+        bw_ph = {n.name: n for n in bw.graph.find_nodes(op="placeholder")}
+        bw_pos = {n: i for i, n in enumerate(bw.graph.nodes)}
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        # Inputs (parameters, user inputs) and views of them (a matmul saves its weight's
+        # transpose) stay: paging them frees nothing.
+        inputs = {
+            StorageWeakRef(n.meta["val"].untyped_storage())
+            for n in fw.graph.find_nodes(op="placeholder")
+            if isinstance(n.meta.get("val"), torch.Tensor)
+        }
+        cands = []
+        for n in dict.fromkeys(saved):  # a value saved twice is one candidate
+            val = n.meta.get("val")
+            if n.op == "placeholder" or not isinstance(val, torch.Tensor) or n.name not in bw_ph:
+                continue
+            if StorageWeakRef(val.untyped_storage()) in inputs:
+                continue
+            nbytes = val.numel() * val.element_size()
+            users = list(bw_ph[n.name].users)
+            if nbytes < self.min_bytes or not users:
+                continue
+            cands.append((n, nbytes, min(bw_pos[u] for u in users)))
+        by_save = {n: i for i, (n, _, _) in enumerate(sorted(cands, key=lambda c: pos[c[0]]))}
+        by_use = {n: i for i, (n, _, _) in enumerate(sorted(cands, key=lambda c: c[2]))}
+        prefix = [{"name": n.name, "bytes": b, "saved_at": by_save[n], "used_at": by_use[n]} for n, b, _ in cands]
+        self.plan = page_plan(prefix, self.budget) if prefix else {"page": [], "paged_bytes": 0, "live_bytes": 0}
+        self.chosen = list(self.plan["page"])
+        sizes = {n.name: b for n, b, _ in cands}
+        devices = {n.name: n.meta["val"].device for n, _, _ in cands}
+        if self.chosen:
+            dev = {devices[c] for c in self.chosen}
+            if len(dev) != 1:
+                raise ValueError(f"sched_lifetime backend: paging across several devices is not supported ({sorted(map(str, dev))})")
+            # Allocated once, here (compile time, outside the tracer's fake mode), never during
+            # a step: `buffers` host buffers per paged value (forwards in flight before their
+            # backwards).
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily():
+                self.pool = HostPool([sizes[c] for c in self.chosen for _ in range(self.buffers)], device=dev.pop())
+
+    # -- rewriting (after Rust's order) --------------------------------------------------
+
+    def forward(self, gm: fx.GraphModule) -> fx.GraphModule:
+        """Page-outs after the chosen values' producers; the graph saves the host tensors."""
+        if not self.chosen:
+            return gm
+        g = gm.graph
+        by_name = {n.name: n for n in g.nodes}
+        out = next(iter(g.find_nodes(op="output")))
+        outs = list(out.args[0])
+        for name in self.chosen:
+            n = by_name.get(name)
+            if n is None:
+                raise RuntimeError(f"sched_lifetime paging: the forward graph lost saved value '{name}'")
+            with g.inserting_after(n):
+                host = g.call_function(_page_out, (self.key, n))
+            outs = [host if (i >= self._num_fwd_outputs and o is n) else o for i, o in enumerate(outs)]
+        out.args = (tuple(outs),)
+        g.lint()
+        gm.recompile()
+        gm._sl_pager = self  # the registry holds pagers weakly; the graphs keep theirs alive
+        return gm
+
+    def backward(self, gm: fx.GraphModule) -> fx.GraphModule:
+        """Page-in launches `prefetch` compute nodes before each chosen value's first use, and
+        its wait right before that use."""
+        if not self.chosen:
+            return gm
+        g = gm.graph
+        nodes = list(g.nodes)
+        where = {n: i for i, n in enumerate(nodes)}
+        phs = {n.name: n for n in g.find_nodes(op="placeholder")}
+        calls = [n for n in nodes if n.op == "call_function"]
+        for name in self.chosen:
+            ph = phs.get(name)
+            if ph is None:
+                raise RuntimeError(f"sched_lifetime paging: the backward graph has no input for saved value '{name}'")
+            first = min(ph.users, key=lambda u: where[u])
+            k = calls.index(first) if first in calls else 0
+            launch_before = calls[max(0, k - self.prefetch)] if calls else first
+            with g.inserting_before(launch_before):
+                dev = g.call_function(_page_in_launch, (self.key, ph))
+            with g.inserting_before(first):
+                ready = g.call_function(_page_wait, (self.key, dev))
+            ph.replace_all_uses_with(ready, delete_user_cb=lambda u: u is not dev)
+        last = next(iter(g.find_nodes(op="output")))
+        with g.inserting_before(last):
+            g.call_function(_page_finish, (self.key,))
+        g.lint()
+        gm.recompile()
+        gm._sl_pager = self
+        return gm
+
+
+def _pager(key: int) -> GraphPager:
+    gp = _PAGERS.get(key)
+    if gp is None:
+        raise RuntimeError("sched_lifetime paging: this graph's pager is gone (its compiled function was freed)")
+    return gp
+
+
+def _page_out(key: int, t: torch.Tensor) -> torch.Tensor:
+    gp = _pager(key)
+    p = gp.pool.page_out(t)
+    host = gp.pool.view(p.slot, p.shape, p.dtype, p.stride)
+    gp._held[host.data_ptr()] = p
+    gp.stats["bytes_out"] += p.nbytes
+    gp.stats["copies_out"] += 1
+    return host
+
+
+def _page_in_launch(key: int, host: torch.Tensor) -> torch.Tensor:
+    gp = _pager(key)
+    p = gp._held.pop(host.data_ptr(), None)
+    if p is None:
+        raise RuntimeError("sched_lifetime paging: a backward read a host buffer no forward paged out (backward run twice?)")
+    gp.pool.release_done()
+    out, ev = gp.pool.page_in_launch(p)
+    gp._events[id(out)] = ev
+    gp.stats["bytes_in"] += p.nbytes
+    gp.stats["copies_in"] += 1
+    return out
+
+
+def _page_wait(key: int, t: torch.Tensor) -> torch.Tensor:
+    gp = _pager(key)
+    ev = gp._events.pop(id(t))
+    gp.pool.page_wait(ev)
+    gp.pool.recycle(ev)
+    return t
+
+
+def _page_finish(key: int) -> None:
+    """End of a backward: release what the finished page-outs still hold (the compute stream
+    waits on copies that are done by now)."""
+    gp = _pager(key)
+    gp.pool.drain()
+
