@@ -1,0 +1,97 @@
+"""A/B on one GPU: the embedded MoE model under torch.compile(backend="sched_lifetime") with and
+without the paging option, against eager (one forward + backward per step, no optimizer step, so
+every arm computes the same gradients). Medians of interleaved steps after two warm-up (compile)
+steps; peak = max allocated above the step's start; parity = torch.equal on every gradient
+against the first arm. Each compiled arm has its own copy of the model (same initial weights).
+
+    PYTHONPATH=torch_ops python3 benches/compile_paging_ab.py --config h200 --steps 3 \\
+        --arms eager,compiled,paging:0.5,paging:1.0 [--set seq=65536,batch=1] [--json OUT]
+
+Arm `paging:BUDGET[:PREFETCH]`: options {"paging": True, "paging_budget": BUDGET,
+"paging_prefetch": PREFETCH (default 2)}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_ops"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sched_lifetime as sl  # noqa: E402,F401  (registers the backend)
+import sched_lifetime.models.moe as moe_mod  # noqa: E402
+from paging_ab import interleaved, table  # noqa: E402
+from sched_lifetime import compile as slc  # noqa: E402
+from sched_lifetime.models.moe import CONFIGS, MoEModel, with_overrides  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="h200", choices=sorted(CONFIGS))
+    ap.add_argument("--set", default="", help="config overrides, e.g. seq=8192,batch=1")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--arms", default="eager,compiled,paging:0.5,paging:1.0")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = CONFIGS[a.config]
+    for kv in filter(None, a.set.split(",")):
+        k, v = kv.split("=")
+        cfg = with_overrides(cfg, **{k: type(getattr(cfg, k))(v)})
+    if cfg.capacity_factor is None:  # counted routing reads split sizes on the host: no graph
+        cfg = with_overrides(cfg, capacity_factor=1.0)
+    if dev.type == "cuda":
+        torch.use_deterministic_algorithms(True)
+        moe_mod.deterministic_sdpa(dev, torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32)
+    base = MoEModel(cfg, device=dev)
+    pagers: dict = {}
+    prepare = {}
+    for arm in a.arms.split(","):
+        if arm == "eager":
+            model, run = base, base
+        elif arm == "compiled":
+            model = copy.deepcopy(base)
+            run = torch.compile(model, backend="sched_lifetime")
+        elif arm.startswith("paging:"):
+            _, budget, prefetch = (arm.split(":") + ["2"])[:3]
+            b = float(budget) if "." in budget else int(budget)
+            model = copy.deepcopy(base)
+            run = torch.compile(model, backend="sched_lifetime", options={"paging": True, "paging_budget": b, "paging_prefetch": int(prefetch)})
+            pagers[arm] = None  # its GraphPager, found after its first (compiling) step
+        else:
+            raise SystemExit(f"unknown arm {arm!r}: eager, compiled, paging:BUDGET[:PREFETCH]")
+
+        def setup(step: int, model=model, run=run, arm=arm):
+            for p in model.parameters():
+                p.grad = None
+            batch = base.batch(step, 0)
+
+            def go() -> list:
+                run(**batch).backward()
+                if arm in pagers and pagers[arm] is None:  # compiled in this first step
+                    pagers[arm] = slc.history[-1]["module"].sched_lifetime.get("paging")
+                return [p.grad for p in model.parameters()]
+
+            return go
+
+        prepare[arm] = setup
+    rows = interleaved(prepare, a.steps, dev)
+    paged = {arm: pg.plan["bytes_paged"] for arm, pg in pagers.items() if pg is not None and pg.plan}
+    stats = {arm: dict(pg.stats) for arm, pg in pagers.items() if pg is not None}
+    print(f"compile paging A/B, config {a.config} {a.set}, {dev}, medians of {a.steps} interleaved steps (one fwd+bwd each)")
+    out = table(rows, paged, "paged MiB")
+    for arm, st in stats.items():
+        print(f"{arm}: {st}")
+        out[arm]["stats"] = st
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"config": a.config, "set": a.set, "device": str(dev), "arms": out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
