@@ -7,8 +7,9 @@ against the first arm. Each compiled arm has its own copy of the model (same ini
     PYTHONPATH=torch_ops python3 benches/compile_paging_ab.py --config h200 --steps 3 \\
         --arms eager,compiled,paging:0.5,paging:1.0 [--set seq=65536,batch=1] [--json OUT]
 
-Arm `paging:BUDGET[:PREFETCH]`: options {"paging": True, "paging_budget": BUDGET,
-"paging_prefetch": PREFETCH (default 2)}.
+Arm `paging:BUDGET[:PREFETCH]`: the static plan, options {"paging": True, "paging_budget": BUDGET,
+"paging_timed": False, "paging_prefetch": PREFETCH (default 2)}; `timed:BUDGET[:SLACK]`: the
+timed plan (an sl.Pager calibrated over the first two steps), "paging_slack": SLACK.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def main() -> None:
     ap.add_argument("--config", default="h200", choices=sorted(CONFIGS))
     ap.add_argument("--set", default="", help="config overrides, e.g. seq=8192,batch=1")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--arms", default="eager,compiled,paging:0.5,paging:1.0")
+    ap.add_argument("--arms", default="eager,compiled,timed:1.0,paging:0.5")
     ap.add_argument("--json")
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -57,14 +58,17 @@ def main() -> None:
         elif arm == "compiled":
             model = copy.deepcopy(base)
             run = torch.compile(model, backend="sched_lifetime")
-        elif arm.startswith("paging:"):
-            _, budget, prefetch = (arm.split(":") + ["2"])[:3]
+        elif arm.startswith(("paging:", "timed:")):
+            kind, budget, extra = (arm.split(":") + [""])[:3]
             b = float(budget) if "." in budget else int(budget)
+            opts = {"paging": True, "paging_budget": b, "paging_timed": kind == "timed"}
+            if extra:
+                opts["paging_prefetch" if kind == "paging" else "paging_slack"] = int(extra) if kind == "paging" else float(extra)
             model = copy.deepcopy(base)
-            run = torch.compile(model, backend="sched_lifetime", options={"paging": True, "paging_budget": b, "paging_prefetch": int(prefetch)})
+            run = torch.compile(model, backend="sched_lifetime", options=opts)
             pagers[arm] = None  # its GraphPager, found after its first (compiling) step
         else:
-            raise SystemExit(f"unknown arm {arm!r}: eager, compiled, paging:BUDGET[:PREFETCH]")
+            raise SystemExit(f"unknown arm {arm!r}: eager, compiled, paging:BUDGET[:PREFETCH], timed:BUDGET[:SLACK]")
 
         def setup(step: int, model=model, run=run, arm=arm):
             for p in model.parameters():
@@ -81,7 +85,7 @@ def main() -> None:
 
         prepare[arm] = setup
     rows = interleaved(prepare, a.steps, dev)
-    paged = {arm: pg.plan["bytes_paged"] for arm, pg in pagers.items() if pg is not None and pg.plan}
+    paged = {arm: (pg.pager.plan if pg.pager is not None else pg.plan)["bytes_paged"] for arm, pg in pagers.items() if pg is not None and (pg.pager.plan if pg.pager is not None else pg.plan)}
     stats = {arm: dict(pg.stats) for arm, pg in pagers.items() if pg is not None}
     print(f"compile paging A/B, config {a.config} {a.set}, {dev}, medians of {a.steps} interleaved steps (one fwd+bwd each)")
     out = table(rows, paged, "paged MiB")

@@ -87,7 +87,7 @@ def test_options_are_checked():
         slc.check_options({"lifetime": "never"})
     with pytest.raises(ValueError, match="paging=True with cudagraphs=True is not supported"):
         slc.check_options({"paging": True, "cudagraphs": True})
-    for k, v in (("paging_budget", 1.5), ("paging_budget", "half"), ("paging_prefetch", -1), ("paging_buffers", 0), ("paging_min_bytes", 1.0)):
+    for k, v in (("paging_budget", 1.5), ("paging_budget", "half"), ("paging_prefetch", -1), ("paging_buffers", 0), ("paging_min_bytes", 1.0), ("paging_timed", 1), ("paging_slack", 0.5)):
         with pytest.raises(ValueError, match=f"option '{k}' must be"):
             slc.check_options({"paging": True, k: v})
     with pytest.raises(ValueError, match="'cudagraphs' must be a bool"):
@@ -96,10 +96,11 @@ def test_options_are_checked():
 
 
 PAGING = {"paging": True, "paging_budget": 1.0, "paging_min_bytes": 0}
+STATIC = {**PAGING, "paging_timed": False}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-@pytest.mark.parametrize("options", [PAGING, {**PAGING, "paging_prefetch": 0, "paging_budget": 0.5, "overlap": False}])
+@pytest.mark.parametrize("options", [PAGING, STATIC, {**STATIC, "paging_prefetch": 0, "paging_budget": 0.5, "overlap": False}])
 def test_paging_is_bit_exact_and_moves_the_saved_activations(name, options):
     torch.use_deterministic_algorithms(True)
     build, batch = MODELS[name]
@@ -111,21 +112,40 @@ def test_paging_is_bit_exact_and_moves_the_saved_activations(name, options):
     assert _same(eager, ours) and _same(aot, ours)
     fw, bw = (h["module"] for h in slc.history[-2:])
     pager = fw.sched_lifetime["paging"]
-    assert pager is bw.sched_lifetime["paging"] and pager.chosen
+    assert pager is bw.sched_lifetime["paging"] and pager.chosen and pager.paged
     targets = lambda gm: [n.target.__name__ for n in gm.graph.nodes if n.op == "call_function" and hasattr(n.target, "__name__")]
-    assert targets(fw).count("_page_out") == len(pager.chosen)
-    assert targets(bw).count("_page_in_launch") == targets(bw).count("_page_wait") == len(pager.chosen)
     st = pager.stats
-    assert st["bytes_out"] == st["bytes_in"] > 0 and st["copies_out"] == st["copies_in"] == STEPS * len(pager.chosen)
-    assert pager.pool.in_use() == 0  # every host buffer back on the freelist
-    # Parameters and views of them (a matmul's saved weight transpose) are never paged.
+    assert st["bytes_out"] == st["bytes_in"] > 0
+    if options.get("paging_timed", True):
+        # Every candidate has its nodes; the Pager (calibrated in the first step) chose.
+        assert targets(fw).count("_page_save") == targets(bw).count("_page_use") == len(pager.chosen)
+        assert st["steps"] == STEPS and set(pager.paged) <= set(pager.chosen)
+    else:
+        assert targets(fw).count("_page_out") == len(pager.chosen)
+        assert targets(bw).count("_page_in_launch") == targets(bw).count("_page_wait") == len(pager.chosen)
+        assert st["copies_out"] == st["copies_in"] == STEPS * len(pager.chosen)
+    assert pager.host_pool.in_use() == 0  # every host buffer back on the freelist
+    # Parameters and views of them (a matmul's saved weight transpose) are never candidates.
     params = {n.name for n in fw.graph.find_nodes(op="placeholder")}
     for n in fw.graph.nodes:
         if n.name in pager.chosen and n.op == "call_function" and n.target is torch.ops.aten.t.default:
             assert n.args[0].name not in params, n.name
 
 
-def test_paging_backward_reads_the_host_copy():
+def test_timed_paging_refuses_a_second_forward_before_the_backward():
+    torch._dynamo.reset()
+    model = _mlp()
+    run = torch.compile(model, backend="sched_lifetime", options=PAGING)
+    x = torch.randn(8, 16)
+    run(x).sum().backward()
+    run(x)
+    with pytest.raises(RuntimeError, match="a forward started before the last forward's backward finished"):
+        run(x)
+    run(x).sum().backward()  # usable again
+
+
+@pytest.mark.parametrize("options", [PAGING, STATIC])
+def test_paging_backward_reads_the_host_copy(options):
     """Corrupt the host buffers between forward and backward: the gradients change (the
     backward really reads what was paged out, not a device tensor kept alive)."""
     build, batch = MODELS["mlp"]
@@ -133,16 +153,17 @@ def test_paging_backward_reads_the_host_copy():
     base = build()
     torch._dynamo.reset()
     model = copy.deepcopy(base)
-    run = torch.compile(model, backend="sched_lifetime", options=PAGING)
+    run = torch.compile(model, backend="sched_lifetime", options=options)
     grads = []
-    for poison in (False, True):
+    for poison in (False, True):  # (timed: the first step calibrates, the second pages)
         model.zero_grad(set_to_none=True)
         torch.manual_seed(5)
         out = run(*batch(0))
         if poison:
-            pager = slc.history[-1]["module"].sched_lifetime["paging"]
-            for slot in pager.pool._taken:
-                pager.pool._bufs[slot].data.fill_(0x7F)  # .data: past autograd's version check
+            pool = slc.history[-1]["module"].sched_lifetime["paging"].host_pool
+            assert pool._taken
+            for slot in pool._taken:
+                pool._bufs[slot].data.fill_(0x7F)  # .data: past autograd's version check
         out.sum().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
     assert not all(torch.equal(a, b) for a, b in zip(*grads))
@@ -150,9 +171,10 @@ def test_paging_backward_reads_the_host_copy():
 
 @pytest.mark.cuda
 def test_paging_on_the_gpu_releases_saved_activations_and_stays_bit_exact():
-    """paging=True on the H200: three SGD steps bit-exact against eager and against our backend
-    without paging; after a forward (its page-outs done and released), the memory it leaves for
-    the backward is lower than without paging by at least 80% of the bytes paged out."""
+    """paging=True on the H200: three SGD steps bit-exact against eager (timed and static plans)
+    and against our backend without paging; after a forward (its page-outs done and released),
+    the memory the static plan leaves for the backward is lower than without paging by at least
+    80% of the bytes paged out."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     torch.use_deterministic_algorithms(True)
@@ -171,7 +193,10 @@ def test_paging_on_the_gpu_releases_saved_activations_and_stays_bit_exact():
     base = build().to(dev)
     eager = _steps(copy.deepcopy(base), batch, None)
     plain = _steps(copy.deepcopy(base), batch, "sched_lifetime")
-    paged = _steps(copy.deepcopy(base), batch, "sched_lifetime", {"paging": True, "paging_budget": 1.0})
+    static = {"paging": True, "paging_budget": 1.0, "paging_timed": False}
+    timed = _steps(copy.deepcopy(base), batch, "sched_lifetime", {"paging": True, "paging_budget": 1.0})
+    assert _same(eager, timed)
+    paged = _steps(copy.deepcopy(base), batch, "sched_lifetime", static)
     assert _same(eager, paged) and _same(plain, paged)
     pager = slc.history[-1]["module"].sched_lifetime["paging"]
     assert pager.stats["bytes_out"] == pager.stats["bytes_in"] > 0
@@ -194,7 +219,7 @@ def test_paging_on_the_gpu_releases_saved_activations_and_stays_bit_exact():
         return held, pg
 
     held_plain, _ = boundary({})
-    held_paged, pg = boundary({"paging": True, "paging_budget": 1.0})
+    held_paged, pg = boundary(static)
     per_step = pg.stats["bytes_out"] // 2
     torch._dynamo.reset()
     gc.collect()

@@ -408,6 +408,7 @@ class Pager:
         self._unpacks = 0
         self._stats = {"steps": 0, "bytes_out": 0, "bytes_in": 0, "host_bytes": 0, "max_prefetched": 0}
         self._shapes: list = []
+        self._step_start = (0, 0)
 
     # -- hooks -------------------------------------------------------------------------
 
@@ -496,6 +497,18 @@ class Pager:
     def step(self) -> Iterator["Pager"]:
         """One forward + backward with the hooks on; the first one calibrates (the first two
         when timed on CUDA)."""
+        self.begin()
+        ok = False
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield self
+            ok = True
+        finally:
+            self.end(ok)
+
+    def begin(self) -> None:
+        """Start a step (what `step()` does before the forward; the compile path's paging calls
+        it at a forward's first save)."""
         self._index = 0
         self._unpacks = 0
         self._next_in = 0
@@ -505,16 +518,21 @@ class Pager:
         if self.plan is None and self.timed and not self._timing_pass and torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()  # the first interval starts with the step
         self._next_release = self._release_at[0] if self._release_at else 0
-        out0, in0 = self._stats["bytes_out"], self._stats["bytes_in"]
+        self._step_start = (self._stats["bytes_out"], self._stats["bytes_in"])
+
+    def end(self, ok: bool = True) -> None:
+        """End a step after its backward (`ok`: it ran to the end): calibration moves on,
+        bytes out must equal bytes in; every page-out's storage released, every buffer back."""
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                yield self
+            if not ok:
+                return
             if self.plan is None:
                 if self.timed and self._peaks["save"] and not self._timing_pass:
                     self._tail = torch.cuda.max_memory_allocated(self._calib[0]["device"])
                     self._timing_pass = True  # the next step measures the timeline, then plans
                 else:
                     self._calibrate()
+            out0, in0 = self._step_start
             moved_out, moved_in = self._stats["bytes_out"] - out0, self._stats["bytes_in"] - in0
             if moved_out != moved_in:
                 raise RuntimeError(f"paging: {moved_out} bytes paged out but {moved_in} paged in this step (a saved tensor never unpacked?)")

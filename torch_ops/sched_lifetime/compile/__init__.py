@@ -59,6 +59,8 @@ OPTIONS: dict[str, Any] = {
     "paging_prefetch": 2,  # a page-in is launched this many compute nodes before its first use
     "paging_buffers": 2,  # host buffers per paged value (forwards in flight before their backwards)
     "paging_min_bytes": 1 << 16,  # smaller saved values stay on the device
+    "paging_timed": True,  # sl.Pager decides at run time after calibration (False: the static plan)
+    "paging_slack": 1.25,  # timed: copies planned this many times slower than measured
     "cudagraphs": False,  # capture each compiled graph in a CUDA graph (torch's cudagraph trees)
 }
 
@@ -74,7 +76,7 @@ def check_options(options: Optional[dict]) -> dict:
         if k not in OPTIONS:
             raise ValueError(f"sched_lifetime backend: unknown option {k!r}; valid options: {sorted(OPTIONS)}")
         opts[k] = v
-    for k in ("overlap", "explain", "paging", "cudagraphs"):
+    for k in ("overlap", "explain", "paging", "cudagraphs", "paging_timed"):
         if not isinstance(opts[k], bool):
             raise ValueError(f"sched_lifetime backend: option {k!r} must be a bool, got {opts[k]!r}")
     if opts["lifetime"] not in ("scheduled", "record_stream"):
@@ -87,6 +89,9 @@ def check_options(options: Optional[dict]) -> dict:
     b = opts["paging_budget"]
     if isinstance(b, bool) or not isinstance(b, (int, float)) or b < 0 or (isinstance(b, float) and b > 1):
         raise ValueError(f"sched_lifetime backend: option 'paging_budget' must be a fraction in [0, 1] or bytes (int >= 0), got {b!r}")
+    sl_ = opts["paging_slack"]
+    if isinstance(sl_, bool) or not isinstance(sl_, (int, float)) or not sl_ >= 1:
+        raise ValueError(f"sched_lifetime backend: option 'paging_slack' must be a number >= 1, got {sl_!r}")
     for k, lo in (("paging_prefetch", 0), ("paging_buffers", 1), ("paging_min_bytes", 0)):
         if isinstance(opts[k], bool) or not isinstance(opts[k], int) or opts[k] < lo:
             raise ValueError(f"sched_lifetime backend: option {k!r} must be an int >= {lo}, got {opts[k]!r}")
@@ -104,7 +109,10 @@ def backend(gm: fx.GraphModule, example_inputs: list, options: Optional[dict] = 
     pager = None
     partition = default_partition
     if opts["paging"]:
-        pager = GraphPager(opts["paging_budget"], opts["paging_prefetch"], opts["paging_buffers"], opts["paging_min_bytes"])
+        pager = GraphPager(
+            opts["paging_budget"], opts["paging_prefetch"], opts["paging_buffers"], opts["paging_min_bytes"],
+            timed=opts["paging_timed"], slack=opts["paging_slack"],
+        )
         partition = pager.partition(default_partition)
 
     def compiler(phase: str, inference: bool = False) -> Callable:

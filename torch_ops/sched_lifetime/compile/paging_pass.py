@@ -18,6 +18,14 @@ use in the backward; Rust picks under the budget. After Rust's scheduling pass:
   back on the freelist), `_page_wait` right before the use (the compute stream waits on the
   copy's event); the uses read the waited tensor.
 
+Timed (`paging_timed=True`, the default): the same nodes, but every candidate gets them and
+an `sl.Pager` decides at run time, as it does under `saved_tensors_hooks`: the first step (the
+first two on CUDA) calibrates (memory timeline, then time line and link rates), then Rust pages
+only what hides under the forward and lowers the peak, releases each page-out where its copy is
+done and queues each page-in as late as the link allows. A step is one forward and its
+backward; a second forward before the backward is an error (`paging_timed=False`, the static
+plan above, allows `paging_buffers` forwards in flight).
+
 Eager only: the release of a paged-out tensor's device storage asks whether its copy is done
 (an event query), which capture does not allow; `paging` with `cudagraphs` is an error.
 """
@@ -31,7 +39,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-from ..paging import Budget, HostPool, page_plan
+from ..paging import Budget, HostPool, Pager, page_plan
 
 #: Live pagers by key (the graphs' page nodes carry the key, an int, as their first argument).
 _PAGERS: "weakref.WeakValueDictionary[int, GraphPager]" = weakref.WeakValueDictionary()
@@ -41,7 +49,9 @@ _KEYS = itertools.count()
 class GraphPager:
     """One compiled function's paging: the plan, the host pool and the per-step stats."""
 
-    def __init__(self, budget: Budget, prefetch: int = 2, buffers: int = 2, min_bytes: int = 1 << 16) -> None:
+    def __init__(
+        self, budget: Budget, prefetch: int = 2, buffers: int = 2, min_bytes: int = 1 << 16, timed: bool = False, slack: float = 1.25
+    ) -> None:
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"sched_lifetime backend: option 'paging_prefetch' must be an int >= 0, got {prefetch!r}")
         if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 1:
@@ -55,7 +65,32 @@ class GraphPager:
         self._num_fwd_outputs = 0
         self._held: dict[int, Any] = {}  # host buffer address -> Paged
         self._events: dict[int, Any] = {}  # id of a paged-in tensor -> its copy's event
-        self.stats = {"bytes_out": 0, "bytes_in": 0, "copies_out": 0, "copies_in": 0}
+        self._stats = {"bytes_out": 0, "bytes_in": 0, "copies_out": 0, "copies_in": 0}
+        #: Timed: the Pager that calibrates and decides at run time (None: the static plan).
+        self.pager: Optional[Pager] = Pager(budget, min_bytes=min_bytes, prefetch=prefetch, slack=slack) if timed else None
+        self._candidates: list[str] = []
+        self._index: dict[str, int] = {}  # timed: candidate -> its save index in the forward
+        self._open = False
+
+    @property
+    def stats(self) -> dict:
+        """Bytes (and, static, copies) paged out and in; equal after every backward."""
+        return self.pager.stats() if self.pager is not None else dict(self._stats)
+
+    @property
+    def host_pool(self) -> Optional[HostPool]:
+        """The host buffers (timed: allocated once the Pager has calibrated)."""
+        return self.pager.pool if self.pager is not None else self.pool
+
+    @property
+    def paged(self) -> list[str]:
+        """The saved values paged: the static plan's, or (timed) the calibrated plan's."""
+        if self.pager is None:
+            return list(self.chosen)
+        if self.pager.plan is None:
+            return []
+        names = {i: n for n, i in self._index.items()}
+        return [names[int(x[1:])] for x in self.pager.plan["page"]]
 
     # -- planning (partition time) -----------------------------------------------------
 
@@ -97,6 +132,10 @@ class GraphPager:
             if nbytes < self.min_bytes or not users:
                 continue
             cands.append((n, nbytes, min(bw_pos[u] for u in users)))
+        if self.pager is not None:  # timed: every candidate gets page nodes; the Pager decides
+            self._candidates = [n.name for n, _, _ in sorted(cands, key=lambda c: pos[c[0]])]
+            self.chosen = list(self._candidates)
+            return
         by_save = {n: i for i, (n, _, _) in enumerate(sorted(cands, key=lambda c: pos[c[0]]))}
         by_use = {n: i for i, (n, _, _) in enumerate(sorted(cands, key=lambda c: c[2]))}
         prefix = [{"name": n.name, "bytes": b, "saved_at": by_save[n], "used_at": by_use[n]} for n, b, _ in cands]
@@ -126,12 +165,19 @@ class GraphPager:
         by_name = {n.name: n for n in g.nodes}
         out = next(iter(g.find_nodes(op="output")))
         outs = list(out.args[0])
+        missing = [c for c in self.chosen if c not in by_name]
+        if missing:
+            raise RuntimeError(f"sched_lifetime paging: the forward graph lost saved values {missing[:5]}")
+        if self.pager is not None:  # save indices in the order the forward runs them
+            where = {n: i for i, n in enumerate(g.nodes)}
+            self._index = {c: i for i, c in enumerate(sorted(self.chosen, key=lambda c: where[by_name[c]]))}
         for name in self.chosen:
-            n = by_name.get(name)
-            if n is None:
-                raise RuntimeError(f"sched_lifetime paging: the forward graph lost saved value '{name}'")
+            n = by_name[name]
             with g.inserting_after(n):
-                host = g.call_function(_page_out, (self.key, n))
+                if self.pager is not None:
+                    host = g.call_function(_page_save, (self.key, self._index[name], n))
+                else:
+                    host = g.call_function(_page_out, (self.key, n))
             outs = [host if (i >= self._num_fwd_outputs and o is n) else o for i, o in enumerate(outs)]
         out.args = (tuple(outs),)
         g.lint()
@@ -154,6 +200,11 @@ class GraphPager:
             if ph is None:
                 raise RuntimeError(f"sched_lifetime paging: the backward graph has no input for saved value '{name}'")
             first = min(ph.users, key=lambda u: where[u])
+            if self.pager is not None:  # the Pager launches page-ins; the use waits on it
+                with g.inserting_before(first):
+                    ready = g.call_function(_page_use, (self.key, self._index[name], ph))
+                ph.replace_all_uses_with(ready, delete_user_cb=lambda u: u is not ready)
+                continue
             k = calls.index(first) if first in calls else 0
             launch_before = calls[max(0, k - self.prefetch)] if calls else first
             with g.inserting_before(launch_before):
@@ -182,8 +233,8 @@ def _page_out(key: int, t: torch.Tensor) -> torch.Tensor:
     p = gp.pool.page_out(t)
     host = gp.pool.view(p.slot, p.shape, p.dtype, p.stride)
     gp._held[host.data_ptr()] = p
-    gp.stats["bytes_out"] += p.nbytes
-    gp.stats["copies_out"] += 1
+    gp._stats["bytes_out"] += p.nbytes
+    gp._stats["copies_out"] += 1
     return host
 
 
@@ -195,8 +246,8 @@ def _page_in_launch(key: int, host: torch.Tensor) -> torch.Tensor:
     gp.pool.release_done()
     out, ev = gp.pool.page_in_launch(p)
     gp._events[id(out)] = ev
-    gp.stats["bytes_in"] += p.nbytes
-    gp.stats["copies_in"] += 1
+    gp._stats["bytes_in"] += p.nbytes
+    gp._stats["copies_in"] += 1
     return out
 
 
@@ -210,7 +261,43 @@ def _page_wait(key: int, t: torch.Tensor) -> torch.Tensor:
 
 def _page_finish(key: int) -> None:
     """End of a backward: release what the finished page-outs still hold (the compute stream
-    waits on copies that are done by now)."""
+    waits on copies that are done by now); timed, the Pager's step ends here."""
     gp = _pager(key)
+    if gp.pager is not None:
+        if gp._open:
+            gp._open = False
+            gp.pager.end(True)
+        return
     gp.pool.drain()
+
+
+def _page_save(key: int, i: int, t: torch.Tensor) -> torch.Tensor:
+    """Timed: the Pager's save hook for saved value `i` (a step starts at the first); returns
+    what the forward saves: `t`, or the host tensor it was paged into."""
+    gp = _pager(key)
+    pg = gp.pager
+    if i == 0:
+        if gp._open:  # the last forward's backward never ran to its end
+            gp._open = False
+            pg.end(False)
+            raise RuntimeError(
+                "sched_lifetime paging (timed): a forward started before the last forward's backward finished; "
+                "timed paging runs one forward and its backward at a time (paging_timed=False allows forwards in flight)"
+            )
+        pg.begin()
+        gp._open = True
+    if pg._index != i:
+        raise RuntimeError(f"sched_lifetime paging: saved value #{i} came as save #{pg._index} of this step")
+    packed = pg._pack(t)
+    if packed[0] == "keep":
+        return t
+    p = pg._handles[i]
+    return pg.pool.view(p.slot, p.shape, p.dtype, p.stride)
+
+
+def _page_use(key: int, i: int, x: torch.Tensor) -> torch.Tensor:
+    """Timed: the Pager's unpack hook for saved value `i` at its first backward use."""
+    pg = _pager(key).pager
+    paged = i in pg._handles or i in pg._ready
+    return pg._unpack(("paged", i) if paged else ("keep", i, x))
 
