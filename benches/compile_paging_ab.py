@@ -25,10 +25,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_ops"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sched_lifetime as sl  # noqa: E402,F401  (registers the backend)
-import sched_lifetime.models.moe as moe_mod  # noqa: E402
-from paging_ab import interleaved, table  # noqa: E402
+from paging_ab import bench_config, interleaved, table  # noqa: E402
 from sched_lifetime import compile as slc  # noqa: E402
-from sched_lifetime.models.moe import CONFIGS, MoEModel, with_overrides  # noqa: E402
+from sched_lifetime.models.moe import CONFIGS, MoEModel  # noqa: E402
 
 
 def main() -> None:
@@ -40,16 +39,7 @@ def main() -> None:
     ap.add_argument("--json")
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = CONFIGS[a.config]
-    for kv in filter(None, a.set.split(",")):
-        k, v = kv.split("=")
-        cfg = with_overrides(cfg, **{k: type(getattr(cfg, k))(v)})
-    if cfg.capacity_factor is None:  # counted routing reads split sizes on the host: no graph
-        cfg = with_overrides(cfg, capacity_factor=1.0)
-    if dev.type == "cuda":
-        torch.use_deterministic_algorithms(True)
-        moe_mod.deterministic_sdpa(dev, torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32)
-    base = MoEModel(cfg, device=dev)
+    base = MoEModel(bench_config(a.config, a.set, dev), device=dev)
     pagers: dict = {}
     prepare = {}
     for arm in a.arms.split(","):

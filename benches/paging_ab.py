@@ -128,6 +128,23 @@ def forward_ms(model: MoEModel, batch: dict, sync) -> float:
     return statistics.median(ts)
 
 
+def bench_config(name: str, overrides: str, dev: torch.device):
+    """CONFIGS[name] with `overrides` ("seq=8192,batch=1"), fixed-capacity routing (counted
+    routing changes saved shapes every step and reads split sizes on the host), and on CUDA
+    deterministic kernels, so that arms compare bit-exact (as in the main job)."""
+    cfg = CONFIGS[name]
+    for kv in filter(None, overrides.split(",")):
+        k, v = kv.split("=")
+        cfg = with_overrides(cfg, **{k: type(getattr(cfg, k))(v)})
+    if cfg.capacity_factor is None:
+        cfg = with_overrides(cfg, capacity_factor=1.0)
+        print(f"config {name}: capacity_factor set to 1.0 (the same saved shapes every step)")
+    if dev.type == "cuda":
+        torch.use_deterministic_algorithms(True)
+        moe_mod.deterministic_sdpa(dev, torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32)
+    return cfg
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="h200", choices=sorted(CONFIGS))
@@ -137,16 +154,7 @@ def main() -> None:
     ap.add_argument("--json")
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = CONFIGS[a.config]
-    for kv in filter(None, a.set.split(",")):
-        k, v = kv.split("=")
-        cfg = with_overrides(cfg, **{k: type(getattr(cfg, k))(v)})
-    if cfg.capacity_factor is None:  # counted routing changes saved shapes every step
-        cfg = with_overrides(cfg, capacity_factor=1.0)
-        print(f"config {a.config}: capacity_factor set to 1.0 (the pager needs the same saved shapes every step)")
-    if dev.type == "cuda":  # arms compare bit-exact: deterministic kernels, as the main job
-        torch.use_deterministic_algorithms(True)
-        moe_mod.deterministic_sdpa(dev, torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32)
+    cfg = bench_config(a.config, a.set, dev)
     model = MoEModel(cfg, device=dev)  # one model for every arm: the same gradients
     params = list(model.parameters())
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)

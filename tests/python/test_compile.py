@@ -60,16 +60,21 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-@pytest.mark.parametrize("options", [{}, {"overlap": False}, {"explain": True, "ep_budget": 1}])
-def test_bit_exact_against_eager_and_aot_eager(name, options, capsys):
+def _against_eager_and_aot(name: str, options: dict) -> tuple:
+    """MODELS[name] for STEPS SGD steps: plain eager, aot_eager and our backend with `options`."""
     torch.use_deterministic_algorithms(True)
     build, batch = MODELS[name]
     torch.manual_seed(0)
     base = build()
     eager = _steps(copy.deepcopy(base), batch, None)
     aot = _steps(copy.deepcopy(base), batch, "aot_eager")
-    ours = _steps(copy.deepcopy(base), batch, "sched_lifetime", options)
+    return eager, aot, _steps(copy.deepcopy(base), batch, "sched_lifetime", options)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("options", [{}, {"overlap": False}, {"explain": True, "ep_budget": 1}])
+def test_bit_exact_against_eager_and_aot_eager(name, options, capsys):
+    eager, aot, ours = _against_eager_and_aot(name, options)
     assert _same(eager, ours), "sched_lifetime differs from eager"
     assert _same(aot, ours), "sched_lifetime differs from aot_eager"
     phases = [h["phase"] for h in slc.history[-2:]]
@@ -102,13 +107,7 @@ STATIC = {**PAGING, "paging_timed": False}
 @pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("options", [PAGING, STATIC, {**STATIC, "paging_prefetch": 0, "paging_budget": 0.5, "overlap": False}])
 def test_paging_is_bit_exact_and_moves_the_saved_activations(name, options):
-    torch.use_deterministic_algorithms(True)
-    build, batch = MODELS[name]
-    torch.manual_seed(0)
-    base = build()
-    eager = _steps(copy.deepcopy(base), batch, None)
-    aot = _steps(copy.deepcopy(base), batch, "aot_eager")
-    ours = _steps(copy.deepcopy(base), batch, "sched_lifetime", options)
+    eager, aot, ours = _against_eager_and_aot(name, options)
     assert _same(eager, ours) and _same(aot, ours)
     fw, bw = (h["module"] for h in slc.history[-2:])
     pager = fw.sched_lifetime["paging"]
