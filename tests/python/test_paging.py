@@ -35,7 +35,7 @@ def test_paging_on_vs_off_is_bit_exact_over_steps(budget, prefetch, shape, devic
     opt_p = torch.optim.SGD(paged.parameters(), lr=0.05)
     # Untimed: the budget alone chooses (the tiny model's forward hides almost no copy; the
     # timed plan has its own test below).
-    pager = sl.Pager(budget, min_distance=0, min_bytes=1024, prefetch=prefetch, timed=False)
+    pager = sl.Pager(budget, min_distance=0, min_bytes=1024, prefetch=prefetch, timed=False, measure_waits=True)
     for step in range(3):
         for m, opt in ((ref, opt_r), (paged, opt_p)):
             opt.zero_grad()
@@ -52,6 +52,17 @@ def test_paging_on_vs_off_is_bit_exact_over_steps(budget, prefetch, shape, devic
     assert s["bytes_out"] == 2 * pager.plan["bytes_paged"]  # two paged steps after calibration
     assert (s["max_prefetched"] > 0) == (prefetch > 0)
     assert pager.pool.in_use() == 0
+    per = pager.per_step()
+    assert [p["step"] for p in per] == [2, 3]  # the paged steps
+    for p in per:
+        assert p["bytes_out"] == p["bytes_in"] == pager.plan["bytes_paged"]
+        # Every paged tensor's buffer is taken before the first one comes back (all saves
+        # precede the backward), so the host peak is all of them.
+        assert p["host_bytes_peak"] == pager.pool.bytes
+        if device == "cpu":  # synchronous copies: nothing held, no events to time
+            assert p["out_in_flight_peak"] == 0 and p["page_in_wait_us"] is None
+        else:
+            assert p["out_in_flight_peak"] >= 1 and p["page_in_wait_us"] >= 0.0
     assert pager.explain().startswith(f"paging {len(pager.plan['page'])} tensors")
 
 
@@ -110,6 +121,9 @@ def test_a_timed_plan_releases_paged_storage_under_the_forward_and_stays_bit_exa
         assert held_u >= held_off  # the control: nothing released before the boundary
     s = timed.stats()
     assert s["steps"] == 4 and s["bytes_out"] == s["bytes_in"] == 2 * timed.plan["bytes_paged"]
+    per = timed.per_step()
+    assert len(per) == 2 and all(p["host_bytes_peak"] > 0 and p["out_in_flight_peak"] >= 1 for p in per)
+    assert all(p["page_in_wait_us"] is None for p in per)  # not measured unless asked
 
 
 def test_the_choice_is_reproducible_and_the_furthest_use_goes_first():

@@ -19,7 +19,9 @@ given back right after the page-in that reads it is queued, so the next page-out
 queued behind that read on the same stream (no host sync). On CPU the copies are plain.
 
 A step whose saved tensors differ from the calibration (count, shape or dtype) raises: no
-silent fallback. `stats()` gives bytes out and in (equal every step) and peak host bytes.
+silent fallback. `stats()` gives bytes out and in (equal every step) and the host bytes held;
+`per_step()` per step: bytes out and in, host bytes in use at once, page-outs in flight at once,
+and (`measure_waits=True`) the time the compute stream waited on page-ins.
 """
 
 from __future__ import annotations
@@ -153,6 +155,14 @@ class HostPool:
         self._page: Any = None
         self._cur: tuple = (None, None)
         self._spare: list = []
+        # Per-step figures (`take_figures`): host bytes taken at once, page-outs holding device
+        # storage at once, and, when `measure_waits`, (before, after) timing events around each
+        # compute-stream wait on a page-in.
+        self._taken_bytes = 0
+        self.peak_taken_bytes = 0
+        self.peak_out_in_flight = 0
+        self.measure_waits = False
+        self._wait_marks: list[tuple] = []
 
     @property
     def page_stream(self) -> Any:
@@ -210,6 +220,8 @@ class HostPool:
             raise RuntimeError(f"host pool exhausted: all {sum(1 for b in self._bufs if b.numel() == nbytes)} buffers of {nbytes} bytes are in use")
         slot = free.popleft()
         self._taken.add(slot)
+        self._taken_bytes += nbytes
+        self.peak_taken_bytes = max(self.peak_taken_bytes, self._taken_bytes)
         return slot
 
     def give(self, slot: int) -> None:
@@ -217,6 +229,7 @@ class HostPool:
         if slot not in self._taken:
             raise RuntimeError(f"host buffer {slot} given back but not taken")
         self._taken.remove(slot)
+        self._taken_bytes -= self._bufs[slot].numel()
         self._free[self._bufs[slot].numel()].append(slot)
 
     def _after(self, page: Any, comp: Any) -> None:
@@ -274,6 +287,7 @@ class HostPool:
             m.bind(t, comp)
             m.retire(t, page, "drop_reference")
             self._retiring.append((m, done, comp))
+            self.peak_out_in_flight = max(self.peak_out_in_flight, len(self._retiring))
             # Release what the link has already copied (the compute stream's wait on a finished
             # copy costs nothing), oldest first; only past `drain_distance` copies in flight does
             # the compute stream wait on one (the copies fall behind the forward).
@@ -317,9 +331,35 @@ class HostPool:
         return out, ev
 
     def page_wait(self, ev: Any) -> None:
-        """The compute stream waits for a page-in (no host sync)."""
+        """The compute stream waits for a page-in (no host sync). With `measure_waits`, timing
+        events recorded on the compute stream just before and just after the wait measure how
+        long it stalled there (`take_figures` reads them)."""
         if ev is not None:
-            self.current_stream().wait_event(ev)
+            comp = self.current_stream()
+            if self.measure_waits:
+                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                before.record(comp)
+                comp.wait_event(ev)
+                after.record(comp)
+                self._wait_marks.append((before, after))
+            else:
+                comp.wait_event(ev)
+
+    def take_figures(self) -> dict[str, Any]:
+        """The figures since the last call, and reset them: `host_bytes_peak` (host bytes taken
+        at once), `out_in_flight_peak` (page-outs holding device storage at once) and, with
+        `measure_waits`, `page_in_wait_us` (compute-stream time stalled on page-ins; reading
+        the events synchronizes on the last one: call it outside a step), else None."""
+        wait = None
+        if self._wait_marks:
+            self._wait_marks[-1][1].synchronize()
+            wait = sum(b.elapsed_time(a) for b, a in self._wait_marks) * 1e3
+        elif self.measure_waits:
+            wait = 0.0
+        out = {"host_bytes_peak": self.peak_taken_bytes, "out_in_flight_peak": self.peak_out_in_flight, "page_in_wait_us": wait}
+        self._wait_marks = []
+        self.peak_taken_bytes, self.peak_out_in_flight = self._taken_bytes, len(self._retiring)
+        return out
 
     def _drain_one(self) -> None:
         m, done, owner = self._retiring.pop(0)  # the owner stream waits on the copy, then releases
@@ -361,6 +401,7 @@ class Pager:
         prefetch: int = 64,
         timed: bool = True,
         slack: float = 1.25,
+        measure_waits: bool = False,
     ) -> None:
         """`timed` (CUDA): calibration takes two steps, the first measuring the memory timeline
         (the most memory allocated between saves and unpacks: it resets the peak memory
@@ -369,7 +410,8 @@ class Pager:
         then Rust pages only what hides under the
         forward and lowers the step's peak, releasing each page-out where its copy is done and
         queueing each page-in as late as the link allows (`slack`: copies planned that many
-        times slower than measured); the budget caps it. Untimed (and
+        times slower than measured); the budget caps it. `measure_waits` (CUDA): time the
+        compute stream's waits on page-ins with events (`per_step()`). Untimed (and
         on CPU): the budget alone chooses, a page-out is released when found done or once more
         than `drain_distance` copies are in flight, and page-ins are queued `prefetch` unpacks
         ahead."""
@@ -409,6 +451,9 @@ class Pager:
         self._stats = {"steps": 0, "bytes_out": 0, "bytes_in": 0, "host_bytes": 0, "max_prefetched": 0}
         self._shapes: list = []
         self._step_start = (0, 0)
+        self._paging_step = False
+        self.measure_waits = bool(measure_waits)
+        self._per_step: list[dict] = []
 
     # -- hooks -------------------------------------------------------------------------
 
@@ -519,6 +564,7 @@ class Pager:
             torch.cuda.reset_peak_memory_stats()  # the first interval starts with the step
         self._next_release = self._release_at[0] if self._release_at else 0
         self._step_start = (self._stats["bytes_out"], self._stats["bytes_in"])
+        self._paging_step = self.plan is not None  # calibrated: this step pages
 
     def end(self, ok: bool = True) -> None:
         """End a step after its backward (`ok`: it ran to the end): calibration moves on,
@@ -537,6 +583,9 @@ class Pager:
             if moved_out != moved_in:
                 raise RuntimeError(f"paging: {moved_out} bytes paged out but {moved_in} paged in this step (a saved tensor never unpacked?)")
             self._stats["steps"] += 1
+            if self._paging_step and self.pool is not None:
+                fig = self.pool.take_figures() if not self._wait_pending() else self._figures_later()
+                self._per_step.append({"step": self._stats["steps"], "bytes_out": moved_out, "bytes_in": moved_in, **fig})
         finally:
             if self.pool is not None:
                 self.pool.drain()
@@ -609,8 +658,34 @@ class Pager:
             # A timed plan places every release; the count-based drain is only a backstop.
             drain = len(page) if timing is not None else self.drain_distance
             self.pool = HostPool([self._calib[i]["bytes"] for i in page], dev, drain)
+            self.pool.measure_waits = self.measure_waits and dev.type == "cuda"
+            self.pool.take_figures()  # figures start with the first paged step
             self._stats["host_bytes"] = self.pool.bytes
         self._calib = []
+
+    def _wait_pending(self) -> bool:
+        return bool(self.pool._wait_marks)
+
+    def _figures_later(self) -> dict:
+        """The pool's figures with the wait events kept unread (reading them would sync the
+        host inside the training loop): `per_step()` reads them."""
+        marks, self.pool._wait_marks = self.pool._wait_marks, []
+        fig = self.pool.take_figures()
+        fig["page_in_wait_us"] = marks
+        return fig
+
+    def per_step(self) -> list[dict]:
+        """One entry per step since calibration: bytes out and in (equal), `host_bytes_peak`
+        (host bytes in use at once), `out_in_flight_peak` (page-outs holding device storage at
+        once) and, with `measure_waits` on CUDA, `page_in_wait_us` (compute-stream time
+        stalled on page-ins; reading it synchronizes on that step's last wait, so call this
+        outside the training loop), else None."""
+        for st in self._per_step:
+            w = st["page_in_wait_us"]
+            if isinstance(w, list):
+                w[-1][1].synchronize()
+                st["page_in_wait_us"] = sum(b.elapsed_time(a) for b, a in w) * 1e3
+        return [dict(st) for st in self._per_step]
 
     def stats(self) -> dict[str, int]:
         """Bytes paged out and in (equal after every step), host bytes held, steps, and the most
