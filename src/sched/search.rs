@@ -107,3 +107,61 @@ pub(super) fn order(g: &Graph, budgets: Budgets, base: Rules, max_evals: usize, 
     }
     Ok(best)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::GraphSpec;
+
+    fn graph(json: &str) -> Graph {
+        Graph::new(serde_json::from_str::<GraphSpec>(json).expect("graph JSON")).expect("valid graph")
+    }
+
+    fn ids(g: &Graph, names: &[&str]) -> Vec<NodeId> {
+        names.iter().map(|n| g.node_ids().find(|&u| g.nodes[u].name == *n).expect("node")).collect()
+    }
+
+    /// Two independent transfers (launch + wait) after one compute node.
+    fn two_transfers() -> Graph {
+        graph(
+            r#"{"sources": [{"name": "F1", "microbatch": 1, "phase": "F"}], "inputs": ["x"], "nodes": [
+            {"name": "c", "source": "F1", "kind": "compute", "inputs": ["x"], "outputs": ["a"]},
+            {"name": "l1", "source": "F1", "kind": "comm_launch", "inputs": ["a"], "outputs": ["d1"]},
+            {"name": "w1", "source": "F1", "kind": "comm_wait", "launch": "l1"},
+            {"name": "l2", "source": "F1", "kind": "comm_launch", "inputs": ["a"], "outputs": ["d2"]},
+            {"name": "w2", "source": "F1", "kind": "comm_wait", "launch": "l2"}]}"#,
+        )
+    }
+
+    #[test]
+    fn feasible_counts_launches_in_flight_against_the_budget_and_checks_edges() {
+        let g = two_transfers();
+        let one = Budgets::new(1, 1).unwrap();
+        let two = Budgets::new(2, 1).unwrap();
+        let serial = ids(&g, &["c", "l1", "w1", "l2", "w2"]);
+        let both = ids(&g, &["c", "l1", "l2", "w1", "w2"]);
+        // One in flight at a time: within budget 1 (a wait gives its launch's slot back).
+        assert!(feasible(&g, &serial, one));
+        // Two in flight: over budget 1, within budget 2.
+        assert!(!feasible(&g, &both, one));
+        assert!(feasible(&g, &both, two));
+        // A launch before the compute it reads, a wait before its launch, a node missing.
+        assert!(!feasible(&g, &ids(&g, &["l1", "c", "w1", "l2", "w2"]), two));
+        assert!(!feasible(&g, &ids(&g, &["c", "w1", "l1", "l2", "w2"]), two));
+        assert!(!feasible(&g, &ids(&g, &["c", "l1", "w1", "l2"]), two));
+    }
+
+    /// On a short graph (up to 4 x WINDOW nodes) a move may span the whole order: with a model
+    /// that only rewards the last node at the front, one move of 19 places is the only gain.
+    #[test]
+    fn short_orders_search_the_whole_order() {
+        let n = 20;
+        let nodes: Vec<String> = (0..n).map(|i| format!(r#"{{"name": "n{i}", "source": "F1", "kind": "compute", "inputs": ["x"], "outputs": ["y{i}"]}}"#)).collect();
+        let g = graph(&format!(r#"{{"sources": [{{"name": "F1", "microbatch": 1, "phase": "F"}}], "inputs": ["x"], "nodes": [{}]}}"#, nodes.join(",")));
+        let last = ids(&g, &["n19"])[0];
+        let cost = |o: &[NodeId]| Ok(if o[0] == last { 0.0 } else { 1.0 });
+        let b = Budgets::new(1, 1).unwrap();
+        assert_ne!(policy::order(&g, b, Rules::default()).unwrap()[0], last, "the default already puts it first");
+        assert_eq!(order(&g, b, Rules::default(), 2000, &cost).unwrap()[0], last);
+    }
+}
