@@ -3,7 +3,8 @@
 # Run on the GPU machine from the repo root, with torch_ops/sched_lifetime/_C.so built here and
 # carried. Every step has its own timeout and log under OUT; a failing step does not stop the
 # others; the last lines of each log are printed at the end.
-#   bash benches/gpu_pass.sh one OUT    # nvidia-h200: cuda tests, paging A/Bs (Pager, page nodes), host overhead
+#   bash benches/gpu_pass.sh one OUT    # nvidia-h200: cuda tests, paging A/Bs (Pager, page nodes, long context,
+#                                       # compile path), host overhead, the scheduler on the family's shapes
 #   bash benches/gpu_pass.sh two OUT    # nvidia-h200-x2: main job A/B (incl. ours+ep2, the old EP budget), GraphStep A/B
 #   bash benches/gpu_pass.sh four OUT   # nvidia-h200-x4: DualPipeV as PP=2 x EP=2, handler vs none
 set -uo pipefail
@@ -29,9 +30,15 @@ one)
         --arms off,pager:0.1:64:16,pager:0.3:128:16,save_on_cpu
     step python_overhead 60 "$py" benches/python_overhead.py --iters 2000 --json "$out/overhead.json"
     step paging_nodes_ab 200 "$py" benches/paging_nodes_ab.py --config h200 --microbatches 4 --json "$out/paging_nodes.json"
+    step paging_long 200 "$py" benches/paging_ab.py --config h200 --set seq=65536,batch=1 --steps 3 \
+        --arms off,timed:1.0,timed:1.0:1.0 --json "$out/paging_long.json"
+    step compile_paging_ab 150 "$py" benches/compile_paging_ab.py --config h200 --steps 3 \
+        --arms eager,compiled,timed:1.0,paging:1.0 --json "$out/compile_paging.json"
+    step schedule_family 100 "$py" benches/gpu_schedule_ab.py --family all --ratios 0.5,1.0,2.0 --json "$out/family.json"
     ;;
 two)
     step main_job 330 bash benches/main_job_2gpu.sh "$out/mj" --arms sequential,b_then_f,ours,ours+ep2,ours+classic,ours+record --quiet
+    step pipeline_ab 240 torchrun --standalone --nproc-per-node 2 benches/pipeline_ab.py --config pp_h200 --out "$out"
     step graph_step 200 env NCCL_MIN_NCHANNELS=2 NCCL_MAX_NCHANNELS=2 \
         torchrun --standalone --nproc-per-node 2 benches/compile_ab.py --config h200 --graph-step 4 --steps 4
     ;;
