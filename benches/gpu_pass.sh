@@ -3,13 +3,13 @@
 # Run on the GPU machine from the repo root, with torch_ops/sched_lifetime/_C.so built here and
 # carried. Every step has its own timeout and log under OUT; a failing step does not stop the
 # others; the last lines of each log are printed at the end.
-#   bash benches/gpu_pass.sh one OUT    # nvidia-h200: cuda tests, paging A/Bs (Pager, page nodes, long context,
-#                                       # compile path), host overhead, the scheduler on the family's shapes
+#   bash benches/gpu_pass.sh one OUT    # nvidia-h200: cuda tests, the Pager's A/B, host overhead
+#   bash benches/gpu_pass.sh one2 OUT   # nvidia-h200: page nodes, long context, compile paging, the family's shapes
 #   bash benches/gpu_pass.sh two OUT    # nvidia-h200-x2: main job A/B (incl. ours+ep2, the old EP budget), GraphStep A/B
 #   bash benches/gpu_pass.sh four OUT   # nvidia-h200-x4: DualPipeV as PP=2 x EP=2, handler vs none
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|two|four OUT}
-out=${2:?usage: benches/gpu_pass.sh one|two|four OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|four OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|four OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -29,6 +29,8 @@ one)
     step paging_ab 150 "$py" benches/paging_ab.py --config h200 --steps 5 --json "$out/paging.json" \
         --arms off,pager:0.1:64:16,pager:0.3:128:16,save_on_cpu
     step python_overhead 60 "$py" benches/python_overhead.py --iters 2000 --json "$out/overhead.json"
+    ;;
+one2)
     step paging_nodes_ab 200 "$py" benches/paging_nodes_ab.py --config h200 --microbatches 4 --json "$out/paging_nodes.json"
     step paging_long 200 "$py" benches/paging_ab.py --config h200 --set seq=65536,batch=1 --steps 3 \
         --arms off,timed:1.0,timed:1.0:1.0 --json "$out/paging_long.json"
@@ -46,7 +48,7 @@ four)
     step pipeline_ep2 500 torchrun --standalone --nproc-per-node 4 benches/pipeline_ab.py --config pp_h200 --ep 2 --out "$out"
     ;;
 *)
-    echo "unknown mode $mode: one, two or four" >&2
+    echo "unknown mode $mode: one, one2, two or four" >&2
     exit 2
     ;;
 esac
