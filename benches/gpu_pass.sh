@@ -6,10 +6,11 @@
 #   bash benches/gpu_pass.sh one OUT    # nvidia-h200: cuda tests, the Pager's A/B, host overhead
 #   bash benches/gpu_pass.sh one2 OUT   # nvidia-h200: page nodes, long context, compile paging, the family's shapes
 #   bash benches/gpu_pass.sh two OUT    # nvidia-h200-x2: main job A/B (incl. ours+ep2, the old EP budget), GraphStep A/B
+#   bash benches/gpu_pass.sh two2 OUT   # nvidia-h200-x2: DualPipeV handler A/B (EP local), ours vs ours+search
 #   bash benches/gpu_pass.sh four OUT   # nvidia-h200-x4: DualPipeV as PP=2 x EP=2, handler vs none
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|four OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|four OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|four OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|four OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -40,15 +41,19 @@ one2)
     ;;
 two)
     step main_job 330 bash benches/main_job_2gpu.sh "$out/mj" --arms sequential,b_then_f,ours,ours+ep2,ours+classic,ours+record --quiet
-    step pipeline_ab 240 torchrun --standalone --nproc-per-node 2 benches/pipeline_ab.py --config pp_h200 --out "$out"
     step graph_step 200 env NCCL_MIN_NCHANNELS=2 NCCL_MAX_NCHANNELS=2 \
         torchrun --standalone --nproc-per-node 2 benches/compile_ab.py --config h200 --graph-step 4 --steps 4
+    ;;
+two2)
+    step pipeline_ab 240 torchrun --standalone --nproc-per-node 2 benches/pipeline_ab.py --config pp_h200 --out "$out"
+    step main_job_search 200 bash benches/main_job_2gpu.sh "$out/mj_search" --arms ours,ours+search \
+        --costs benches/data/h200_main_job_durations.json --quiet
     ;;
 four)
     step pipeline_ep2 500 torchrun --standalone --nproc-per-node 4 benches/pipeline_ab.py --config pp_h200 --ep 2 --out "$out"
     ;;
 *)
-    echo "unknown mode $mode: one, one2, two or four" >&2
+    echo "unknown mode $mode: one, one2, two, two2 or four" >&2
     exit 2
     ;;
 esac
