@@ -151,17 +151,32 @@ mod tests {
         assert!(!feasible(&g, &ids(&g, &["c", "l1", "w1", "l2"]), two));
     }
 
-    /// On a short graph (up to 4 x WINDOW nodes) a move may span the whole order: with a model
-    /// that only rewards the last node at the front, one move of 19 places is the only gain.
-    #[test]
-    fn short_orders_search_the_whole_order() {
-        let n = 20;
+    /// `n` independent compute nodes `n0..` (the default order is table order).
+    fn independent(n: usize) -> Graph {
         let nodes: Vec<String> = (0..n).map(|i| format!(r#"{{"name": "n{i}", "source": "F1", "kind": "compute", "inputs": ["x"], "outputs": ["y{i}"]}}"#)).collect();
-        let g = graph(&format!(r#"{{"sources": [{{"name": "F1", "microbatch": 1, "phase": "F"}}], "inputs": ["x"], "nodes": [{}]}}"#, nodes.join(",")));
-        let last = ids(&g, &["n19"])[0];
-        let cost = |o: &[NodeId]| Ok(if o[0] == last { 0.0 } else { 1.0 });
+        graph(&format!(r#"{{"sources": [{{"name": "F1", "microbatch": 1, "phase": "F"}}], "inputs": ["x"], "nodes": [{}]}}"#, nodes.join(",")))
+    }
+
+    /// Where the search puts node `from` when the model rewards only that node at exactly
+    /// position `to` (no intermediate move gains anything: only one move can find it).
+    fn placed(n: usize, from: usize, to: usize) -> usize {
+        let g = independent(n);
+        let u = ids(&g, &[&format!("n{from}")])[0];
         let b = Budgets::new(1, 1).unwrap();
-        assert_ne!(policy::order(&g, b, Rules::default()).unwrap()[0], last, "the default already puts it first");
-        assert_eq!(order(&g, b, Rules::default(), 2000, &cost).unwrap()[0], last);
+        assert_eq!(policy::order(&g, b, Rules::default()).unwrap()[from], u, "the default is table order");
+        let cost = |o: &[NodeId]| Ok(if o[to] == u { 0.0 } else { 1.0 });
+        let o = order(&g, b, Rules::default(), 20_000, &cost).unwrap();
+        o.iter().position(|&x| x == u).unwrap()
+    }
+
+    /// On a short graph (up to 4 x WINDOW nodes) a move may span the whole order, both ways and
+    /// to either end; on a long one it reaches exactly WINDOW places each way, no further.
+    #[test]
+    fn moves_span_the_whole_short_order_and_the_window_on_long_ones() {
+        assert_eq!(placed(20, 19, 0), 0);
+        assert_eq!(placed(20, 0, 19), 19);
+        assert_eq!(placed(40, 10, 10 + WINDOW), 10 + WINDOW);
+        assert_eq!(placed(40, 20, 20 - WINDOW), 20 - WINDOW);
+        assert_eq!(placed(40, 5, 30), 5, "a move past the window on a long order");
     }
 }
