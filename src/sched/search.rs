@@ -169,6 +169,47 @@ mod tests {
         o.iter().position(|&x| x == u).unwrap()
     }
 
+    /// The model is called at most `max_evals` times, however much is left to try; and when
+    /// every order rates the same, the default order stands (ties keep the earlier candidate).
+    #[test]
+    fn evaluations_stay_within_the_budget_and_ties_keep_the_default() {
+        let g = independent(30);
+        let b = Budgets::new(1, 1).unwrap();
+        for max_evals in [1usize, 5, 50, 500] {
+            let calls = std::cell::Cell::new(0usize);
+            // Each call rates the order a little better than the last: always worth a move.
+            let cost = |_: &[NodeId]| {
+                calls.set(calls.get() + 1);
+                Ok(-(calls.get() as f64))
+            };
+            order(&g, b, Rules::default(), max_evals, &cost).unwrap();
+            // The rule variants' starting orders are always rated (one per distinct order).
+            let starts = variants(Rules::default()).iter().map(|&r| policy::order(&g, b, r).unwrap()).collect::<std::collections::HashSet<_>>().len();
+            assert!(calls.get() <= max_evals.max(starts), "{} calls for max_evals {max_evals}", calls.get());
+        }
+        let flat = |_: &[NodeId]| Ok(1.0);
+        let rich = graph_with_sources();
+        let d = policy::order(&rich, b, Rules::default()).unwrap();
+        assert_eq!(order(&rich, b, Rules::default(), 2000, &flat).unwrap(), d);
+        assert!(variants(Rules::default()).iter().any(|&r| policy::order(&rich, b, r).unwrap() != d), "every variant gives the default order: the tie test would prove nothing");
+    }
+
+    /// Two sources with a transfer each: the rule variants give different orders.
+    fn graph_with_sources() -> Graph {
+        graph(
+            r#"{"sources": [{"name": "F1", "microbatch": 1, "phase": "F"}, {"name": "B0", "microbatch": 0, "phase": "B"}], "inputs": ["x", "g"], "nodes": [
+            {"name": "F.a", "source": "F1", "kind": "compute", "inputs": ["x"], "outputs": ["a"], "cost": 100},
+            {"name": "F.b", "source": "F1", "kind": "compute", "inputs": ["x"], "outputs": ["b"], "cost": 900},
+            {"name": "F.l", "source": "F1", "kind": "comm_launch", "inputs": ["a"], "outputs": ["d"], "cost": 500},
+            {"name": "F.w", "source": "F1", "kind": "comm_wait", "launch": "F.l"},
+            {"name": "F.c", "source": "F1", "kind": "compute", "inputs": ["d", "b"], "outputs": ["c"], "cost": 300},
+            {"name": "B.a", "source": "B0", "kind": "compute", "inputs": ["g"], "outputs": ["ga"], "cost": 700},
+            {"name": "B.l", "source": "B0", "kind": "comm_launch", "inputs": ["ga"], "outputs": ["gd"], "cost": 500},
+            {"name": "B.w", "source": "B0", "kind": "comm_wait", "launch": "B.l"},
+            {"name": "B.c", "source": "B0", "kind": "compute", "inputs": ["gd"], "outputs": ["gc"], "cost": 200}]}"#,
+        )
+    }
+
     /// On a short graph (up to 4 x WINDOW nodes) a move may span the whole order, both ways and
     /// to either end; on a long one it reaches exactly WINDOW places each way, no further.
     #[test]
