@@ -186,6 +186,14 @@ mod tests {
             // The rule variants' starting orders are always rated (one per distinct order).
             let starts = variants(Rules::default()).iter().map(|&r| policy::order(&g, b, r).unwrap()).collect::<std::collections::HashSet<_>>().len();
             assert!(calls.get() <= max_evals.max(starts), "{} calls for max_evals {max_evals}", calls.get());
+            // And when no move ever gains: the search still stops at the budget.
+            let calls = std::cell::Cell::new(0usize);
+            let flat = |_: &[NodeId]| {
+                calls.set(calls.get() + 1);
+                Ok(1.0)
+            };
+            order(&g, b, Rules::default(), max_evals, &flat).unwrap();
+            assert!(calls.get() <= max_evals.max(starts), "{} calls for max_evals {max_evals} (no gain)", calls.get());
         }
         let flat = |_: &[NodeId]| Ok(1.0);
         let rich = graph_with_sources();
