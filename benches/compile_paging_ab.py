@@ -75,7 +75,7 @@ def main() -> None:
 
         prepare[arm] = setup
     rows = interleaved(prepare, a.steps, dev)
-    paged = {arm: (pg.pager.plan if pg.pager is not None else pg.plan)["bytes_paged"] for arm, pg in pagers.items() if pg is not None and (pg.pager.plan if pg.pager is not None else pg.plan)}
+    paged = {arm: pg.plan["bytes_paged"] for arm, pg in pagers.items() if pg is not None and pg.plan}
     stats = {arm: dict(pg.stats) for arm, pg in pagers.items() if pg is not None}
     print(f"compile paging A/B, config {a.config} {a.set}, {dev}, medians of {a.steps} interleaved steps (one fwd+bwd each)")
     out = table(rows, paged, "paged MiB")

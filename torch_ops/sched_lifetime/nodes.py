@@ -155,6 +155,11 @@ class Chunk:
         node takes a gradient of (a declared grad output nobody differentiates gets none)."""
         return [v for v in n.grad_outputs if v == self.loss_output or v in self._grad_consumers]
 
+    def _has_dw_node(self, n: NodeDef) -> bool:
+        """Whether `n`'s backward has a separate dW node: it has weights, and either dW nodes
+        are on or no input takes a gradient (then the whole backward is dW)."""
+        return bool(n.params) and (self.dw_nodes or not n.grad_inputs)
+
     def _grads_into(self, n: NodeDef) -> list[str]:
         """Gradient values a backward node of `n` reads: per flowing grad output, the partials
         of its consumers (the loss output reads the source's input)."""
@@ -216,7 +221,7 @@ class Chunk:
             if partials:
                 table.append({"name": f"B.{n.name}", "source": "B", "kind": "compute", "inputs": grads, "outputs": partials})
                 done.append(f"B.{n.name}")
-            if n.params and (self.dw_nodes or not partials):
+            if self._has_dw_node(n):
                 # dW reads what dI reads, so dI's live-ins stay until dW has run; it runs
                 # after dI (a control edge), from the gradients dI computed.
                 if partials:
@@ -341,7 +346,7 @@ class Chunk:
 
         if n.grad_inputs:
             fns[f"B.{n.name}"] = d_input
-        if has_dw and (not fused or not n.grad_inputs):
+        if self._has_dw_node(n):
             fns[f"B.{n.name}.dw"] = d_weight
         return fns
 

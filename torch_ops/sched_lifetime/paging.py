@@ -108,6 +108,14 @@ def _dense(shape: tuple, stride: tuple) -> bool:
     return True
 
 
+def wait_us(marks: list[tuple]) -> float:
+    """Compute-stream time (us) between each (before, after) event pair of `take_figures`'
+    `page_in_waits`; synchronizes on the last one."""
+    if marks:
+        marks[-1][1].synchronize()
+    return sum(b.elapsed_time(a) for b, a in marks) * 1e3
+
+
 @dataclass(frozen=True)
 class Paged:
     """A tensor paged out: its host buffer and what it was (strides included)."""
@@ -254,6 +262,10 @@ class HostPool:
             v = self._views[key] = flat.view(shape) if stride is None else flat.as_strided(shape, stride)
         return v
 
+    def view_of(self, p: Paged) -> torch.Tensor:
+        """The host buffer `p` was paged into, seen as the tensor it holds."""
+        return self.view(p.slot, p.shape, p.dtype, p.stride)
+
     def in_use(self) -> int:
         """Buffers taken and not given back."""
         return len(self._taken)
@@ -312,7 +324,7 @@ class HostPool:
         reading it (None on CPU). The buffer goes back to the freelist at once: the next
         page-out that takes it is queued behind this copy on the page stream. `alloc_stream`:
         the consumer's stream (default: the current stream)."""
-        buf = self.view(p.slot, p.shape, p.dtype, p.stride)
+        buf = self.view_of(p)
         ev = None
         if p.device.type == "cuda":
             comp, page = alloc_stream if alloc_stream is not None else self.current_stream(), self.page_stream
@@ -347,16 +359,15 @@ class HostPool:
 
     def take_figures(self) -> dict[str, Any]:
         """The figures since the last call, and reset them: `host_bytes_peak` (host bytes taken
-        at once), `out_in_flight_peak` (page-outs holding device storage at once) and, with
-        `measure_waits`, `page_in_wait_us` (compute-stream time stalled on page-ins; reading
-        the events synchronizes on the last one: call it outside a step), else None."""
-        wait = None
-        if self._wait_marks:
-            self._wait_marks[-1][1].synchronize()
-            wait = sum(b.elapsed_time(a) for b, a in self._wait_marks) * 1e3
-        elif self.measure_waits:
-            wait = 0.0
-        out = {"host_bytes_peak": self.peak_taken_bytes, "out_in_flight_peak": self.peak_out_in_flight, "page_in_wait_us": wait}
+        at once), `out_in_flight_peak` (page-outs holding device storage at once) and
+        `page_in_waits`: with `measure_waits`, the (before, after) event pairs around each
+        compute-stream wait on a page-in, unread (no host sync here; `wait_us` reads them),
+        else None."""
+        out = {
+            "host_bytes_peak": self.peak_taken_bytes,
+            "out_in_flight_peak": self.peak_out_in_flight,
+            "page_in_waits": self._wait_marks if self.measure_waits else None,
+        }
         self._wait_marks = []
         self.peak_taken_bytes, self.peak_out_in_flight = self._taken_bytes, len(self._retiring)
         return out
@@ -584,8 +595,7 @@ class Pager:
                 raise RuntimeError(f"paging: {moved_out} bytes paged out but {moved_in} paged in this step (a saved tensor never unpacked?)")
             self._stats["steps"] += 1
             if self._paging_step and self.pool is not None:
-                fig = self.pool.take_figures() if not self._wait_pending() else self._figures_later()
-                self._per_step.append({"step": self._stats["steps"], "bytes_out": moved_out, "bytes_in": moved_in, **fig})
+                self._per_step.append({"step": self._stats["steps"], "bytes_out": moved_out, "bytes_in": moved_in, **self.pool.take_figures()})
         finally:
             if self.pool is not None:
                 self.pool.drain()
@@ -663,29 +673,19 @@ class Pager:
             self._stats["host_bytes"] = self.pool.bytes
         self._calib = []
 
-    def _wait_pending(self) -> bool:
-        return bool(self.pool._wait_marks)
-
-    def _figures_later(self) -> dict:
-        """The pool's figures with the wait events kept unread (reading them would sync the
-        host inside the training loop): `per_step()` reads them."""
-        marks, self.pool._wait_marks = self.pool._wait_marks, []
-        fig = self.pool.take_figures()
-        fig["page_in_wait_us"] = marks
-        return fig
-
     def per_step(self) -> list[dict]:
         """One entry per step since calibration: bytes out and in (equal), `host_bytes_peak`
         (host bytes in use at once), `out_in_flight_peak` (page-outs holding device storage at
         once) and, with `measure_waits` on CUDA, `page_in_wait_us` (compute-stream time
         stalled on page-ins; reading it synchronizes on that step's last wait, so call this
         outside the training loop), else None."""
+        out = []
         for st in self._per_step:
-            w = st["page_in_wait_us"]
-            if isinstance(w, list):
-                w[-1][1].synchronize()
-                st["page_in_wait_us"] = sum(b.elapsed_time(a) for b, a in w) * 1e3
-        return [dict(st) for st in self._per_step]
+            st = dict(st)
+            waits = st.pop("page_in_waits")
+            st["page_in_wait_us"] = None if waits is None else wait_us(waits)
+            out.append(st)
+        return out
 
     def stats(self) -> dict[str, int]:
         """Bytes paged out and in (equal after every step), host bytes held, steps, and the most

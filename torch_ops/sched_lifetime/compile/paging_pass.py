@@ -52,14 +52,11 @@ class GraphPager:
     def __init__(
         self, budget: Budget, prefetch: int = 2, buffers: int = 2, min_bytes: int = 1 << 16, timed: bool = False, slack: float = 1.25
     ) -> None:
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"sched_lifetime backend: option 'paging_prefetch' must be an int >= 0, got {prefetch!r}")
-        if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 1:
-            raise ValueError(f"sched_lifetime backend: option 'paging_buffers' must be an int >= 1, got {buffers!r}")
+        # The values come checked (`compile.check_options`).
         self.budget, self.prefetch, self.buffers, self.min_bytes = budget, prefetch, buffers, min_bytes
         self.key = next(_KEYS)
         _PAGERS[self.key] = self
-        self.plan: Optional[dict] = None
+        self._static_plan: Optional[dict] = None
         self.pool: Optional[HostPool] = None
         self.chosen: list[str] = []
         self._num_fwd_outputs = 0
@@ -68,9 +65,14 @@ class GraphPager:
         self._stats = {"bytes_out": 0, "bytes_in": 0, "copies_out": 0, "copies_in": 0}
         #: Timed: the Pager that calibrates and decides at run time (None: the static plan).
         self.pager: Optional[Pager] = Pager(budget, min_bytes=min_bytes, prefetch=prefetch, slack=slack) if timed else None
-        self._candidates: list[str] = []
         self._index: dict[str, int] = {}  # timed: candidate -> its save index in the forward
         self._open = False
+
+    @property
+    def plan(self) -> Optional[dict]:
+        """Rust's plan: the static one (made at partition time), or the timed Pager's (made
+        after calibration; None until then)."""
+        return self.pager.plan if self.pager is not None else self._static_plan
 
     @property
     def stats(self) -> dict:
@@ -133,14 +135,13 @@ class GraphPager:
                 continue
             cands.append((n, nbytes, min(bw_pos[u] for u in users)))
         if self.pager is not None:  # timed: every candidate gets page nodes; the Pager decides
-            self._candidates = [n.name for n, _, _ in sorted(cands, key=lambda c: pos[c[0]])]
-            self.chosen = list(self._candidates)
+            self.chosen = [n.name for n, _, _ in sorted(cands, key=lambda c: pos[c[0]])]
             return
         by_save = {n: i for i, (n, _, _) in enumerate(sorted(cands, key=lambda c: pos[c[0]]))}
         by_use = {n: i for i, (n, _, _) in enumerate(sorted(cands, key=lambda c: c[2]))}
         prefix = [{"name": n.name, "bytes": b, "saved_at": by_save[n], "used_at": by_use[n]} for n, b, _ in cands]
-        self.plan = page_plan(prefix, self.budget) if prefix else {"page": [], "bytes_paged": 0, "bytes_live": 0, "explain": []}
-        self.chosen = list(self.plan["page"])
+        self._static_plan = page_plan(prefix, self.budget) if prefix else {"page": [], "bytes_paged": 0, "bytes_live": 0, "explain": []}
+        self.chosen = list(self._static_plan["page"])
         sizes = {n.name: b for n, b, _ in cands}
         devices = {n.name: n.meta["val"].device for n, _, _ in cands}
         if self.chosen:
@@ -231,7 +232,7 @@ def _pager(key: int) -> GraphPager:
 def _page_out(key: int, t: torch.Tensor) -> torch.Tensor:
     gp = _pager(key)
     p = gp.pool.page_out(t)
-    host = gp.pool.view(p.slot, p.shape, p.dtype, p.stride)
+    host = gp.pool.view_of(p)
     gp._held[host.data_ptr()] = p
     gp._stats["bytes_out"] += p.nbytes
     gp._stats["copies_out"] += 1
@@ -291,8 +292,7 @@ def _page_save(key: int, i: int, t: torch.Tensor) -> torch.Tensor:
     packed = pg._pack(t)
     if packed[0] == "keep":
         return t
-    p = pg._handles[i]
-    return pg.pool.view(p.slot, p.shape, p.dtype, p.stride)
+    return pg.pool.view_of(pg._handles[i])
 
 
 def _page_use(key: int, i: int, x: torch.Tensor) -> torch.Tensor:
