@@ -28,6 +28,7 @@ import sched_lifetime as sl  # noqa: E402,F401  (registers the backend)
 from paging_ab import bench_config, interleaved, table  # noqa: E402
 from sched_lifetime import compile as slc  # noqa: E402
 from sched_lifetime.models.moe import CONFIGS, MoEModel  # noqa: E402
+from sched_lifetime.paging import explain_plan  # noqa: E402
 
 
 def main() -> None:
@@ -82,6 +83,11 @@ def main() -> None:
     for arm, st in stats.items():
         print(f"{arm}: {st}")
         out[arm]["stats"] = st
+        pg = pagers[arm]
+        # Rust's reasons, one line per candidate (what was paged, what not and why).
+        text = explain_plan(pg.plan) if pg.plan else ""
+        out[arm]["explain"] = text
+        print(f"{arm}: {text.splitlines()[0] if text else 'no plan'}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"config": a.config, "set": a.set, "device": str(dev), "arms": out}, f, indent=1)

@@ -7,10 +7,12 @@
 #   bash benches/gpu_pass.sh one2 OUT   # nvidia-h200: page nodes, long context, compile paging, the family's shapes
 #   bash benches/gpu_pass.sh two OUT    # nvidia-h200-x2: main job A/B (incl. ours+ep2, the old EP budget), GraphStep A/B
 #   bash benches/gpu_pass.sh two2 OUT   # nvidia-h200-x2: DualPipeV handler A/B (EP local), ours vs ours+search
+#   bash benches/gpu_pass.sh cuda2 OUT  # nvidia-h200-x2: the whole cuda suite (1- and 2-GPU tests), host overhead
+#   bash benches/gpu_pass.sh explain OUT  # one H200: timed paging, eager and compiled, with Rust's reasons per tensor
 #   bash benches/gpu_pass.sh four OUT   # nvidia-h200-x4: DualPipeV as PP=2 x EP=2, handler vs none
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|four OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|four OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|four OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|four OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -49,11 +51,21 @@ two2)
     step main_job_search 200 bash benches/main_job_2gpu.sh "$out/mj_search" --arms ours,ours+search \
         --costs benches/data/h200_main_job_durations.json --quiet
     ;;
+cuda2)
+    step cuda_tests 420 "$py" -m pytest -q -m cuda tests/python -rs --durations 15
+    step python_overhead 90 "$py" benches/python_overhead.py --iters 2000 --json "$out/overhead.json"
+    ;;
+explain)
+    step compile_paging_ab 200 "$py" benches/compile_paging_ab.py --config h200 --steps 3 \
+        --arms eager,compiled,timed:1.0,timed:1.0:1.0 --json "$out/compile_paging.json"
+    step paging_ab 200 "$py" benches/paging_ab.py --config h200 --steps 3 \
+        --arms off,timed:1.0,timed:1.0:1.0 --json "$out/paging.json"
+    ;;
 four)
     step pipeline_ep2 500 torchrun --standalone --nproc-per-node 4 benches/pipeline_ab.py --config pp_h200 --ep 2 --out "$out"
     ;;
 *)
-    echo "unknown mode $mode: one, one2, two, two2 or four" >&2
+    echo "unknown mode $mode: one, one2, two, two2, cuda2, explain or four" >&2
     exit 2
     ;;
 esac

@@ -198,6 +198,8 @@ def main() -> None:
         out[name]["paged_bytes"] = paged.get(name)
         if pager is not None:
             out[name]["stats"] = pager.stats()
+            out[name]["explain"] = pager.explain()  # Rust's reasons, one line per candidate
+            print(f"{name}: {pager.explain().splitlines()[0]}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"config": a.config, "device": str(dev), "arms": out}, f, indent=1)

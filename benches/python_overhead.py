@@ -110,12 +110,16 @@ def measure(kind: str, batch: int, iters: int, device: torch.device) -> tuple[fl
     return dt * per, part * per
 
 
-def pattern(kind: str, batch: int, iters: int, device: torch.device) -> float:
+def pattern(kind: str, batch: int, iters: int, device: torch.device, produce: bool = False) -> float:
     """Microseconds per tensor in the eager pattern (Megatron's): tensors produced one at a
     time, then retired together and acquired. `bind_each`: a bind per tensor as produced, then
     one retire + one acquire; `retire_owned`: no binds, one retire that names the owner, then
-    one acquire; `retire_owned_op`: the same through torch.ops (what graphs and capture call);
-    `record_stream`: one record_stream per tensor (CUDA only)."""
+    one acquire; `release_after`: the same two in one call; `retire_owned_op`: retire + acquire
+    through torch.ops (what graphs and capture call); `record_stream`: one record_stream per
+    tensor (CUDA only). `produce`: the tensors are allocated inside the timed loop (every arm
+    pays the same allocations; record_stream's allocator also polls its pending frees' events
+    there, which is where its deferred free costs the host); otherwise they are allocated
+    before the clock starts."""
     owner = sl.current_stream(device)
     consumer = torch.cuda.Stream(device) if device.type == "cuda" else owner
     mgr = sl.LifetimeManager("pattern")
@@ -123,13 +127,16 @@ def pattern(kind: str, batch: int, iters: int, device: torch.device) -> float:
     clock = time.perf_counter
     for warm in (True, False):
         n = max(iters // 10, 5) if warm else iters
-        pool = [[torch.empty(16, device=device) for _ in range(batch)] for _ in range(n)]
+        pool = None if produce else [[torch.empty(16, device=device) for _ in range(batch)] for _ in range(n)]
         t0 = clock()
         for i in range(n):
             # The batch's last references die inside the timed loop (`ts = t = None` below), so each
             # arm pays for its free: record_stream's deferred free records an allocator event
             # per recorded stream there, ours released the storage in acquire already.
-            ts, pool[i] = pool[i], None
+            if produce:
+                ts = [torch.empty(16, device=device) for _ in range(batch)]
+            else:
+                ts, pool[i] = pool[i], None
             if kind == "bind_each":
                 for t in ts:
                     mgr.bind(t, owner)
@@ -138,6 +145,8 @@ def pattern(kind: str, batch: int, iters: int, device: torch.device) -> float:
             elif kind == "retire_owned":
                 mgr.retire(ts, consumer, owner_stream=owner)
                 mgr.acquire(owner)
+            elif kind == "release_after":
+                mgr.release_after(ts, consumer, owner)
             elif kind == "retire_owned_op":
                 retire_owned_op(mgr.handle, ts, owner, consumer, 0)
                 acquire_op(mgr.handle, owner)
@@ -170,18 +179,27 @@ def main() -> None:
         rows.append({"batch": batch, "ops_us": ops_us, "python_us": py_us, "ops_retire_acquire_us": ops_ra,
                      "python_retire_acquire_us": py_ra})
         print(f"{batch:>6}{ops_us:>12.2f}{py_us:>14.2f}{ops_us / py_us:>12.2f}{ops_ra:>12.2f}{py_ra:>14.2f}{ops_ra / py_ra:>12.2f}")
-    print(f"\neager pattern on {device} (tensors produced one at a time, retired together), us per tensor")
-    kinds = ["bind_each", "retire_owned", "retire_owned_op"] + (["record_stream"] if device.type == "cuda" else [])
-    print(f"{'batch':>6}" + "".join(f"{k:>16}" for k in kinds))
-    prow = []
-    for batch in (1, 8, 64):
-        iters = max(args.iters // batch, 50)
-        got = {k: pattern(k, batch, iters, device) for k in kinds}
-        prow.append({"batch": batch, **got})
-        print(f"{batch:>6}" + "".join(f"{got[k]:>16.2f}" for k in kinds))
+    kinds = ["bind_each", "retire_owned", "release_after", "retire_owned_op"] + (["record_stream"] if device.type == "cuda" else [])
+    prow = {}
+    for produce in (False, True):
+        where = "allocated in the timed loop" if produce else "allocated before the clock"
+        print(f"\neager pattern on {device} (tensors produced one at a time, retired together; {where}), us per tensor")
+        print(f"{'batch':>6}" + "".join(f"{k:>16}" for k in kinds))
+        prow["produce" if produce else "pattern"] = rows_here = []
+        for batch in (1, 8, 64):
+            iters = max(args.iters // batch, 50)
+            # Interleaved rounds, the median per arm: host noise (other processes, clocks)
+            # falls on every arm alike.
+            got = {k: [] for k in kinds}
+            for _ in range(3):
+                for k in kinds:
+                    got[k].append(pattern(k, batch, iters, device, produce))
+            med = {k: sorted(v)[1] for k, v in got.items()}
+            rows_here.append({"batch": batch, **med})
+            print(f"{batch:>6}" + "".join(f"{med[k]:>16.2f}" for k in kinds))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": str(device), "rows": rows, "pattern": prow}, f, indent=1)
+            json.dump({"device": str(device), "rows": rows, **prow}, f, indent=1)
 
 
 if __name__ == "__main__":

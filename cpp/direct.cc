@@ -182,10 +182,11 @@ bool check_nargs(const char* name, Py_ssize_t nargs, Py_ssize_t want) {
   return false;
 }
 
-// retire(handle, tensors, consumer, action, owner_or_None) -> None, or NotImplemented when a
-// tensor is not a plain one (the caller then uses torch.ops.sched_lifetime.retire[_owned]).
-PyObject* direct_retire(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!check_nargs("retire", nargs, 5)) return nullptr;
+// The retire / retire_owned op's work on Python arguments (handle, tensors, consumer, action,
+// owner_or_None); `release` also runs the owner's acquire in the same call. Returns None (or the
+// count released), NotImplemented when a tensor is not a plain one (the caller then uses
+// torch.ops.sched_lifetime.retire[_owned]), nullptr with a Python error set.
+PyObject* retire_args(const char* verb, PyObject* const* args, bool release) {
   uint64_t mgr = 0;
   StreamKey consumer{}, owner{};
   if (!unpack_handle(args[0], mgr) || !unpack_stream(args[2], "consumer_stream", consumer)) return nullptr;
@@ -194,7 +195,7 @@ PyObject* direct_retire(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   long long action = PyLong_AsLongLong(args[3]);
   if (action == -1 && PyErr_Occurred()) return nullptr;
   std::vector<at::Tensor> ts;
-  switch (unpack_tensors(args[1], "retire", ts)) {
+  switch (unpack_tensors(args[1], verb, ts)) {
     case Unpacked::kError: return nullptr;
     case Unpacked::kNotPlain: Py_RETURN_NOTIMPLEMENTED;
     case Unpacked::kOk: break;
@@ -203,7 +204,28 @@ PyObject* direct_retire(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   bool ok = owned ? call_rust([&] { sl_retire_owned(mgr, list, owner, consumer, action); })
                   : call_rust([&] { sl_retire(mgr, list, consumer, action); });
   if (!ok) return nullptr;
-  Py_RETURN_NONE;
+  if (!release) Py_RETURN_NONE;
+  ts.clear();  // the manager holds what it parked; these references must not outlive the release
+  int64_t released = 0;
+  if (!call_rust([&] { released = sl_acquire(mgr, owner); })) return nullptr;
+  return PyLong_FromLongLong(released);
+}
+
+// retire(handle, tensors, consumer, action, owner_or_None) -> None, or NotImplemented.
+PyObject* direct_retire(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_nargs("retire", nargs, 5)) return nullptr;
+  return retire_args("retire", args, false);
+}
+
+// release(handle, tensors, consumer, action, owner) -> int: retire_owned, then acquire(owner),
+// in one call (record_stream's one-call replacement); NotImplemented as retire.
+PyObject* direct_release(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_nargs("release", nargs, 5)) return nullptr;
+  if (args[4] == Py_None) {
+    PyErr_SetString(PyExc_ValueError, "release_after: owner_stream is required");
+    return nullptr;
+  }
+  return retire_args("release_after", args, true);
 }
 
 // bind(handle, tensors, owner) -> None, or NotImplemented (as retire).
@@ -288,6 +310,8 @@ PyObject* direct_destroy(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyMethodDef methods[] = {
     {"retire", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_retire)), METH_FASTCALL,
      "retire(handle, tensors, consumer, action, owner_or_None): the retire / retire_owned op's work"},
+    {"release", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_release)), METH_FASTCALL,
+     "release(handle, tensors, consumer, action, owner) -> int: retire_owned, then acquire(owner)"},
     {"bind", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_bind)), METH_FASTCALL,
      "bind(handle, tensors, owner): the bind op's work"},
     {"acquire", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_acquire)), METH_FASTCALL,

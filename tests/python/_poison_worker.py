@@ -15,19 +15,22 @@ N = 4 << 20  # 16 MiB of float32: exact sums, a block of its own
 
 
 def one(arm: str, a: torch.cuda.Stream, b: torch.cuda.Stream, lag: int) -> tuple[bool, bool]:
-    mgr = sl.LifetimeManager("poison") if arm == "scheduled" else None
+    mgr = sl.LifetimeManager("poison") if arm in ("scheduled", "release_after") else None
     x = torch.full((N,), 1.0, device="cuda")
-    if mgr is not None:
+    if arm == "scheduled":
         mgr.bind(x, a)
     b.wait_stream(a)
     with torch.cuda.stream(b):
         torch.cuda._sleep(lag)
         out = x.sum()
     addr = x.data_ptr()
-    if mgr is not None:
+    if arm == "scheduled":
         mgr.retire(x, b, "empty_storage")
         del x
         mgr.acquire(a)
+    elif arm == "release_after":  # the one-call form: retire with the owner, the owner's acquire
+        assert mgr.release_after(x, b, a) == 1
+        del x
     elif arm == "record_stream":
         x.record_stream(b)
         del x

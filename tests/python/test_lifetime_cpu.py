@@ -242,3 +242,39 @@ def test_retire_with_owner_binds_in_the_same_call():
         m.retire([y, y.view(2, 2)], CPU, owner_stream=CPU)
     assert m.stats() == before  # nothing bound by the failed call
     m.finalize()
+
+
+def test_release_after_is_retire_owned_then_acquire_in_one_call():
+    m = sl.LifetimeManager("release_after")
+    xs = [torch.ones(8) for _ in range(3)]
+    assert m.release_after(xs, CPU, CPU) == 0  # same stream: released at retire, nothing parked
+    s = m.stats()
+    assert (s["bound"], s["immediate"], s["retired_empty_storage"], s["pending_count"]) == (3, 3, 3, 0)
+    assert all(x.untyped_storage().nbytes() == 0 for x in xs)
+    y = torch.ones(4)
+    m.release_after(y, CPU, CPU, action="preserve")
+    assert y.untyped_storage().nbytes() == 16 and m.stats()["retired_preserve"] == 1
+    before = m.stats()
+    with pytest.raises(RuntimeError, match="retired"):
+        m.release_after(xs[0], CPU, CPU)  # retiring twice is an error here too
+    with pytest.raises(ValueError, match="unknown action 'drop'"):
+        m.release_after(torch.ones(2), CPU, CPU, action="drop")
+    with pytest.raises(ValueError, match="owner_stream must be a torch.Stream"):
+        m.release_after(torch.ones(2), CPU, "cpu")
+    with pytest.raises(ValueError, match="owner_stream is required"):
+        sl._ops.direct.release(m.handle, [torch.ones(2)], CPU, 0, None)
+    assert m.stats() == before  # a refused call changes nothing
+    m.finalize()
+
+
+def test_release_after_hands_a_subclass_to_the_ops():
+    class Sub(torch.Tensor):
+        pass
+
+    m = sl.LifetimeManager("release_after_sub")
+    t = torch.ones(4).as_subclass(Sub)
+    assert sl._ops.direct.release(m.handle, [t], CPU, 0, CPU) is NotImplemented
+    assert m.stats()["bound"] == 0
+    assert m.release_after(t, CPU, CPU) == 0
+    assert (m.stats()["bound"], m.stats()["immediate"]) == (1, 1)
+    m.finalize()

@@ -32,10 +32,11 @@ def _worker(arm: str, mode: str, iters: int = 200) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize("arm", ["scheduled", "release_after"])
 @pytest.mark.parametrize("mode", ALLOC_MODES, ids=["default", "expandable", "cudaMallocAsync"])
-def test_poison_scheduled_release_is_intact(mode):
-    r = _worker("scheduled", mode)
-    print("poison", mode or "default", r)
+def test_poison_scheduled_release_is_intact(mode, arm):
+    r = _worker(arm, mode)
+    print("poison", arm, mode or "default", r)
     assert r["corrupt"] == 0, r
     # The test only proves something if the poison really took the released block.
     assert r["reused"] >= r["iterations"] // 2, r

@@ -116,6 +116,28 @@ class LifetimeManager:
         else:
             _retire_owned(self.handle, ts, _stream(owner_stream, ts, "owner_stream"), consumer, code)
 
+    def release_after(
+        self,
+        tensors: Tensors,
+        consumer_stream: torch.Stream,
+        owner_stream: torch.Stream,
+        action: Optional[str] = None,
+    ) -> int:
+        """`retire(tensors, consumer_stream, action, owner_stream=owner_stream)` then
+        `acquire(owner_stream)`, in one call: the consumer has queued its last use, the owner
+        stream waits for it now and the storage goes back to the owner's pool at once
+        (`record_stream`'s one-call replacement, with no deferred free). Returns how many
+        tensors were released (this plan's others parked for the owner included)."""
+        code = _DEFAULT_ACTION if action is None else ACTIONS.get(action)
+        if code is None:
+            raise ValueError(f"release_after: unknown action {action!r}; expected one of {sorted(ACTIONS)}")
+        got = direct.release(self.handle, tensors, consumer_stream, code, owner_stream)
+        if got is not NotImplemented:
+            return got
+        ts = _tensor_list(tensors, "release_after")
+        _retire_owned(self.handle, ts, owner_stream, consumer_stream, code)
+        return direct.acquire(self.handle, owner_stream)
+
     def acquire(self, stream: Optional[torch.Stream] = None, event: Optional[torch.Event] = None) -> int:
         """Before the next node on `stream`: wait on the plan event, then release the tensors
         this plan parked for `stream`. Returns how many were released."""

@@ -57,6 +57,12 @@ def page_plan(prefix: list[dict], budget: Budget, min_distance: int = 1, timing:
     return json.loads(ops.page_plan(json.dumps(prefix), _budget_text(budget), int(min_distance), "" if timing is None else json.dumps(timing)))
 
 
+def explain_plan(plan: dict) -> str:
+    """A plan from `page_plan` as text: a head line, then Rust's line per candidate."""
+    head = f"paging {len(plan['page'])} tensors, {plan['bytes_paged']} of {plan['bytes_live']} bytes (target {plan['target']})"
+    return "\n".join([head + (" SHORT of target" if plan["short"] else "")] + plan["explain"])
+
+
 def is_weight(t: torch.Tensor) -> bool:
     """A saved tensor that is a weight: a parameter, a leaf that takes a gradient, or a view of
     one (a matmul saves its weight). It stays on the device: paging it saves nothing."""
@@ -694,8 +700,4 @@ class Pager:
 
     def explain(self) -> str:
         """What calibration chose, one line per saved tensor."""
-        if self.plan is None:
-            return "not calibrated yet"
-        p = self.plan
-        head = f"paging {len(p['page'])} tensors, {p['bytes_paged']} of {p['bytes_live']} bytes (target {p['target']})"
-        return "\n".join([head + (" SHORT of target" if p["short"] else "")] + p["explain"])
+        return "not calibrated yet" if self.plan is None else explain_plan(self.plan)
