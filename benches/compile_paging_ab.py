@@ -87,6 +87,7 @@ def main() -> None:
         # Rust's reasons, one line per candidate (what was paged, what not and why).
         text = explain_plan(pg.plan) if pg.plan else ""
         out[arm]["explain"] = text
+        out[arm]["calibration"] = pg.pager.calibration if pg.pager is not None else None  # timed: Rust's inputs
         print(f"{arm}: {text.splitlines()[0] if text else 'no plan'}")
     if a.json:
         with open(a.json, "w") as f:

@@ -199,6 +199,7 @@ def main() -> None:
         if pager is not None:
             out[name]["stats"] = pager.stats()
             out[name]["explain"] = pager.explain()  # Rust's reasons, one line per candidate
+            out[name]["calibration"] = pager.calibration  # Rust's inputs (timed: the timeline too)
             print(f"{name}: {pager.explain().splitlines()[0]}")
     if a.json:
         with open(a.json, "w") as f:

@@ -460,6 +460,7 @@ class Pager:
         self.min_distance = min_distance
         self.min_bytes = min_bytes
         self.plan: Optional[dict] = None
+        self.calibration: Optional[dict] = None
         self._calib: list[dict] = []
         self._first_use: dict[int, int] = {}
         self._page: set[int] = set()
@@ -653,6 +654,8 @@ class Pager:
                 continue
             prefix.append({"name": f"#{i}", "bytes": c["bytes"], "saved_at": i, "used_at": self._first_use[i]})
         # used_at counts backward steps from the boundary: the first unpack is step 0.
+        #: What the plan was made from (Rust's inputs), to print or to plan again with.
+        self.calibration = {"prefix": prefix, "budget": self.budget, "min_distance": self.min_distance, "timing": timing}
         self.plan = page_plan(prefix, self.budget, self.min_distance, timing)
         self.plan["timing"] = timing
         paged = [int(n[1:]) for n in self.plan["page"]]
