@@ -46,9 +46,9 @@ def main() -> None:
     for arm in a.arms.split(","):
         if arm == "eager":
             model, run = base, base
-        elif arm == "compiled":
+        elif arm in ("compiled", "aot_eager"):
             model = copy.deepcopy(base)
-            run = torch.compile(model, backend="sched_lifetime")
+            run = torch.compile(model, backend="sched_lifetime" if arm == "compiled" else "aot_eager")
         elif arm.startswith(("paging:", "timed:")):
             kind, budget, extra = (arm.split(":") + [""])[:3]
             b = float(budget) if "." in budget else int(budget)
@@ -59,7 +59,7 @@ def main() -> None:
             run = torch.compile(model, backend="sched_lifetime", options=opts)
             pagers[arm] = None  # its GraphPager, found after its first (compiling) step
         else:
-            raise SystemExit(f"unknown arm {arm!r}: eager, compiled, paging:BUDGET[:PREFETCH], timed:BUDGET[:SLACK]")
+            raise SystemExit(f"unknown arm {arm!r}: eager, compiled, aot_eager, paging:BUDGET[:PREFETCH], timed:BUDGET[:SLACK]")
 
         def setup(step: int, model=model, run=run, arm=arm):
             for p in model.parameters():

@@ -46,7 +46,7 @@ from .order_pass import rewrite
 from .paging_pass import GraphPager
 from .to_ir import to_ir
 
-__all__ = ["OPTIONS", "GraphStep", "backend", "capture_graphs", "check_options", "compile_fx_graph", "compile_graphs", "history", "multiplex", "rewrite", "to_ir"]
+__all__ = ["OPTIONS", "GraphStep", "backend", "boxed", "capture_graphs", "check_options", "compile_fx_graph", "compile_graphs", "history", "multiplex", "rewrite", "to_ir"]
 
 #: Options and their defaults; anything else is an error listing these.
 OPTIONS: dict[str, Any] = {
@@ -100,7 +100,6 @@ def check_options(options: Optional[dict]) -> dict:
 
 def backend(gm: fx.GraphModule, example_inputs: list, options: Optional[dict] = None) -> Callable:
     """The torch.compile backend (registered as "sched_lifetime")."""
-    from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import default_partition
 
@@ -123,13 +122,37 @@ def backend(gm: fx.GraphModule, example_inputs: list, options: Optional[dict] = 
                 out.sched_lifetime["paging"] = pager
             if captured is not None:
                 return captured(out, inputs, phase, inference)
-            return make_boxed_func(out)
+            return boxed(out)
 
         return compile_graph
 
     return aot_autograd(
         fw_compiler=compiler("fwd"), bw_compiler=compiler("bwd"), inference_compiler=compiler("fwd", inference=True), partition_fn=partition
     )(gm, example_inputs)
+
+
+def boxed(gm: fx.GraphModule) -> Callable:
+    """`gm` under AOTAutograd's boxed calling convention, as aot_eager runs its graphs
+    (`boxed_nop`): the runner takes the argument list and clears it once the graph has bound
+    its inputs, so each input (a saved activation in the backward) is freed at its last use in
+    the graph, not when the graph returns. `gm` itself keeps its plain signature (history,
+    multiplexing and tests call it with positional arguments); the runner is a copy of it,
+`gm.sched_lifetime["runner"]`."""
+    from torch.fx.graph import _BoxedCodeGen
+
+    g = fx.Graph()
+    out = g.graph_copy(gm.graph, {})  # nodes copied; their other arguments (streams, keys) shared
+    g.output(out)
+    g.set_codegen(_BoxedCodeGen())
+    runner = fx.GraphModule(gm, g)
+    gm.sched_lifetime["runner"] = runner  # what runs: hooks on it see the argument list
+
+    def run(args: list) -> Any:
+        return runner(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    run.module = gm  # type: ignore[attr-defined]  (keeps what gm holds alive: its pager)
+    return run
 
 
 class _Capture:
