@@ -247,10 +247,15 @@ class _GraphChain(torch.autograd.Function):
         stage: GraphStage = ctx.stage
         fstage, fargs = _take_armed(GraphStage)
         saved, ctx.saved_values = ctx.saved_values, None
+        # The saved values travel in the argument list only, which the boxed runners clear:
+        # each dies at its last use in the backward graph.
         if fstage is None:
-            grads = list(stage.bwd(*saved, grad))
+            saved.append(grad)
+            grads = list(stage._run_bwd(saved))
         else:
-            res = stage.multiplexed_with(fstage)(*fstage.params, *fargs, *saved, grad)
+            args = [*fstage.params, *fargs, *saved, grad]
+            saved = None
+            res = stage._runner(fstage)(args)
             k = fstage.n_fwd_out
             fstage._ready = (fargs, (res[0], list(res[1:k])))
             fstage.overlapped += 1
@@ -269,7 +274,7 @@ class GraphStage(_DualPipeHook, nn.Module):
     their gradients are accumulated into `.grad`."""
 
     def __init__(self, module: nn.Module, example_inputs: tuple, ep_budget: Optional[int] = None) -> None:
-        from .compile import capture_graphs, compile_graphs
+        from .compile import boxed, capture_graphs, compile_graphs
 
         super().__init__()
         self.module = module
@@ -277,8 +282,10 @@ class GraphStage(_DualPipeHook, nn.Module):
         example = tuple(x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x for x in example_inputs)
         _, self.params, self.graphs, _ = capture_graphs(module, example)
         self.fwd, self.bwd, self.n_fwd_out = compile_graphs(self.graphs, ep_budget)
+        self._run_bwd = boxed(self.bwd)
         self.ep_budget = ep_budget
         self._mux: dict[int, Any] = {}
+        self._mux_run: dict[int, Any] = {}
         self._ready: Optional[tuple] = None
         #: How many of this stage's forwards ran multiplexed with another stage's backward.
         self.overlapped = 0
@@ -294,6 +301,15 @@ class GraphStage(_DualPipeHook, nn.Module):
         if m is None:
             m = self._mux[id(fstage)] = multiplex(fstage.graphs["fwd"], self.graphs["bwd"], ep_budget=self.ep_budget)
         return m
+
+    def _runner(self, fstage: "GraphStage") -> Any:
+        """`multiplexed_with(fstage)` under the boxed convention (`compile.boxed`)."""
+        from .compile import boxed
+
+        r = self._mux_run.get(id(fstage))
+        if r is None:
+            r = self._mux_run[id(fstage)] = boxed(self.multiplexed_with(fstage))
+        return r
 
     @staticmethod
     def dw_builder() -> Callable[[], None]:

@@ -82,10 +82,15 @@ class GraphStep:
             raise ValueError(f"GraphStep needs a scalar loss, the model returned shape {tuple(loss.shape)}")
         self.fwd, self.bwd, self.n_fwd_out = compile_graphs(self.graphs, ep_budget)
         self.mux = multiplex(self.graphs["fwd"], self.graphs["bwd"], ep_budget=ep_budget, explain=explain)
+        # What runs: the boxed runners (each clears its argument list once bound, so a saved
+        # activation dies at its last use in the backward, not when the call returns).
+        from . import boxed
+
+        self._fwd, self._bwd, self._mux = boxed(self.fwd), boxed(self.bwd), boxed(self.mux)
 
     def _forward(self, inputs: tuple) -> tuple:
         with torch.no_grad():
-            out = self.fwd(*self.params, *inputs)
+            out = self._fwd([*self.params, *inputs])
         return out[0], list(out[1:])
 
     def _accumulate(self, grads: Any) -> None:
@@ -97,25 +102,31 @@ class GraphStep:
         if not microbatches:
             raise ValueError("GraphStep.step needs at least one microbatch")
         losses = []
+        # The saved activations travel in argument lists only (no other reference), which the
+        # runners clear: each dies at its last use in the backward.
         if not multiplexed:
             for mb in microbatches:
                 loss, saved = self._forward(mb)
                 losses.append(loss)
+                saved.append(torch.ones_like(loss))
                 with torch.no_grad():
-                    self._accumulate(self.bwd(*saved, torch.ones_like(loss)))
+                    self._accumulate(self._bwd(saved))
             return losses
         loss, saved = self._forward(microbatches[0])
         losses.append(loss)
         n_saved = self.n_fwd_out - 1
         for nxt in microbatches[1:]:
-            one = torch.ones_like(loss)
+            args = [*self.params, *nxt, *saved, torch.ones_like(loss)]
+            saved = None
             with torch.no_grad():
-                out = self.mux(*self.params, *nxt, *saved, one)
+                out = self._mux(args)
             f_out, grads = out[: self.n_fwd_out], out[self.n_fwd_out :]
             self._accumulate(grads)
             loss, saved = f_out[0], list(f_out[1 : 1 + n_saved])
             losses.append(loss)
+            del out, f_out
+        saved.append(torch.ones_like(loss))
         with torch.no_grad():
-            grads = self.bwd(*saved, torch.ones_like(loss))
+            grads = self._bwd(saved)
         self._accumulate(grads)
         return losses
