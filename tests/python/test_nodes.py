@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sched_lifetime.models import CONFIGS, MoEModel
-from sched_lifetime.nodes import Chunk, MicrobatchState, NodeDef, combined_step, train_step
+from sched_lifetime.nodes import Chunk, MicrobatchState, NodeDef, _two_graph, combined_step, run_two, train_step, two_schedule
 
 
 # A shape no example uses: odd sizes, 6 experts top-3 on one rank, no shared expert, two dense
@@ -129,3 +129,65 @@ def test_order_settings_reach_the_scheduler_and_bad_ones_are_named():
         _order_schedule(g, "ours:speed=2")
     with pytest.raises(ValueError, match="1..=1024"):
         _order_schedule(g, "ours:ep_budget=0")
+
+
+def _steps(cfg, n, order, paired, steps=3):
+    m = MoEModel(cfg, seed=0, device="cpu")
+    ch = m.chunk(torch.device("cpu"))
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    out = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        losses = train_step(ch, [m.batch(step, i) for i in range(n)], order, paired_ends=paired)
+        out += list(losses) + [p.grad.clone() for p in m.parameters()]
+        opt.step()
+    return out + [p.detach().clone() for p in m.parameters()], ch
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_paired_ends_are_bit_exact_against_sequential(n):
+    """Warm-up F(0) with F(1) and cool-down B(n-2) with B(n-1) multiplexed: losses, every
+    gradient and the weights after 3 SGD steps equal sequential F then B."""
+    cfg = replace(CONFIGS["tiny"], capacity_factor=1.0)
+    ref, _ = _steps(cfg, n, "sequential", False)
+    got, _ = _steps(cfg, n, "ours", True)
+    assert len(ref) == len(got) and all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+def test_paired_ends_hide_each_transfer_under_the_other_microbatch_and_keep_the_accumulation_order():
+    cfg = replace(CONFIGS["tiny"], capacity_factor=1.0)
+    ch = MoEModel(cfg, seed=0, device="cpu").chunk(torch.device("cpu"))
+    for phase in ("F", "B"):
+        s = two_schedule(ch, phase)
+        graph = _two_graph(ch, phase)
+        kinds = {n["name"]: (n["kind"], n["source"]) for n in graph["nodes"]}
+        assert {src for _, src in kinds.values()} == {phase, phase + "2"}
+        waits = {n["launch"]: n["name"] for n in graph["nodes"] if n["kind"] == "comm_wait"}
+        order = s["order"]
+        pos = {x: i for i, x in enumerate(order)}
+        under = [any(kinds[x][0] == "compute" and kinds[x][1] != kinds[l][1] for x in order[pos[l] : pos[w]]) for l, w in waits.items()]
+        assert len(under) == 8 and all(under), (phase, under)  # 2 MoE layers x 2 transfers x 2 microbatches
+        if phase == "B":
+            # Every node with weights: the second microbatch's gradient accumulation after the first's.
+            acc = [n for n in ch.nodes if n.params]
+            for n in acc:
+                first = f"B.{n.name}.dw" if f"B.{n.name}.dw" in kinds else f"B.{n.name}"
+                assert [first, "B2" + first[1:]] in graph["control"], first
+                assert pos[first] < pos["B2" + first[1:]]
+
+
+def test_paired_ends_errors():
+    cfg = replace(CONFIGS["tiny"], capacity_factor=1.0)
+    m = MoEModel(cfg, seed=0, device="cpu")
+    ch = m.chunk(torch.device("cpu"))
+    with pytest.raises(ValueError, match="paired_ends needs one of our orders"):
+        train_step(ch, [m.batch(0, 0), m.batch(0, 1)], "b_then_f", paired_ends=True)
+    with pytest.raises(ValueError, match="two microbatches"):
+        run_two(ch, "F", [(MicrobatchState(0), m.batch(0, 0))])
+    with pytest.raises(ValueError, match="phase must be"):
+        run_two(ch, "X", [None, None])
+    with pytest.raises(ValueError, match="no saved forward"):
+        run_two(ch, "B", [MicrobatchState(0), MicrobatchState(1)])
+    ch.deferred_dw = []
+    with pytest.raises(ValueError, match="not with paging or deferred dW"):
+        run_two(ch, "F", [(MicrobatchState(0), m.batch(0, 0)), (MicrobatchState(1), m.batch(0, 1))])

@@ -41,7 +41,8 @@ def _parity_worker(rank: int, port: int, out: str, config: str, capacity: float)
     )
     cfg = replace(base, capacity_factor=capacity or None)
     t = ep.AllToAll(ep.new_ep_group())
-    arms = {a: Arm(a, cfg, t, torch.device("cpu"), lr=0.05) for a in ARMS}
+    # ours+ends: the warm-up and cool-down multiplexed too (two forwards, two backwards).
+    arms = {a: Arm(a, cfg, t, torch.device("cpu"), lr=0.05) for a in [*ARMS, "ours+ends"]}
     ref = arms["sequential"]
     grads = {a: True for a in arms}
     for step in range(3):

@@ -632,6 +632,115 @@ def run_pair(
             c.ctx.fwd = c.ctx.bwd = None
 
 
+def _renamed(nodes: list[dict], control: list[list[str]], old: str, new: str) -> tuple[list[dict], list[list[str]]]:
+    """A source's graph table and control edges with its prefix `old.` renamed `new.` (node,
+    value and launch names) and its nodes moved to source `new`."""
+
+    def r(x: str) -> str:
+        return new + x[len(old) :] if x.startswith(old + ".") else x
+
+    out = []
+    for n in nodes:
+        m = dict(n, name=r(n["name"]), source=new)
+        if "launch" in m:
+            m["launch"] = r(m["launch"])
+        if "inputs" in m:
+            m["inputs"] = [r(v) for v in m["inputs"]]
+        if "outputs" in m:
+            m["outputs"] = [dict(o, value=r(o["value"])) if isinstance(o, dict) else r(o) for o in m["outputs"]]
+        out.append(m)
+    return out, [[r(a), r(b)] for a, b in control]
+
+
+def _twin(chunk: Chunk) -> Chunk:
+    """A second Chunk over the same nodes (the same modules and parameters) with its own
+    context: the other microbatch of a `run_two` pair (made once)."""
+    t = getattr(chunk, "_twin_chunk", None)
+    if t is None:
+        t = chunk._twin_chunk = Chunk(chunk.nodes, chunk.inputs, chunk.loss_output, chunk.device, chunk.dw_nodes)
+    return t
+
+
+def _two_graph(chunk: Chunk, phase: str) -> dict:
+    """The graph of two microbatches of the same phase multiplexed: `F` with `F2` (two
+    forwards) or `B` with `B2` (two backwards; the second source's weight-gradient work on each
+    node after the first's, so the gradients accumulate in microbatch order)."""
+    twin = _twin(chunk)
+    first = chunk._forward_table if phase == "F" else chunk._backward_table
+    ctrl = chunk._forward_control if phase == "F" else chunk._backward_control
+    second = twin._forward_table if phase == "F" else twin._backward_table
+    ctrl2 = twin._forward_control if phase == "F" else twin._backward_control
+    nodes2, control2 = _renamed(second, ctrl2, phase, phase + "2")
+    control = list(ctrl) + control2
+    if phase == "B":
+        names = {n["name"] for n in first}
+        for n in chunk.nodes:
+            if not n.params:
+                continue
+            # The node that adds this node's weight gradients into `.grad`: dW, or the fused dI.
+            acc = f"B.{n.name}.dw" if f"B.{n.name}.dw" in names else f"B.{n.name}"
+            if acc in names:
+                control.append([acc, "B2" + acc[1:]])
+        inputs = [f"B.g.{chunk.loss_output}", f"B2.g.{chunk.loss_output}"]
+    else:
+        inputs = [f"F.{v}" for v in chunk.inputs] + [f"F2.{v}" for v in chunk.inputs]
+    g = {"sources": [{"name": phase, "phase": phase}, {"name": phase + "2", "phase": phase}], "inputs": inputs, "nodes": list(first) + nodes2}
+    if control:
+        g["control"] = control
+    return g
+
+
+def two_schedule(chunk: Chunk, phase: str, order: str = "ours") -> dict:
+    """The schedule `run_two(chunk, phase, ...)` runs (for the ranks' digest and for tests)."""
+    return _order_schedule(_two_graph(chunk, phase), order)
+
+
+def run_two(
+    chunk: Chunk, phase: str, items: Sequence[Any], order: str = "ours", lifetime: str = "scheduled", grad_scale: float = 1.0
+) -> dict[str, Any]:
+    """Two microbatches of the same phase multiplexed in one schedule: `phase="F"`, `items`
+    two (state, chunk inputs) pairs; `phase="B"`, two states, in microbatch order (the
+    first's weight gradients accumulate first on every node). What `train_step(...,
+    paired_ends=True)` runs for its warm-up and cool-down. Our orders only; not with paging or
+    deferred dW."""
+    if phase not in ("F", "B"):
+        raise ValueError(f"phase must be 'F' or 'B', got {phase!r}")
+    if len(items) != 2:
+        raise ValueError(f"run_two takes two microbatches, got {len(items)}")
+    if chunk._paged or chunk.deferred_dw is not None:
+        raise ValueError("run_two: not with paging or deferred dW (a chunk of the pipelining hooks)")
+    twin = _twin(chunk)
+    key = ("two", phase, order, lifetime)
+    ex = chunk._executors.get(key)
+    if ex is None:
+        g = _two_graph(chunk, phase)
+        s = two_schedule(chunk, phase, order)
+        calls = chunk.callables(phase == "F", phase == "B")
+        calls.update({phase + "2" + k[1:]: f for k, f in twin.callables(phase == "F", phase == "B").items()})
+        ex = chunk._executors[key] = Executor(g, s, calls, device=chunk.device, lifetime=lifetime)
+    compute = torch.cuda.current_stream(chunk.device) if chunk.device.type == "cuda" else None
+    inputs: dict[str, Any] = {}
+    for c, p, item in ((chunk, phase, items[0]), (twin, phase + "2", items[1])):
+        c.ctx.compute = compute
+        if phase == "F":
+            st, feed = item
+            missing = sorted(set(chunk.inputs) - set(feed))
+            if missing:
+                raise ValueError(f"chunk inputs missing: {missing}")
+            inputs.update({f"{p}.{k}": v for k, v in feed.items()})
+            c.ctx.fwd = st
+        else:
+            if not item.saved or item.loss is None:
+                raise ValueError(f"microbatch {item.index} has no saved forward to run a backward on")
+            inputs[f"{p}.g.{chunk.loss_output}"] = torch.full((), grad_scale, device=chunk.device, dtype=item.loss.dtype)
+            c.ctx.bwd = item
+    try:
+        return ex.run(inputs)
+    finally:
+        for c in (chunk, twin):
+            c.ctx.fwd = c.ctx.bwd = None
+
+
 def accumulate_grads(params: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]) -> None:
     """Add gradients into `.grad` as autograd's accumulation does (the first one is taken as
     is, later ones added in place); None skips."""
@@ -734,17 +843,26 @@ def train_step(
     order: str = "ours",
     lifetime: str = "scheduled",
     on_run: Optional[Callable[[], None]] = None,
+    paired_ends: bool = False,
 ) -> list[torch.Tensor]:
     """One step over n microbatches with gradient accumulation (loss scaled by 1/n).
 
     `order="sequential"`: F(i) then B(i), one microbatch at a time, each comm waited at once.
     Otherwise the steady state: warm-up F(0), then F(i+1) multiplexed with B(i), cool-down
-    B(n-1), each multiplexing in `order` ("ours" or "b_then_f"). Returns the losses."""
+    B(n-1), each multiplexing in `order` ("ours" or "b_then_f"). Returns the losses.
+
+    `paired_ends` (n >= 2, our orders): the warm-up and the cool-down are multiplexed too, so
+    their transfers also run under another microbatch's compute: F(0) with F(1), then F(i+2)
+    with B(i), then B(n-2) with B(n-1) (`run_two`). One more microbatch's activations are live
+    in the steady state (three forwards ahead of their backward instead of two). Gradients
+    accumulate in microbatch order as without it (bit-exact)."""
     n = len(microbatches)
     if n == 0:
         raise ValueError("train_step needs at least one microbatch")
     if order not in Chunk.ORDERS and not order.startswith("ours:"):
         raise ValueError(f"order must be one of {Chunk.ORDERS} (or 'ours:<rules,budgets>'), got {order!r}")
+    if paired_ends and not (order == "ours" or order.startswith("ours:")):
+        raise ValueError(f"paired_ends needs one of our orders ('ours' or 'ours:...'), got {order!r}")
     scale = 1.0 / n
     states = [MicrobatchState(i) for i in range(n)]
 
@@ -758,6 +876,14 @@ def train_step(
             after()
             chunk.run(None, states[i], order, lifetime, scale)
             after()
+    elif paired_ends and n >= 2:
+        run_two(chunk, "F", [(states[0], microbatches[0]), (states[1], microbatches[1])], order, lifetime)
+        after()
+        for i in range(n - 2):
+            chunk.run((states[i + 2], microbatches[i + 2]), states[i], order, lifetime, scale)
+            after()
+        run_two(chunk, "B", [states[n - 2], states[n - 1]], order, lifetime, scale)
+        after()
     else:
         chunk.run((states[0], microbatches[0]), None, order, lifetime)
         after()

@@ -6,6 +6,8 @@ Arms (same initial weights, same tokens):
   b_then_f         F(i+1) and B(i) multiplexed as every B node then every F node
   ours             F(i+1) and B(i) in the scheduler's order
   ours+record      ours, with `record_stream` instead of the lifetime manager
+  ours+ends        (opt-in) ours, with the warm-up and cool-down multiplexed too: F(0) with
+                   F(1), B(n-2) with B(n-1); one more microbatch's activations live
 Columns: loss and gradient parity against `sequential` (torch.equal on every loss, gradient and
 updated weight), step time (median of interleaved steps), exposed communication (profiler
 kernel intervals: NCCL time with no compute kernel running), max allocated, max reserved,
@@ -49,7 +51,11 @@ EXTRA_ARMS = {
     "ours+classic": ("ours:classic", "scheduled"),
     "ours+ep2": ("ours:ep_budget=2", "scheduled"),
     "ours+search": ("ours:search", "scheduled"),
+    "ours+ends": ("ours", "scheduled"),
 }
+#: Arms whose warm-up and cool-down are multiplexed too (`train_step(..., paired_ends=True)`:
+#: F(0) with F(1), B(n-2) with B(n-1)), at the cost of one more microbatch's activations.
+PAIRED_ENDS = {"ours+ends"}
 
 
 def _free_port() -> int:
@@ -134,7 +140,7 @@ class Arm:
             losses = self._replay(batches)
         else:
             self.opt.zero_grad(set_to_none=True)
-            losses = train_step(self.chunk, batches, self.order, self.lifetime, on_run)
+            losses = train_step(self.chunk, batches, self.order, self.lifetime, on_run, paired_ends=self.name in PAIRED_ENDS)
         if dist.is_initialized() and dist.get_world_size() > 1:
             # Data parallel over the EP ranks for everything but the experts.
             grads = [p.grad for p in m.dense_parameters() if p.grad is not None]
@@ -216,6 +222,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: Optional[int])
 
 def run(args: argparse.Namespace, use_cuda: bool) -> dict:
     from . import ep as ep_mod
+    from . import nodes as nodes_mod
     from .ab import _pending_free_bytes
     from .models import CONFIGS
 
@@ -237,6 +244,8 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
     failed: dict[str, str] = {}
     # Every rank must issue the same collectives in the same order.
     tables = {a: arm.chunk.order_schedule(True, True, arm.order) for a, arm in arms.items()}
+    for a in PAIRED_ENDS & set(arms):
+        tables[a + ":ends"] = [nodes_mod.two_schedule(arms[a].chunk, phase, arms[a].order) for phase in ("F", "B")]
     ep_mod.check_rank_identical("schedule (graph, order, budgets) and model config", ep_mod.digest(tables, cfg.as_dict()), group)
 
     def sync() -> None:
