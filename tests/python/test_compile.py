@@ -393,6 +393,15 @@ def test_graph_breaks_fall_back_to_eager_for_that_region():
     assert len(slc.history) - n0 >= 4  # two regions, each a forward and a backward graph
 
 
+def _spawn_two(worker, tmp_path, *args) -> list:
+    """Run `worker(rank, port, out, *args)` on 2 processes; each rank's saved result."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(port, str(tmp_path), *args), nprocs=2, join=True)
+    return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+
+
 def _moe_worker(rank: int, port: int, out: str, device: str = "cpu") -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=2)
@@ -452,12 +461,7 @@ def test_moe_model_with_ep_over_two_ranks(tmp_path, device):
     """gloo on CPU (CI); NCCL on 2 GPUs under the cuda marker."""
     if device == "cuda" and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_moe_worker, args=(port, str(tmp_path), device), nprocs=2, join=True)
-    for rank in range(2):
-        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+    for got in _spawn_two(_moe_worker, tmp_path, device):
         assert all(got["ok"].values()), got["ok"]
         assert got["same_order"]  # every rank issues the collectives in the same order
         cross, launches = got["cross"]
@@ -502,12 +506,7 @@ def test_moe_model_with_ep_over_nccl_captured_replays_bit_exact(tmp_path):
     compute in CUDA graphs; replays bit-exact against eager on both ranks."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_moe_capture_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+    for rank, got in enumerate(_spawn_two(_moe_capture_worker, tmp_path)):
         print(rank, got)
         assert got["captured"] and all(got["captured"]), got
         assert got["comm"] >= 8, got  # 2 MoE layers x dispatch + combine, forward and backward
@@ -539,6 +538,16 @@ def _capture_pair(run, model, batches):
     return fwd, bwd, rec["f"], rec["b"]
 
 
+def _mlp_pair(*layers, batch: int = 8) -> tuple:
+    """`_capture_pair` for a Sequential of `layers` (seeded) on batches of 16 features."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*layers)
+    torch._dynamo.reset()
+    run = torch.compile(model, backend="sched_lifetime")
+    batches = [(torch.randn(batch, 16, generator=torch.Generator().manual_seed(s)),) for s in range(2)]
+    return _capture_pair(run, model, batches)
+
+
 def _check_multiplexed(fwd, bwd, fargs, bargs):
     ref = list(fwd(*fargs)) + list(bwd(*bargs))
     m = slc.multiplex(fwd, bwd)
@@ -551,12 +560,7 @@ def _check_multiplexed(fwd, bwd, fargs, bargs):
 
 def test_multiplexed_forward_and_backward_graphs_equal_separate_runs():
     torch.use_deterministic_algorithms(True)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
-    torch._dynamo.reset()
-    run = torch.compile(model, backend="sched_lifetime")
-    batches = [(torch.randn(8, 16, generator=torch.Generator().manual_seed(s)),) for s in range(2)]
-    m = _check_multiplexed(*_capture_pair(run, model, batches))
+    m = _check_multiplexed(*_mlp_pair(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16)))
     assert {n["source"] for n in m.sched_lifetime["ir"]["nodes"]} == {"F", "B"}
 
 
@@ -567,35 +571,24 @@ def test_backward_frees_each_saved_activation_at_its_last_use():
     activation to its end: +23% peak on the H200 bench)."""
     import weakref
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
-    torch._dynamo.reset()
-    run = torch.compile(model, backend="sched_lifetime")
-    batches = [(torch.randn(8, 16, generator=torch.Generator().manual_seed(s)),) for s in range(2)]
-    fwd, bwd, fargs, bargs = _capture_pair(run, model, batches)
-    for gm, args in ((bwd, bargs),):
-        ref = gm(*args)
-        runner = slc.boxed(gm)  # what the backend hands AOTAutograd
-        args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-        alive = [weakref.ref(a) for a in args if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter)]
-        assert alive
-        got = runner(args)
-        assert args == []  # cleared once the graph bound its inputs
-        outs = {id(o) for o in got if isinstance(o, torch.Tensor)}
-        # Every input the graph does not hand back is gone as soon as the call returns.
-        assert all(r() is None or id(r()) in outs for r in alive), [r() is not None for r in alive]
-        assert all(torch.equal(a, b) for a, b in zip(got, ref) if isinstance(a, torch.Tensor))
+    _, bwd, _, bargs = _mlp_pair(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    ref = bwd(*bargs)
+    runner = slc.boxed(bwd)  # what the backend hands AOTAutograd
+    args = [a.clone() if isinstance(a, torch.Tensor) else a for a in bargs]
+    alive = [weakref.ref(a) for a in args if isinstance(a, torch.Tensor)]
+    assert alive
+    got = runner(args)
+    assert args == []  # cleared once the graph bound its inputs
+    outs = {id(o) for o in got if isinstance(o, torch.Tensor)}
+    # Every input the graph does not hand back is gone as soon as the call returns.
+    assert all(r() is None or id(r()) in outs for r in alive), [r() is not None for r in alive]
+    assert all(torch.equal(a, b) for a, b in zip(got, ref) if isinstance(a, torch.Tensor))
 
 
 def test_rewritten_graphs_trace_again_with_fake_tensors():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
-    torch._dynamo.reset()
-    run = torch.compile(model, backend="sched_lifetime")
-    batches = [(torch.randn(4, 16, generator=torch.Generator().manual_seed(s)),) for s in range(2)]
-    fwd, bwd, fargs, bargs = _capture_pair(run, model, batches)
+    fwd, bwd, fargs, bargs = _mlp_pair(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8), batch=4)
     mux = slc.multiplex(fwd, bwd)
     for gm, args in ((fwd, fargs), (bwd, bargs), (mux, fargs + bargs)):
         traced = make_fx(gm, tracing_mode="fake")(*args)
@@ -639,12 +632,7 @@ def test_graph_step_steady_state_on_compiled_graphs_with_ep_over_two_gloo_ranks(
     """F(0), then F(i+1) multiplexed with B(i) in one compiled module, then B(n-1) (and the
     sequential baseline on alternate steps): losses and accumulated gradients bit-exact
     against eager microbatch by microbatch, 4 steps."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_graph_step_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+    for got in _spawn_two(_graph_step_worker, tmp_path):
         assert all(got["ok"]), got["ok"]
         assert got["launches"] == 8 and got["sources"] == ["B", "F"], got
 

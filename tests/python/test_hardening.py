@@ -141,6 +141,12 @@ def test_direct_entry_is_the_ops_library_and_hands_subclasses_to_the_op():
     assert m.stats()["bound"] == 0
     m.retire(t, CPU, owner_stream=CPU)
     assert (m.stats()["bound"], m.stats()["immediate"]) == (1, 1)
+    # The one-call release_after the same way.
+    t2 = torch.ones(4).as_subclass(Sub)
+    assert sl._ops.direct.release(m.handle, [t2], CPU, 0, CPU) is NotImplemented
+    assert m.stats()["bound"] == 1
+    assert m.release_after(t2, CPU, CPU) == 0
+    assert (m.stats()["bound"], m.stats()["immediate"]) == (2, 2)
     m.finalize()
 
 

@@ -266,15 +266,3 @@ def test_release_after_is_retire_owned_then_acquire_in_one_call():
     assert m.stats() == before  # a refused call changes nothing
     m.finalize()
 
-
-def test_release_after_hands_a_subclass_to_the_ops():
-    class Sub(torch.Tensor):
-        pass
-
-    m = sl.LifetimeManager("release_after_sub")
-    t = torch.ones(4).as_subclass(Sub)
-    assert sl._ops.direct.release(m.handle, [t], CPU, 0, CPU) is NotImplemented
-    assert m.stats()["bound"] == 0
-    assert m.release_after(t, CPU, CPU) == 0
-    assert (m.stats()["bound"], m.stats()["immediate"]) == (1, 1)
-    m.finalize()
