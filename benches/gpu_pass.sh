@@ -42,7 +42,7 @@ one2)
     step schedule_family 100 "$py" benches/gpu_schedule_ab.py --family all --ratios 0.5,1.0,2.0 --json "$out/family.json"
     ;;
 two)
-    step main_job 330 bash benches/main_job_2gpu.sh "$out/mj" --arms sequential,b_then_f,ours,ours+ep2,ours+classic,ours+record --quiet
+    step main_job 420 bash benches/main_job_2gpu.sh "$out/mj" --arms sequential,b_then_f,ours,ours+ends,ours+ep2,ours+classic,ours+record --quiet
     step graph_step 200 env NCCL_MIN_NCHANNELS=2 NCCL_MAX_NCHANNELS=2 \
         torchrun --standalone --nproc-per-node 2 benches/compile_ab.py --config h200 --graph-step 4 --steps 4
     ;;
