@@ -90,3 +90,38 @@ fn bad_input_is_an_error_naming_the_item() {
     assert!(m.malloc(0, 3).unwrap_err().to_string().contains("unknown stream index 3"));
     assert!(sched_lifetime::scenarios::by_name("nope").is_err());
 }
+
+/// Two sources of one phase with a control edge from one to the other (`run_two`'s backward
+/// pair: the second microbatch's weight-gradient accumulation after the first's). The edge
+/// becomes a token the producer's plan binds; the simulator retires it in that plan, as the
+/// executor does, and hands the plan back after the token's last use (it used to retire it in
+/// the consumer's plan: rule `search` failed with "bound but never retired").
+#[test]
+fn control_edges_across_sources_are_retired_in_the_producers_plan() {
+    use sched_lifetime::ep::Budgets;
+    use sched_lifetime::ir::Graph;
+    use sched_lifetime::sched::Rules;
+
+    let g = Graph::from_json(
+        r#"{"sources": [{"name": "B", "phase": "B"}, {"name": "B2", "phase": "B"}], "inputs": ["g", "g2"], "nodes": [
+            {"name": "B.a", "source": "B", "kind": "compute", "inputs": ["g"], "outputs": ["B.x"], "cost": 50},
+            {"name": "B.send", "source": "B", "kind": "comm_launch", "inputs": ["B.x"], "outputs": ["B.y"], "cost": 80},
+            {"name": "B.send.wait", "source": "B", "kind": "comm_wait", "launch": "B.send"},
+            {"name": "B.dw", "source": "B", "kind": "compute", "wgrad": true, "inputs": ["B.y"], "outputs": ["B.w"], "cost": 40},
+            {"name": "B2.a", "source": "B2", "kind": "compute", "inputs": ["g2"], "outputs": ["B2.x"], "cost": 50},
+            {"name": "B2.send", "source": "B2", "kind": "comm_launch", "inputs": ["B2.x"], "outputs": ["B2.y"], "cost": 80},
+            {"name": "B2.send.wait", "source": "B2", "kind": "comm_wait", "launch": "B2.send"},
+            {"name": "B2.dw", "source": "B2", "kind": "compute", "wgrad": true, "inputs": ["B2.y"], "outputs": ["B2.w"], "cost": 40}
+        ], "control": [["B.dw", "B2.dw"]]}"#,
+    )
+    .unwrap();
+    let s = sched_lifetime::sched::schedule(&g, Budgets::default()).unwrap();
+    for (serial, drains) in [(false, true), (false, false), (true, false)] {
+        let rep = sim::simulate_graph(&g, &s.order, serial, drains).unwrap();
+        assert!(rep.hazards.is_empty(), "serial {serial} drains {drains}: {:?}", rep.hazards);
+    }
+    // The dW order holds in the searched schedule too.
+    let searched = sim::schedule(&g, Budgets::default(), Rules::parse("search").unwrap()).unwrap();
+    let pos = |n: &str| searched.order.iter().position(|&u| g.nodes[u].name == n).unwrap();
+    assert!(pos("B.dw") < pos("B2.dw"));
+}

@@ -497,9 +497,16 @@ pub fn run(plan: &Program, opts: SimOptions) -> Result<(Report, Machine)> {
         }
     }
     // Terminal hand-back (rule 7) at each plan's end, not at the end of the whole run.
+    // A plan ends at its last node, or at the last use of a value it produced (a control
+    // token into another source's node is retired there, in its producer's plan).
     let mut plan_last = vec![0usize; plan.plan_names.len()];
     for (n, &p) in plan.plan_of.iter().enumerate() {
-        plan_last[p as usize] = n;
+        plan_last[p as usize] = plan_last[p as usize].max(n);
+        for &o in &plan.outputs_of[n] {
+            if let Some(&c) = plan.consumers[o as usize].last() {
+                plan_last[p as usize] = plan_last[p as usize].max(c as usize);
+            }
+        }
     }
     let mut node_event: Vec<u32> = Vec::with_capacity(plan.len());
     for n in 0..plan.len() {
@@ -514,7 +521,7 @@ pub fn run(plan: &Program, opts: SimOptions) -> Result<(Report, Machine)> {
                 mgrs[plan.plan_of[n] as usize].acquire(&mut SimRuntime { machine: &mut m, skip_waits }, sid)?;
             }
         }
-        let mgr = &mut mgrs[plan.plan_of[n] as usize];
+        let own = plan.plan_of[n] as usize;
         // Data dependencies: wait on the producer's event when it ran on another stream.
         for &v in &plan.inputs_of[n] {
             if let Some(p) = plan.producer[v as usize] {
@@ -539,7 +546,7 @@ pub fn run(plan: &Program, opts: SimOptions) -> Result<(Report, Machine)> {
             m.malloc(o, s)?;
             if managed && !plan.consumers[o as usize].is_empty() {
                 let k = key(o, plan.value_bytes[o as usize]);
-                mgr.bind(&[k], sid, |_| o)?;
+                mgrs[own].bind(&[k], sid, |_| o)?;
             }
         }
         let used: SmallVec<[u32; 8]> = plan.inputs_of[n].iter().chain(&plan.outputs_of[n]).copied().collect();
@@ -580,7 +587,9 @@ pub fn run(plan: &Program, opts: SimOptions) -> Result<(Report, Machine)> {
                 } else {
                     sid
                 };
-                mgr.retire(&mut SimRuntime { machine: &mut m, skip_waits }, &[k], on, plan.action_of[n], |_| v)?;
+                // In the plan that bound it (its producer's), as the executor retires it.
+                let owner_plan = plan.producer[v as usize].map_or(plan.plan_of[n], |p| plan.plan_of[p as usize]);
+                mgrs[owner_plan as usize].retire(&mut SimRuntime { machine: &mut m, skip_waits }, &[k], on, plan.action_of[n], |_| v)?;
                 if !m.is_freed(v) && plan.action_of[n] != Action::Preserve {
                     m.park(v)?;
                 }
@@ -588,8 +597,12 @@ pub fn run(plan: &Program, opts: SimOptions) -> Result<(Report, Machine)> {
         }
         // With explicit drains, a scheduled drain may come after the plan's last node: hand
         // back at the end of the run instead.
-        if managed && !plan.spec.explicit_acquire && plan_last[plan.plan_of[n] as usize] == n {
-            mgr.finalize(&mut SimRuntime { machine: &mut m, skip_waits })?;
+        if managed && !plan.spec.explicit_acquire {
+            for (p, mgr) in mgrs.iter_mut().enumerate() {
+                if plan_last[p] == n {
+                    mgr.finalize(&mut SimRuntime { machine: &mut m, skip_waits })?;
+                }
+            }
         }
     }
     if managed && plan.spec.explicit_acquire {

@@ -191,3 +191,26 @@ def test_paired_ends_errors():
     ch.deferred_dw = []
     with pytest.raises(ValueError, match="not with paging or deferred dW"):
         run_two(ch, "F", [(MicrobatchState(0), m.batch(0, 0)), (MicrobatchState(1), m.batch(0, 1))])
+
+
+def test_paired_ends_carry_the_node_costs_to_the_search_rule():
+    """With node costs (e.g. a previous run's durations), both microbatches' nodes carry them,
+    so `ours:search` orders the pairs too, still bit-exact."""
+    cfg = replace(CONFIGS["tiny"], capacity_factor=1.0)
+    ref, _ = _steps(cfg, 3, "sequential", False)
+    m = MoEModel(cfg, seed=0, device="cpu")
+    ch = m.chunk(torch.device("cpu"))
+    ch.costs = {n["name"]: 10.0 + i for i, n in enumerate(ch.graph(True, True)["nodes"])}
+    graph = _two_graph(ch, "B")
+    costs = {n["name"]: n.get("cost") for n in graph["nodes"]}
+    assert all(c is not None for c in costs.values())
+    assert all(costs["B2" + k[1:]] == v for k, v in costs.items() if k.startswith("B."))
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    got = []
+    for step in range(3):
+        opt.zero_grad(set_to_none=True)
+        got += list(train_step(ch, [m.batch(step, i) for i in range(3)], "ours:search", paired_ends=True))
+        got += [p.grad.clone() for p in m.parameters()]
+        opt.step()
+    got += [p.detach().clone() for p in m.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))

@@ -668,9 +668,9 @@ def _two_graph(chunk: Chunk, phase: str) -> dict:
     twin = _twin(chunk)
     first = chunk._forward_table if phase == "F" else chunk._backward_table
     ctrl = chunk._forward_control if phase == "F" else chunk._backward_control
-    second = twin._forward_table if phase == "F" else twin._backward_table
-    ctrl2 = twin._forward_control if phase == "F" else twin._backward_control
-    nodes2, control2 = _renamed(second, ctrl2, phase, phase + "2")
+    if chunk.costs:  # both microbatches' nodes cost what the chunk's do (rule `search` reads them)
+        first = [dict(n, cost=float(chunk.costs[n["name"]])) if n["name"] in chunk.costs else n for n in first]
+    nodes2, control2 = _renamed(first, twin._forward_control if phase == "F" else twin._backward_control, phase, phase + "2")
     control = list(ctrl) + control2
     if phase == "B":
         names = {n["name"] for n in first}
