@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--set", default="", help="config overrides, e.g. seq=8192,batch=1")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--arms", default="eager,compiled,timed:1.0,paging:0.5")
+    ap.add_argument("--partition", default="default", choices=["default", "min_cut"], help="the backend's partition option (every sched_lifetime arm)")
     ap.add_argument("--json")
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -48,11 +49,14 @@ def main() -> None:
             model, run = base, base
         elif arm in ("compiled", "aot_eager"):
             model = copy.deepcopy(base)
-            run = torch.compile(model, backend="sched_lifetime" if arm == "compiled" else "aot_eager")
+            if arm == "compiled":
+                run = torch.compile(model, backend="sched_lifetime", options={"partition": a.partition})
+            else:
+                run = torch.compile(model, backend="aot_eager")
         elif arm.startswith(("paging:", "timed:")):
             kind, budget, extra = (arm.split(":") + [""])[:3]
             b = float(budget) if "." in budget else int(budget)
-            opts = {"paging": True, "paging_budget": b, "paging_timed": kind == "timed"}
+            opts = {"paging": True, "paging_budget": b, "paging_timed": kind == "timed", "partition": a.partition}
             if extra:
                 opts["paging_prefetch" if kind == "paging" else "paging_slack"] = int(extra) if kind == "paging" else float(extra)
             model = copy.deepcopy(base)

@@ -72,7 +72,7 @@ def _against_eager_and_aot(name: str, options: dict) -> tuple:
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-@pytest.mark.parametrize("options", [{}, {"overlap": False}, {"explain": True, "ep_budget": 1}])
+@pytest.mark.parametrize("options", [{}, {"overlap": False}, {"explain": True, "ep_budget": 1}, {"partition": "min_cut"}])
 def test_bit_exact_against_eager_and_aot_eager(name, options, capsys):
     eager, aot, ours = _against_eager_and_aot(name, options)
     assert _same(eager, ours), "sched_lifetime differs from eager"
@@ -90,6 +90,8 @@ def test_options_are_checked():
         slc.check_options({"explain": "yes"})
     with pytest.raises(ValueError, match="'lifetime' must be"):
         slc.check_options({"lifetime": "never"})
+    with pytest.raises(ValueError, match="'partition' must be 'default' or 'min_cut'"):
+        slc.check_options({"partition": "auto"})
     with pytest.raises(ValueError, match="paging=True with cudagraphs=True is not supported"):
         slc.check_options({"paging": True, "cudagraphs": True})
     for k, v in (("paging_budget", 1.5), ("paging_budget", "half"), ("paging_prefetch", -1), ("paging_buffers", 0), ("paging_min_bytes", 1.0), ("paging_timed", 1), ("paging_slack", 0.5)):
@@ -105,7 +107,7 @@ STATIC = {**PAGING, "paging_timed": False}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-@pytest.mark.parametrize("options", [PAGING, STATIC, {**STATIC, "paging_prefetch": 0, "paging_budget": 0.5, "overlap": False}])
+@pytest.mark.parametrize("options", [PAGING, STATIC, {**STATIC, "paging_prefetch": 0, "paging_budget": 0.5, "overlap": False}, {**STATIC, "partition": "min_cut"}])
 def test_paging_is_bit_exact_and_moves_the_saved_activations(name, options):
     eager, aot, ours = _against_eager_and_aot(name, options)
     assert _same(eager, ours) and _same(aot, ours)
@@ -318,6 +320,43 @@ def test_cudagraphs_replays_bit_exact_and_pool_within_the_eager_step(name):
     print(f"{name}: graph pool {pools} bytes, eager step {eager_step} bytes")
     assert pools["scheduled"] <= eager_step, (pools, eager_step)
     cudagraph_trees.reset_cudagraph_trees()
+
+
+def _saved(outputs: tuple, n_user: int) -> list:
+    """(shape, dtype) of what a forward graph returns for the backward, sorted."""
+    return sorted((tuple(n.meta["val"].shape), str(n.meta["val"].dtype)) for n in outputs[n_user:] if isinstance(n, fx.Node))
+
+
+def test_min_cut_partition_saves_what_aot_eager_saves():
+    """`partition="min_cut"`: the forward saves exactly what aot_eager's forward saves (same
+    partitioner); the default partition saves more bytes (what eager autograd saves), on the
+    embedded MoE model."""
+    from functools import partial
+
+    from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+
+    from sched_lifetime.models.moe import CONFIGS, MoEModel, with_overrides
+
+    cfg = with_overrides(CONFIGS["tiny"], capacity_factor=1.0)
+    graphs = []
+
+    def keep(g, inputs):
+        graphs.append(g)
+        return boxed_nop(g, inputs)
+
+    saved = {}
+    for arm, backend in (("aot_eager", partial(aot_eager, fw_compiler=keep)), ("min_cut", "sched_lifetime"), ("default", "sched_lifetime")):
+        torch._dynamo.reset()
+        m = MoEModel(cfg, seed=0, device="cpu")
+        opts = {"partition": arm} if backend == "sched_lifetime" else None
+        run = torch.compile(m, backend=backend, options=opts) if opts else torch.compile(m, backend=backend)
+        run(**m.batch(0, 0)).backward()
+        fw = graphs[-1] if arm == "aot_eager" else next(h["module"] for h in reversed(slc.history) if h["phase"] == "fwd")
+        outs = next(iter(fw.graph.find_nodes(op="output"))).args[0]
+        saved[arm] = _saved(outs, 1)  # the loss, then what the backward reads
+    size = {k: sum(torch.Size(s).numel() for s, _ in v) for k, v in saved.items()}
+    assert saved["min_cut"] == saved["aot_eager"], (size, len(saved["min_cut"]), len(saved["aot_eager"]))
+    assert size["default"] > size["min_cut"], size
 
 
 def test_entry_point_is_declared():

@@ -62,6 +62,9 @@ OPTIONS: dict[str, Any] = {
     "paging_timed": True,  # sl.Pager decides at run time after calibration (False: the static plan)
     "paging_slack": 1.25,  # timed: copies planned this many times slower than measured
     "cudagraphs": False,  # capture each compiled graph in a CUDA graph (torch's cudagraph trees)
+    # AOTAutograd's joint-graph partition: "default" saves what eager autograd saves; "min_cut"
+    # (what aot_eager uses) recomputes cheap ops in the backward instead of saving their outputs.
+    "partition": "default",
 }
 
 #: The last compiled graphs (phase, IR, schedule, GraphModule), newest last: for tests and
@@ -79,6 +82,8 @@ def check_options(options: Optional[dict]) -> dict:
     for k in ("overlap", "explain", "paging", "cudagraphs", "paging_timed"):
         if not isinstance(opts[k], bool):
             raise ValueError(f"sched_lifetime backend: option {k!r} must be a bool, got {opts[k]!r}")
+    if opts["partition"] not in ("default", "min_cut"):
+        raise ValueError(f"sched_lifetime backend: option 'partition' must be 'default' or 'min_cut', got {opts['partition']!r}")
     if opts["lifetime"] not in ("scheduled", "record_stream"):
         raise ValueError(f"sched_lifetime backend: option 'lifetime' must be 'scheduled' or 'record_stream', got {opts['lifetime']!r}")
     if opts["paging"] and opts["cudagraphs"]:
@@ -101,18 +106,18 @@ def check_options(options: Optional[dict]) -> dict:
 def backend(gm: fx.GraphModule, example_inputs: list, options: Optional[dict] = None) -> Callable:
     """The torch.compile backend (registered as "sched_lifetime")."""
     from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import default_partition
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
     opts = check_options(options)
     captured = _Capture(len(example_inputs)) if opts["cudagraphs"] else None
     pager = None
-    partition = default_partition
+    partition = min_cut_rematerialization_partition if opts["partition"] == "min_cut" else default_partition
     if opts["paging"]:
         pager = GraphPager(
             opts["paging_budget"], opts["paging_prefetch"], opts["paging_buffers"], opts["paging_min_bytes"],
             timed=opts["paging_timed"], slack=opts["paging_slack"],
         )
-        partition = pager.partition(default_partition)
+        partition = pager.partition(partition)
 
     def compiler(phase: str, inference: bool = False) -> Callable:
         def compile_graph(g: fx.GraphModule, inputs: list) -> Callable:
