@@ -590,8 +590,8 @@ pub fn run(plan: &Program, opts: SimOptions) -> Result<(Report, Machine)> {
                 // In the plan that bound it (its producer's), as the executor retires it.
                 let owner_plan = plan.producer[v as usize].map_or(plan.plan_of[n], |p| plan.plan_of[p as usize]);
                 mgrs[owner_plan as usize].retire(&mut SimRuntime { machine: &mut m, skip_waits }, &[k], on, plan.action_of[n], |_| v)?;
-                if !m.is_freed(v) && plan.action_of[n] != Action::Preserve {
-                    m.park(v)?;
+                if plan.action_of[n] != Action::Preserve {
+                    m.park(v)?; // a no-op when the retire released it at once
                 }
             }
         }
