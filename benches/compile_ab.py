@@ -28,13 +28,14 @@ CFGS = {"tiny": with_overrides(CONFIGS["tiny"], capacity_factor=1.0), "h200": CO
 
 
 def graph_step_ab(cfg, group, dev, a, rank, sync) -> None:
-    """GraphStep (compiled forward/backward graphs) over N microbatches: multiplexed vs
-    sequential, interleaved steps, medians, parity of the first step's losses and gradients."""
+    """GraphStep (compiled forward/backward graphs) over N microbatches: multiplexed, with paired
+    ends, and sequential, interleaved steps, medians, parity of the first step's losses and
+    gradients against sequential."""
     from sched_lifetime.compile import GraphStep
 
     m = MoEModel(cfg, transport=FunctionalAllToAll(group), seed=0, device=dev)
     gs = GraphStep(m, tuple(m.batch(0, 0).values()))
-    times: dict[str, list] = {"sequential": [], "multiplexed": []}
+    times: dict[str, list] = {"sequential": [], "multiplexed": [], "paired_ends": []}
     first = {}
     for step in range(a.steps + 1):
         mbs = [tuple(m.batch(step, k).values()) for k in range(a.graph_step)]
@@ -44,15 +45,17 @@ def graph_step_ab(cfg, group, dev, a, rank, sync) -> None:
             sync()
             dist.barrier()
             t0 = time.perf_counter()
-            losses = gs.step(mbs, multiplexed=name == "multiplexed")
+            losses = gs.step(mbs, multiplexed=name != "sequential", paired_ends=name == "paired_ends")
             sync()
             dt = (time.perf_counter() - t0) * 1e3
             if step == 0:
                 first[name] = ([x.clone() for x in losses], [p.grad.clone() for p in m.parameters()])
             else:
                 times[name].append(dt)
-    (la, ga), (lb, gb) = first["sequential"], first["multiplexed"]
-    same = all(torch.equal(x, y) for x, y in zip(la, lb)) and all(torch.equal(x, y) for x, y in zip(ga, gb))
+    la, ga = first["sequential"]
+    same = all(
+        all(torch.equal(x, y) for x, y in zip(la, lb)) and all(torch.equal(x, y) for x, y in zip(ga, gb)) for lb, gb in first.values()
+    )
     everyone = [None, None]
     dist.all_gather_object(everyone, same)
     if rank == 0:

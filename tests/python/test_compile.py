@@ -650,7 +650,8 @@ def _graph_step_worker(rank: int, port: int, out: str) -> None:
         ok = []
         for step in range(4):
             mbs = [tuple(m.batch(step, k).values()) for k in range(3)]
-            losses = gs.step(mbs, multiplexed=step % 2 == 0)
+            # Steps: multiplexed, sequential, then twice with the warm-up and cool-down paired.
+            losses = gs.step(mbs, multiplexed=step != 1, paired_ends=step >= 2)
             want = []
             for mb in mbs:
                 loss = ref(*mb)
@@ -660,22 +661,55 @@ def _graph_step_worker(rank: int, port: int, out: str) -> None:
             ok.append(all(torch.equal(p.grad, q.grad) for p, q in zip(m.parameters(), ref.parameters())))
             for p in list(m.parameters()) + list(ref.parameters()):
                 p.grad = None
-        nodes = gs.mux.sched_lifetime["ir"]["nodes"]
-        launches = sum(n["kind"] == "comm_launch" for n in nodes)
-        torch.save({"ok": ok, "launches": launches, "sources": sorted({n["source"] for n in nodes})}, os.path.join(out, f"rank{rank}.pt"))
+        launches, sources = [], []
+        for mod in (gs.mux, *gs._paired()[:2]):
+            nodes = mod.sched_lifetime["ir"]["nodes"]
+            launches.append(sum(n["kind"] == "comm_launch" for n in nodes))
+            sources.append(sorted({n["source"] for n in nodes}))
+        torch.save({"ok": ok, "launches": launches, "sources": sources}, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
 def test_graph_step_steady_state_on_compiled_graphs_with_ep_over_two_gloo_ranks(tmp_path):
-    """F(0), then F(i+1) multiplexed with B(i) in one compiled module, then B(n-1) (and the
-    sequential baseline on alternate steps): losses and accumulated gradients bit-exact
-    against eager microbatch by microbatch, 4 steps."""
+    """F(0), then F(i+1) multiplexed with B(i) in one compiled module, then B(n-1); the
+    sequential baseline; and with paired ends (F(0) with F(1), B(n-2) with B(n-1)): losses and
+    accumulated gradients bit-exact against eager microbatch by microbatch, 4 steps."""
     for got in _spawn_two(_graph_step_worker, tmp_path):
         assert all(got["ok"]), got["ok"]
-        assert got["launches"] == 8 and got["sources"] == ["B", "F"], got
+        assert got["launches"] == [8, 8, 8], got
+        assert got["sources"] == [["B", "F"], ["F", "F2"], ["B", "B2"]], got
+
+
+def test_multiplexed_graphs_of_one_phase_equal_separate_runs():
+    """Two forwards (or two backwards) of different microbatches in one module: the warm-up
+    and cool-down of a paired-ends step; bad phase pairs are an error."""
+    fwd, bwd, fargs, bargs = _mlp_pair(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    fargs2 = [a * 0.5 if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter) else a for a in fargs]
+    for gm, a, b, phases in ((fwd, fargs, fargs2, ("fwd", "fwd")), (bwd, bargs, [x.flip(0) if x.dim() else x for x in bargs], ("bwd", "bwd"))):
+        m = slc.multiplex(gm, gm, phases=phases)
+        got = m(*a, *b)
+        ref = list(gm(*a)) + list(gm(*b))
+        assert len(got) == len(ref) and all((x is None and y is None) or torch.equal(x, y) for x, y in zip(got, ref))
+        assert {n["source"] for n in m.sched_lifetime["ir"]["nodes"]} == {phases[0][0].upper(), phases[0][0].upper() + "2"}
+    with pytest.raises(ValueError, match="phases must be one of"):
+        slc.multiplex(bwd, fwd, phases=("bwd", "fwd"))
 
 
 def test_graph_step_refuses_a_non_scalar_loss():
     with pytest.raises(ValueError, match="scalar loss"):
         slc.GraphStep(torch.nn.Linear(3, 2), (torch.randn(4, 3),))
+
+
+def test_graph_step_paired_ends_needs_multiplexing():
+    class Loss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).sum()
+
+    gs = slc.GraphStep(Loss(), (torch.randn(4, 3),))
+    with pytest.raises(ValueError, match="paired_ends needs multiplexed=True"):
+        gs.step([(torch.randn(4, 3),)] * 2, multiplexed=False, paired_ends=True)

@@ -87,6 +87,8 @@ class GraphStep:
         from . import boxed
 
         self._fwd, self._bwd, self._mux = boxed(self.fwd), boxed(self.bwd), boxed(self.mux)
+        self.ep_budget = ep_budget
+        self._ends: Optional[tuple] = None
 
     def _forward(self, inputs: tuple) -> tuple:
         with torch.no_grad():
@@ -96,11 +98,29 @@ class GraphStep:
     def _accumulate(self, grads: Any) -> None:
         accumulate_grads(self.params, grads[: len(self.params)])
 
-    def step(self, microbatches: list[tuple], multiplexed: bool = True) -> list[torch.Tensor]:
+    def _paired(self) -> tuple:
+        """The boxed runners of F(i) with F(i+1) and of B(i) with B(i+1) (built on first use)."""
+        if self._ends is None:
+            from . import boxed
+
+            ff = multiplex(self.graphs["fwd"], self.graphs["fwd"], ep_budget=self.ep_budget, phases=("fwd", "fwd"))
+            bb = multiplex(self.graphs["bwd"], self.graphs["bwd"], ep_budget=self.ep_budget, phases=("bwd", "bwd"))
+            self._ends = (ff, bb, boxed(ff), boxed(bb))
+        return self._ends
+
+    def step(self, microbatches: list[tuple], multiplexed: bool = True, paired_ends: bool = False) -> list[torch.Tensor]:
         """One step over the microbatches (each a tuple of model inputs); returns the losses.
-        `multiplexed=False`: F(i) then B(i), one microbatch at a time (the baseline)."""
+        `multiplexed=False`: F(i) then B(i), one microbatch at a time (the baseline).
+        `paired_ends` (multiplexed, 2+ microbatches): the warm-up and cool-down multiplexed too,
+        F(0) with F(1) and B(n-2) with B(n-1), as the node path's `train_step(...,
+        paired_ends=True)`; three microbatches' saved values live at once instead of two.
+        Gradients accumulate in microbatch order either way."""
         if not microbatches:
             raise ValueError("GraphStep.step needs at least one microbatch")
+        if paired_ends and not multiplexed:
+            raise ValueError("GraphStep.step: paired_ends needs multiplexed=True")
+        if paired_ends and len(microbatches) >= 2:
+            return self._step_paired(microbatches)
         losses = []
         # The saved activations travel in argument lists only (no other reference), which the
         # runners clear: each dies at its last use in the backward.
@@ -129,4 +149,31 @@ class GraphStep:
         with torch.no_grad():
             grads = self._bwd(saved)
         self._accumulate(grads)
+        return losses
+
+    def _step_paired(self, microbatches: list[tuple]) -> list[torch.Tensor]:
+        _, _, ff, bb = self._paired()
+        k, n_saved = self.n_fwd_out, self.n_fwd_out - 1
+        with torch.no_grad():
+            out = ff([*self.params, *microbatches[0], *self.params, *microbatches[1]])
+        losses = [out[0], out[k]]
+        # Saved values of the two microbatches in flight, oldest first, held only here.
+        older, newer = list(out[1 : 1 + n_saved]), list(out[k + 1 : k + 1 + n_saved])
+        del out
+        for nxt in microbatches[2:]:
+            args = [*self.params, *nxt, *older, torch.ones_like(losses[-2])]
+            older = None
+            with torch.no_grad():
+                out = self._mux(args)
+            self._accumulate(out[k:])
+            losses.append(out[0])
+            older, newer = newer, list(out[1 : 1 + n_saved])
+            del out
+        args = [*older, torch.ones_like(losses[-2]), *newer, torch.ones_like(losses[-1])]
+        older = newer = None
+        with torch.no_grad():
+            grads = bb(args)
+        half = len(grads) // 2
+        self._accumulate(grads[:half])  # microbatch n-2 first, as in every other order
+        self._accumulate(grads[half:])
         return losses

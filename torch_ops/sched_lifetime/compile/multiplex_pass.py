@@ -12,14 +12,24 @@ from ..schedule import format_explain, schedule
 from .to_ir import to_ir
 
 
-def multiplex(fwd: fx.GraphModule, bwd: fx.GraphModule, ep_budget: Optional[int] = None, explain: bool = False) -> fx.GraphModule:
+#: Per pair of phases: each side's source name and value prefix.
+_SIDES = {("fwd", "bwd"): (("F", "f:"), ("B", "b:")), ("fwd", "fwd"): (("F", "f:"), ("F2", "g:")), ("bwd", "bwd"): (("B", "b:"), ("B2", "c:"))}
+
+
+def multiplex(
+    fwd: fx.GraphModule, bwd: fx.GraphModule, ep_budget: Optional[int] = None, explain: bool = False, phases: tuple[str, str] = ("fwd", "bwd")
+) -> fx.GraphModule:
     """One GraphModule running a forward graph (of microbatch i) and a backward graph (of
     microbatch j) as two sources scheduled together by Rust, so each one's transfers run
     under the other's compute: `module(*fwd_args, *bwd_args) -> (*fwd_outputs,
     *bwd_outputs)`. Both are AOT graphs (e.g. the `module`s in `history`), compiled once and
     reused for every pair; the result is a plain GraphModule (`.sched_lifetime` holds the IR
-    and the schedule)."""
-    tables = [_prefixed(to_ir(fwd, "fwd"), "F", "f:"), _prefixed(to_ir(bwd, "bwd"), "B", "b:")]
+    and the schedule). `phases=("fwd", "fwd")` or `("bwd", "bwd")`: two graphs of one phase
+    (two microbatches' forwards, or backwards: a step's warm-up and cool-down), the same way."""
+    sides = _SIDES.get(tuple(phases))
+    if sides is None:
+        raise ValueError(f"multiplex: phases must be one of {sorted(_SIDES)}, got {phases!r}")
+    tables = [_prefixed(to_ir(gm, ph), src, p) for gm, ph, (src, p) in zip((fwd, bwd), phases, sides)]
     table = {
         "sources": [s for t in tables for s in t["sources"]],
         "inputs": [v for t in tables for v in t["inputs"]],
@@ -33,13 +43,13 @@ def multiplex(fwd: fx.GraphModule, bwd: fx.GraphModule, ep_budget: Optional[int]
         print(format_explain(result) or "  (no launches)")
     graph = fx.Graph()
     envs: list[dict[fx.Node, fx.Node]] = [{}, {}]
-    parts = [(fwd, "f:"), (bwd, "b:")]
-    for k, (gm, _) in enumerate(parts):
+    parts = [(fwd, sides[0][1]), (bwd, sides[1][1])]
+    for k, (gm, p) in enumerate(parts):
         for n in gm.graph.nodes:
             if n.op == "placeholder":
-                envs[k][n] = graph.placeholder(f"{'fb'[k]}_{n.name}")
+                envs[k][n] = graph.placeholder(f"{p[0]}_{n.name}")
             elif n.op == "get_attr":
-                raise ValueError(f"multiplex takes AOT graphs without get_attr nodes; '{n.name}' in the {('forward', 'backward')[k]} graph")
+                raise ValueError(f"multiplex takes AOT graphs without get_attr nodes; '{n.name}' in the {('first', 'second')[k]} ({phases[k]}) graph")
     by_name = {p + n.name: (k, n) for k, (gm, p) in enumerate(parts) for n in gm.graph.nodes}
     for name in result["order"]:
         k, n = by_name[name]
