@@ -198,9 +198,9 @@ def main() -> None:
         out[name]["paged_bytes"] = paged.get(name)
         if pager is not None:
             out[name]["stats"] = pager.stats()
-            out[name]["explain"] = pager.explain()  # Rust's reasons, one line per candidate
+            out[name]["explain"] = text = pager.explain()  # Rust's reasons, one line per candidate
             out[name]["calibration"] = pager.calibration  # Rust's inputs (timed: the timeline too)
-            print(f"{name}: {pager.explain().splitlines()[0]}")
+            print(f"{name}: {text.splitlines()[0]}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"config": a.config, "device": str(dev), "arms": out}, f, indent=1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -194,7 +195,7 @@ def main() -> None:
             for _ in range(3):
                 for k in kinds:
                     got[k].append(pattern(k, batch, iters, device, produce))
-            med = {k: sorted(v)[1] for k, v in got.items()}
+            med = {k: statistics.median(v) for k, v in got.items()}
             rows_here.append({"batch": batch, **med})
             print(f"{batch:>6}" + "".join(f"{med[k]:>16.2f}" for k in kinds))
     if args.json:

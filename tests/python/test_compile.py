@@ -441,12 +441,19 @@ def _spawn_two(worker, tmp_path, *args) -> list:
     return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
 
 
-def _moe_worker(rank: int, port: int, out: str, device: str = "cpu") -> None:
+def _join(rank: int, port: int, device: str = "cpu") -> None:
+    """Join the 2-rank group (gloo on CPU, NCCL on this rank's GPU), deterministic kernels."""
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=2)
     if device == "cuda":
         torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=2, device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.use_deterministic_algorithms(True)
+
+
+def _moe_worker(rank: int, port: int, out: str, device: str = "cpu") -> None:
+    _join(rank, port, device)
     try:
         from sched_lifetime.ep import FunctionalAllToAll
         from sched_lifetime.models.moe import CONFIGS, MoEModel, with_overrides
@@ -514,10 +521,7 @@ def test_moe_model_with_ep_over_two_ranks(tmp_path, device):
 def _moe_capture_worker(rank: int, port: int, out: str) -> None:
     """EP over NCCL inside captured graphs: the embedded MoE model (fixed capacity: no host
     sync) compiled with cudagraphs=True, six SGD steps (warm-up, record, replays) against eager."""
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=2, device_id=torch.device("cuda", rank))
-    torch.use_deterministic_algorithms(True)
+    _join(rank, port, "cuda")
     try:
         from torch._inductor import cudagraph_trees
 
@@ -636,9 +640,7 @@ def test_rewritten_graphs_trace_again_with_fake_tensors():
 
 
 def _graph_step_worker(rank: int, port: int, out: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    torch.use_deterministic_algorithms(True)
+    _join(rank, port)
     try:
         from sched_lifetime.ep import FunctionalAllToAll
         from sched_lifetime.models.moe import CONFIGS, MoEModel, with_overrides
@@ -662,7 +664,7 @@ def _graph_step_worker(rank: int, port: int, out: str) -> None:
             for p in list(m.parameters()) + list(ref.parameters()):
                 p.grad = None
         launches, sources = [], []
-        for mod in (gs.mux, *gs._paired()[:2]):
+        for mod in (gs.mux, *(r.module for r in gs._paired())):
             nodes = mod.sched_lifetime["ir"]["nodes"]
             launches.append(sum(n["kind"] == "comm_launch" for n in nodes))
             sources.append(sorted({n["source"] for n in nodes}))

@@ -44,6 +44,14 @@ def current_stream(device: torch.device) -> torch.Stream:
     return torch.accelerator.current_stream(device)
 
 
+def _action_code(action: Optional[str], verb: str) -> int:
+    """An action name's code across the FFI (None: Rust's default)."""
+    code = _DEFAULT_ACTION if action is None else ACTIONS.get(action)
+    if code is None:
+        raise ValueError(f"{verb}: unknown action {action!r}; expected one of {sorted(ACTIONS)}")
+    return code
+
+
 def _tensor_list(tensors: Tensors, verb: str) -> list[torch.Tensor]:
     if isinstance(tensors, torch.Tensor):
         return [tensors]
@@ -104,9 +112,7 @@ class LifetimeManager:
         `action` defaults to Rust's default (`INFO["default_action"]`, emptying the storage).
         `owner_stream`: bind the tensors to it in the same call (the eager hot path: no
         separate bind per tensor as it is produced)."""
-        code = _DEFAULT_ACTION if action is None else ACTIONS.get(action)
-        if code is None:
-            raise ValueError(f"retire: unknown action {action!r}; expected one of {sorted(ACTIONS)}")
+        code = _action_code(action, "retire")
         if consumer_stream is not None and direct.retire(self.handle, tensors, consumer_stream, code, owner_stream) is None:
             return
         ts = _tensor_list(tensors, "retire")
@@ -128,9 +134,7 @@ class LifetimeManager:
         stream waits for it now and the storage goes back to the owner's pool at once
         (`record_stream`'s one-call replacement, with no deferred free). Returns how many
         tensors were released (this plan's others parked for the owner included)."""
-        code = _DEFAULT_ACTION if action is None else ACTIONS.get(action)
-        if code is None:
-            raise ValueError(f"release_after: unknown action {action!r}; expected one of {sorted(ACTIONS)}")
+        code = _action_code(action, "release_after")
         got = direct.release(self.handle, tensors, consumer_stream, code, owner_stream)
         if got is not NotImplemented:
             return got

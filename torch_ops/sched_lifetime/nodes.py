@@ -144,6 +144,8 @@ class Chunk:
         self._forward_table = self._forward_nodes()
         self._backward_table = self._backward_nodes()
         self._executors: dict[tuple, Executor] = {}
+        #: The second microbatch's Chunk of a `run_two` pair (same nodes, own context).
+        self._twin_chunk: Optional[Chunk] = None
         #: Time every node (`Executor(timing=True)`); `node_times_us` collects the times.
         self.timing = False
         self._times: dict[str, list[float]] = {}
@@ -514,7 +516,7 @@ class Chunk:
         (`bwd`), or both multiplexed in one schedule."""
         grad = None
         if bwd is not None and bwd.loss is not None:
-            grad = torch.full((), grad_scale, device=self.device, dtype=bwd.loss.dtype)
+            grad = _loss_grad(self, bwd, grad_scale)
         return run_pair(self if fwd else None, fwd, self if bwd else None, bwd, grad, order, lifetime)
 
 
@@ -582,6 +584,33 @@ def _executor(fchunk: Optional[Chunk], bchunk: Optional[Chunk], order: str, life
     return ex
 
 
+def _feed_forward(c: Chunk, source: str, fwd: tuple[MicrobatchState, dict[str, Any]], inputs: dict[str, Any]) -> None:
+    """Source `source` runs the forward of `fwd` (its state, its chunk inputs) on `c`: the
+    graph inputs `<source>.<name>` and `c`'s context."""
+    missing = sorted(set(c.inputs) - set(fwd[1]))
+    if missing:
+        raise ValueError(f"chunk inputs missing: {missing}")
+    inputs.update({f"{source}.{k}": v for k, v in fwd[1].items()})
+    c.ctx.compute = _compute_stream(c)
+    c.ctx.fwd = fwd[0]
+
+
+def _feed_backward(c: Chunk, source: str, bwd: MicrobatchState, out_grad: torch.Tensor, inputs: dict[str, Any]) -> None:
+    """Source `source` runs the backward of `bwd` on `c`, starting from `out_grad`."""
+    inputs[f"{source}.g.{c.loss_output}"] = out_grad
+    c.ctx.compute = _compute_stream(c)
+    c.ctx.bwd = bwd
+
+
+def _compute_stream(c: Chunk) -> Optional[torch.Stream]:
+    return torch.cuda.current_stream(c.device) if c.device.type == "cuda" else None
+
+
+def _loss_grad(c: Chunk, st: MicrobatchState, scale: float) -> torch.Tensor:
+    """The gradient a microbatch's backward starts from: its loss scale (1/n when accumulating)."""
+    return torch.full((), scale, device=c.device, dtype=st.loss.dtype)
+
+
 def run_pair(
     fchunk: Optional[Chunk],
     fwd: Optional[tuple[MicrobatchState, dict[str, Any]]],
@@ -607,20 +636,11 @@ def run_pair(
             raise ValueError(f"the backward of microbatch {bwd.index} needs the gradient of its output")
     ex = _executor(fchunk, bchunk, order, lifetime)
     inputs: dict[str, Any] = {}
-    if fwd is not None:
-        missing = sorted(set(fchunk.inputs) - set(fwd[1]))
-        if missing:
-            raise ValueError(f"chunk inputs missing: {missing}")
-        inputs.update({f"F.{k}": v for k, v in fwd[1].items()})
-    if bwd is not None:
-        inputs[f"B.g.{bchunk.loss_output}"] = out_grad
     touched = [c for c in (fchunk, bchunk) if c is not None]
-    for c in touched:
-        c.ctx.compute = torch.cuda.current_stream(c.device) if c.device.type == "cuda" else None
-    if fchunk is not None:
-        fchunk.ctx.fwd = fwd[0]
-    if bchunk is not None:
-        bchunk.ctx.bwd = bwd
+    if fwd is not None:
+        _feed_forward(fchunk, "F", fwd, inputs)
+    if bwd is not None:
+        _feed_backward(bchunk, "B", bwd, out_grad, inputs)
     try:
         out = ex.run(inputs)
         if ex._timing:
@@ -655,22 +675,21 @@ def _renamed(nodes: list[dict], control: list[list[str]], old: str, new: str) ->
 def _twin(chunk: Chunk) -> Chunk:
     """A second Chunk over the same nodes (the same modules and parameters) with its own
     context: the other microbatch of a `run_two` pair (made once)."""
-    t = getattr(chunk, "_twin_chunk", None)
-    if t is None:
-        t = chunk._twin_chunk = Chunk(chunk.nodes, chunk.inputs, chunk.loss_output, chunk.device, chunk.dw_nodes)
-    return t
+    if chunk._twin_chunk is None:
+        chunk._twin_chunk = Chunk(chunk.nodes, chunk.inputs, chunk.loss_output, chunk.device, chunk.dw_nodes)
+    return chunk._twin_chunk
 
 
 def _two_graph(chunk: Chunk, phase: str) -> dict:
     """The graph of two microbatches of the same phase multiplexed: `F` with `F2` (two
     forwards) or `B` with `B2` (two backwards; the second source's weight-gradient work on each
     node after the first's, so the gradients accumulate in microbatch order)."""
-    twin = _twin(chunk)
+    # The second microbatch's table is the first's renamed (the twin's tables are the same).
     first = chunk._forward_table if phase == "F" else chunk._backward_table
     ctrl = chunk._forward_control if phase == "F" else chunk._backward_control
     if chunk.costs:  # both microbatches' nodes cost what the chunk's do (rule `search` reads them)
         first = [dict(n, cost=float(chunk.costs[n["name"]])) if n["name"] in chunk.costs else n for n in first]
-    nodes2, control2 = _renamed(first, twin._forward_control if phase == "F" else twin._backward_control, phase, phase + "2")
+    nodes2, control2 = _renamed(first, ctrl, phase, phase + "2")
     control = list(ctrl) + control2
     if phase == "B":
         names = {n["name"] for n in first}
@@ -678,8 +697,8 @@ def _two_graph(chunk: Chunk, phase: str) -> dict:
             if not n.params:
                 continue
             # The node that adds this node's weight gradients into `.grad`: dW, or the fused dI.
-            acc = f"B.{n.name}.dw" if f"B.{n.name}.dw" in names else f"B.{n.name}"
-            if acc in names:
+            acc = f"B.{n.name}.dw" if chunk._has_dw_node(n) else f"B.{n.name}"
+            if acc in names:  # a node no gradient reaches has no backward node
                 control.append([acc, "B2" + acc[1:]])
         inputs = [f"B.g.{chunk.loss_output}", f"B2.g.{chunk.loss_output}"]
     else:
@@ -714,26 +733,17 @@ def run_two(
     ex = chunk._executors.get(key)
     if ex is None:
         g = _two_graph(chunk, phase)
-        s = two_schedule(chunk, phase, order)
         calls = chunk.callables(phase == "F", phase == "B")
         calls.update({phase + "2" + k[1:]: f for k, f in twin.callables(phase == "F", phase == "B").items()})
-        ex = chunk._executors[key] = Executor(g, s, calls, device=chunk.device, lifetime=lifetime)
-    compute = torch.cuda.current_stream(chunk.device) if chunk.device.type == "cuda" else None
+        ex = chunk._executors[key] = Executor(g, _order_schedule(g, order), calls, device=chunk.device, lifetime=lifetime)
     inputs: dict[str, Any] = {}
     for c, p, item in ((chunk, phase, items[0]), (twin, phase + "2", items[1])):
-        c.ctx.compute = compute
         if phase == "F":
-            st, feed = item
-            missing = sorted(set(chunk.inputs) - set(feed))
-            if missing:
-                raise ValueError(f"chunk inputs missing: {missing}")
-            inputs.update({f"{p}.{k}": v for k, v in feed.items()})
-            c.ctx.fwd = st
+            _feed_forward(c, p, item, inputs)
         else:
             if not item.saved or item.loss is None:
                 raise ValueError(f"microbatch {item.index} has no saved forward to run a backward on")
-            inputs[f"{p}.g.{chunk.loss_output}"] = torch.full((), grad_scale, device=chunk.device, dtype=item.loss.dtype)
-            c.ctx.bwd = item
+            _feed_backward(c, p, item, _loss_grad(c, item, grad_scale), inputs)
     try:
         return ex.run(inputs)
     finally:

@@ -284,8 +284,8 @@ class GraphStage(_DualPipeHook, nn.Module):
         self.fwd, self.bwd, self.n_fwd_out = compile_graphs(self.graphs, ep_budget)
         self._run_bwd = boxed(self.bwd)
         self.ep_budget = ep_budget
+        #: Per armed forward stage: the boxed runner of the module `multiplex` built for the pair.
         self._mux: dict[int, Any] = {}
-        self._mux_run: dict[int, Any] = {}
         self._ready: Optional[tuple] = None
         #: How many of this stage's forwards ran multiplexed with another stage's backward.
         self.overlapped = 0
@@ -295,20 +295,16 @@ class GraphStage(_DualPipeHook, nn.Module):
 
     def multiplexed_with(self, fstage: "GraphStage") -> Any:
         """The module running `fstage`'s forward graph with this stage's backward graph."""
-        from .compile import multiplex
-
-        m = self._mux.get(id(fstage))
-        if m is None:
-            m = self._mux[id(fstage)] = multiplex(fstage.graphs["fwd"], self.graphs["bwd"], ep_budget=self.ep_budget)
-        return m
+        return self._runner(fstage).module
 
     def _runner(self, fstage: "GraphStage") -> Any:
-        """`multiplexed_with(fstage)` under the boxed convention (`compile.boxed`)."""
-        from .compile import boxed
+        """`multiplexed_with(fstage)` under the boxed convention (`compile.boxed`), built once
+        per pair."""
+        from .compile import boxed, multiplex
 
-        r = self._mux_run.get(id(fstage))
+        r = self._mux.get(id(fstage))
         if r is None:
-            r = self._mux_run[id(fstage)] = boxed(self.multiplexed_with(fstage))
+            r = self._mux[id(fstage)] = boxed(multiplex(fstage.graphs["fwd"], self.graphs["bwd"], ep_budget=self.ep_budget))
         return r
 
     @staticmethod

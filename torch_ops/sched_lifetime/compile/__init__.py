@@ -141,8 +141,8 @@ def boxed(gm: fx.GraphModule) -> Callable:
     (`boxed_nop`): the runner takes the argument list and clears it once the graph has bound
     its inputs, so each input (a saved activation in the backward) is freed at its last use in
     the graph, not when the graph returns. `gm` itself keeps its plain signature (history,
-    multiplexing and tests call it with positional arguments); the runner is a copy of it,
-`gm.sched_lifetime["runner"]`."""
+        multiplexing and tests call it with positional arguments); the runner is a copy of it,
+    `gm.sched_lifetime["runner"]`, and the returned function's `.module` is `gm`."""
     from torch.fx.graph import _BoxedCodeGen
 
     g = fx.Graph()

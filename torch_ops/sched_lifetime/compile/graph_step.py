@@ -99,13 +99,14 @@ class GraphStep:
         accumulate_grads(self.params, grads[: len(self.params)])
 
     def _paired(self) -> tuple:
-        """The boxed runners of F(i) with F(i+1) and of B(i) with B(i+1) (built on first use)."""
+        """The boxed runners of F(i) with F(i+1) and of B(i) with B(i+1), built on first use
+        (each runner's `.module` is its multiplexed module)."""
         if self._ends is None:
             from . import boxed
 
-            ff = multiplex(self.graphs["fwd"], self.graphs["fwd"], ep_budget=self.ep_budget, phases=("fwd", "fwd"))
-            bb = multiplex(self.graphs["bwd"], self.graphs["bwd"], ep_budget=self.ep_budget, phases=("bwd", "bwd"))
-            self._ends = (ff, bb, boxed(ff), boxed(bb))
+            self._ends = tuple(
+                boxed(multiplex(self.graphs[ph], self.graphs[ph], ep_budget=self.ep_budget, phases=(ph, ph))) for ph in ("fwd", "bwd")
+            )
         return self._ends
 
     def step(self, microbatches: list[tuple], multiplexed: bool = True, paired_ends: bool = False) -> list[torch.Tensor]:
@@ -152,7 +153,7 @@ class GraphStep:
         return losses
 
     def _step_paired(self, microbatches: list[tuple]) -> list[torch.Tensor]:
-        _, _, ff, bb = self._paired()
+        ff, bb = self._paired()
         k, n_saved = self.n_fwd_out, self.n_fwd_out - 1
         with torch.no_grad():
             out = ff([*self.params, *microbatches[0], *self.params, *microbatches[1]])

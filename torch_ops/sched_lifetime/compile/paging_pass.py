@@ -140,7 +140,7 @@ class GraphPager:
         by_save = {n: i for i, (n, _, _) in enumerate(sorted(cands, key=lambda c: pos[c[0]]))}
         by_use = {n: i for i, (n, _, _) in enumerate(sorted(cands, key=lambda c: c[2]))}
         prefix = [{"name": n.name, "bytes": b, "saved_at": by_save[n], "used_at": by_use[n]} for n, b, _ in cands]
-        self._static_plan = page_plan(prefix, self.budget) if prefix else {"page": [], "bytes_paged": 0, "bytes_live": 0, "target": 0, "short": False, "explain": []}
+        self._static_plan = page_plan(prefix, self.budget)
         self.chosen = list(self._static_plan["page"])
         sizes = {n.name: b for n, b, _ in cands}
         devices = {n.name: n.meta["val"].device for n, _, _ in cands}
