@@ -17,6 +17,7 @@ gradient accumulation. The order, streams, syncs and lifetime points all come fr
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -62,6 +63,8 @@ class MicrobatchState:
     #: tensors), then their host handles; and after the page-in, the reloaded tensors.
     paged: dict[str, list] = field(default_factory=dict)
     paged_in: dict[str, list] = field(default_factory=dict)
+    #: Per paged node, the host pool's `mark()` when its page-in was queued.
+    page_marks: dict[str, int] = field(default_factory=dict)
 
 
 class _Ctx:
@@ -305,10 +308,17 @@ class Chunk:
 
         paged = n.name in self._paged
 
+        def release_paged_out(st: MicrobatchState) -> None:
+            # The compute stream has waited for this node's page-in (its sync edge), which the
+            # page stream ran after every page-out queued before it: their device storage goes
+            # now, with no query (the capture-safe release point; eager also frees on queries).
+            self.pool.release_queued_before(st.page_marks.pop(n.name))
+
         def d_input(*grads: torch.Tensor) -> Any:
             st = ctx.bwd
             if paged:  # the last input is the page-in's token (the unpack hook reads st.paged_in)
                 grads = grads[:-1]
+                release_paged_out(st)
             leaves, outs = st.saved[n.name] if has_dw and not fused else st.saved.pop(n.name)
             g = summed(grads)
             if fused:
@@ -338,6 +348,8 @@ class Chunk:
 
         def d_weight(*grads: torch.Tensor) -> Any:
             st = ctx.bwd
+            if paged and not n.grad_inputs:  # the page-in's consumer is this node
+                release_paged_out(st)
             if paged:
                 grads = grads[:-1]
             if self.deferred_dw is not None:  # dW later (a pipeline's BACKWARD_WEIGHT)
@@ -380,20 +392,33 @@ class Chunk:
         def pageable(t: torch.Tensor) -> bool:
             return not is_weight(t) and restorable(t) and t.numel() * t.element_size() >= self.page_min_bytes
 
+        # Nothing packed refers back to the graph: the autograd graph keeps what the hooks
+        # pack (in C++, out of the garbage collector's sight), so a kept tensor with its
+        # grad_fn, or the microbatch state (which keeps the graph), would make a cycle that
+        # leaks a graph whose backward never runs (the calibration forward's), with its
+        # activations and its parameters' gradient accumulators (made on the stream of that
+        # eager forward: a later CUDA graph capture then fails on them). Kept tensors are
+        # packed detached (the unpacked tensor gets its grad_fn back from autograd) and the
+        # state weakly.
+        ref = weakref.ref(st) if st is not None else None
+
         def pack(t: torch.Tensor) -> Any:
             if not pageable(t):
-                return ("keep", t)
+                return ("keep", t.detach())
             if calib is not None:
                 calib.setdefault(name, []).append(t.numel() * t.element_size())
-                return ("keep", t)
-            held = st.paged.setdefault(name, [])
+                return ("keep", t.detach())
+            held = ref().paged.setdefault(name, [])
             held.append(t)
-            return ("paged", st, name, len(held) - 1)
+            return ("paged", ref, name, len(held) - 1)
 
         def unpack(packed: Any) -> torch.Tensor:
             if packed[0] == "keep":
                 return packed[1]
-            _, owner, node, i = packed
+            _, owner_ref, node, i = packed
+            owner = owner_ref()
+            if owner is None:
+                raise RuntimeError(f"node '{node}': saved activation #{i} unpacked after its microbatch's state was dropped")
             reloaded = owner.paged_in.get(node)
             if reloaded is None:
                 raise RuntimeError(f"node '{node}': saved activation #{i} read before its page-in (microbatch {owner.index})")
@@ -422,6 +447,7 @@ class Chunk:
             if handles is None:
                 raise RuntimeError(f"node '{name}': page-in of microbatch {st.index}, which was never paged out")
             self.pool.release_done()  # page-outs whose copy is done give their device storage back
+            st.page_marks[name] = self.pool.mark()
             st.paged_in[name] = [self.pool.page_in_launch(h, alloc_stream=ctx.compute)[0] for h in handles]
             self.page_stats["bytes_in"] += sum(h.nbytes for h in handles)
             return (st.paged_in[name],)

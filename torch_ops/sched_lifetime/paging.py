@@ -160,8 +160,10 @@ class HostPool:
         self._taken: set[int] = set()
         self._views: dict[tuple, torch.Tensor] = {}
         self._mark: Any = None  # the event `_after` re-records (made at its first use)
-        # Page-outs whose device storage is still held: (manager, copy-done event, owner stream).
-        self._retiring: list[tuple[LifetimeManager, Any, Any]] = []
+        # Page-outs whose device storage is still held: (manager, copy-done event, owner stream,
+        # page-out number), in page-stream order.
+        self._retiring: list[tuple[LifetimeManager, Any, Any, int]] = []
+        self.page_outs = 0  # page-outs queued so far (numbers them; `mark` reads it)
         self.drain_distance = drain_distance
         self.released = 0  # page-outs whose device storage was released, in all
         # Host-cost caches (a page copy is tens of microseconds of Python otherwise): the page
@@ -304,7 +306,8 @@ class HostPool:
             m = LifetimeManager("page_out")
             m.bind(t, comp)
             m.retire(t, page, "drop_reference")
-            self._retiring.append((m, done, comp))
+            self._retiring.append((m, done, comp, self.page_outs))
+            self.page_outs += 1
             self.peak_out_in_flight = max(self.peak_out_in_flight, len(self._retiring))
             # Release what the link has already copied (the compute stream's wait on a finished
             # copy costs nothing), oldest first; only past `drain_distance` copies in flight does
@@ -379,7 +382,7 @@ class HostPool:
         return out
 
     def _drain_one(self) -> None:
-        m, done, owner = self._retiring.pop(0)  # the owner stream waits on the copy, then releases
+        m, done, owner, _ = self._retiring.pop(0)  # the owner stream waits on the copy, then releases
         m.acquire(owner)
         m.finalize()
         m.close()
@@ -395,8 +398,24 @@ class HostPool:
 
     def release_done(self) -> None:
         """Release the device storage of every page-out whose copy has finished, oldest first
-        (the compute stream's wait on a finished copy costs nothing). Cheap: call it often."""
+        (the compute stream's wait on a finished copy costs nothing). Cheap: call it often.
+        Under CUDA graph capture it does nothing (an event query is not allowed there; the
+        capture-safe release points are `release_queued_before` and `drain`)."""
+        if self._retiring and torch.cuda.is_current_stream_capturing():
+            return
         while self._retiring and self._retiring[0][1].query():
+            self._drain_one()
+
+    def mark(self) -> int:
+        """The page-outs queued on the page stream so far: taken when a page-in is queued, every
+        page-out numbered below it runs before that page-in on the page stream."""
+        return self.page_outs
+
+    def release_queued_before(self, mark: int) -> None:
+        """Release every page-out numbered below `mark` (a page-in's `mark`), once the compute
+        stream has waited for that page-in: the page stream ran them before it, so the wait
+        each release queues finds its copy done. No query, no host sync: capture-safe."""
+        while self._retiring and self._retiring[0][3] < mark:
             self._drain_one()
 
     def drain(self) -> None:
