@@ -9,10 +9,11 @@
 #   bash benches/gpu_pass.sh two2 OUT   # nvidia-h200-x2: DualPipeV handler A/B (EP local), ours vs ours+search
 #   bash benches/gpu_pass.sh cuda2 OUT  # nvidia-h200-x2: the whole cuda suite (1- and 2-GPU tests), host overhead
 #   bash benches/gpu_pass.sh explain OUT  # one H200: timed paging, eager and compiled, with Rust's reasons per tensor
+#   bash benches/gpu_pass.sh capture OUT  # one H200: whole-step graph pools, page nodes captured, min_cut, host overhead
 #   bash benches/gpu_pass.sh four OUT   # nvidia-h200-x4: DualPipeV as PP=2 x EP=2, handler vs none
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|four OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|four OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -61,11 +62,18 @@ explain)
     step paging_ab 200 "$py" benches/paging_ab.py --config h200 --steps 3 \
         --arms off,timed:1.0,timed:1.0:1.0 --json "$out/paging.json"
     ;;
+capture)
+    step capture_tests 200 "$py" -m pytest -q -m cuda -s tests/python/test_train_cuda.py
+    step graph_pool 120 "$py" benches/graph_pool_probe.py --microbatches 3 --json "$out/graph_pool.json"
+    step compile_min_cut 170 "$py" benches/compile_paging_ab.py --config h200 --steps 3 --partition min_cut \
+        --arms eager,aot_eager,compiled,timed:1.0 --json "$out/compile_min_cut.json"
+    step python_overhead 70 "$py" benches/python_overhead.py --iters 2000 --json "$out/overhead.json"
+    ;;
 four)
     step pipeline_ep2 500 torchrun --standalone --nproc-per-node 4 benches/pipeline_ab.py --config pp_h200 --ep 2 --out "$out"
     ;;
 *)
-    echo "unknown mode $mode: one, one2, two, two2, cuda2, explain or four" >&2
+    echo "unknown mode $mode: one, one2, two, two2, cuda2, explain, capture or four" >&2
     exit 2
     ;;
 esac

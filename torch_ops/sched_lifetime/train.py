@@ -40,8 +40,9 @@ ARMS = {
     "ours": ("ours", "scheduled"),
     "ours+record": ("ours", "record_stream"),
 }
-#: Arms that capture the whole step in one CUDA graph (GPU, fixed-capacity dispatch only).
-GRAPH_ARMS = {"ours+graph": ("ours", "scheduled")}
+#: Arms that capture the whole step in one CUDA graph (GPU, fixed-capacity dispatch only);
+#: `ours+graph+record` uses `record_stream`, whose frees on other streams wait for the capture's end.
+GRAPH_ARMS = {"ours+graph": ("ours", "scheduled"), "ours+graph+record": ("ours", "record_stream")}
 #: Arms not in the default list, for A/Bs: `ours+classic`, the `classic` scheduler rules (the
 #: default before `ready_first`); `ours+ep2`, two EP launches in flight (the default before
 #: budget 1: on 2 x H200, h200 config, 8 microbatches, budget 1 ran 1054 ms against 1147 ms).
@@ -52,10 +53,14 @@ EXTRA_ARMS = {
     "ours+ep2": ("ours:ep_budget=2", "scheduled"),
     "ours+search": ("ours:search", "scheduled"),
     "ours+ends": ("ours", "scheduled"),
+    "ours+page": ("ours", "scheduled"),
 }
 #: Arms whose warm-up and cool-down are multiplexed too (`train_step(..., paired_ends=True)`:
 #: F(0) with F(1), B(n-2) with B(n-1)), at the cost of one more microbatch's activations.
 PAIRED_ENDS = {"ours+ends"}
+#: Arms with page nodes (`chunk.enable_paging(budget=--page-budget)`): saved activations of the
+#: chosen nodes go to pinned host memory on the page stream and come back before their backward.
+PAGED = {"ours+page"}
 
 
 def _free_port() -> int:
@@ -70,15 +75,37 @@ def _is_kernel(e: Any) -> bool:
     return e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
 
 
+def _is_nccl(e: Any) -> bool:
+    return "nccl" in e.name.lower()
+
+
+def _is_page_copy(e: Any) -> bool:
+    """A device<->host copy (the pager's page-outs and page-ins run on pinned host memory)."""
+    n = e.name
+    return n.startswith("Memcpy") and ("DtoH" in n or "HtoD" in n)
+
+
 def exposed_comm_us(prof: Any) -> tuple[float, float]:
     """(exposed, total) NCCL kernel time in us from a profiler's CUDA kernel events."""
+    return _exposed_us(prof, _is_nccl, lambda e: False)
+
+
+def exposed_page_us(prof: Any) -> tuple[float, float]:
+    """(exposed, total) device<->host copy time in us: copy time with no compute kernel running
+    (NCCL kernels are not compute here: a page copy under an all-to-all alone is exposed)."""
+    return _exposed_us(prof, _is_page_copy, _is_nccl)
+
+
+def _exposed_us(prof: Any, pick: Any, ignore: Any) -> tuple[float, float]:
+    """(exposed, total) time in us of the kernels `pick` selects: their union, less what the
+    union of the other kernels (all but `pick` and `ignore`) covers."""
     comm, comp = [], []
     for e in prof.events():
-        if not _is_kernel(e):
+        if not _is_kernel(e) or (ignore(e) and not pick(e)):
             continue
         start = e.time_range.start
         end = e.time_range.end
-        (comm if "nccl" in e.name.lower() else comp).append((start, end))
+        (comm if pick(e) else comp).append((start, end))
 
     def union(iv: list) -> list:
         out: list = []
@@ -240,6 +267,11 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
             costs = {str(k): float(v) for k, v in json.load(f).items()}
         for arm in arms.values():
             arm.chunk.costs = costs
+    for a in PAGED & set(arms):
+        # Calibration runs a forward (with EP, its collectives): every rank, same order.
+        plan = arms[a].chunk.enable_paging(arms[a].model.batch(0, 0), budget=args.page_budget, prefetch=args.page_prefetch or None)
+        if rank0 and args.progress:
+            print(f"{a}: paging {len(plan['page'])} nodes, {plan['bytes_paged'] / 2**20:.0f} of {plan['bytes_live'] / 2**20:.0f} MiB saved per microbatch: {plan['page']}", flush=True)
     first = next(iter(arms.values()))
     failed: dict[str, str] = {}
     # Every rank must issue the same collectives in the same order.
@@ -326,8 +358,11 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
                 sync()
             exp, tot = exposed_comm_us(prof)
             rows[a].update(exposed_comm_us=exp, comm_us=tot, top_kernels_ms=top_kernels(prof))
-            if args.out and rank0 and a == "ours":
-                prof.export_chrome_trace(os.path.join(args.out, "trace_ours.json"))
+            if a in PAGED:
+                pexp, ptot = exposed_page_us(prof)
+                rows[a].update(exposed_page_us=pexp, page_us=ptot, page_stats=dict(arm.chunk.page_stats))
+            if args.out and rank0 and (a == "ours" or a in PAGED):
+                prof.export_chrome_trace(os.path.join(args.out, f"trace_{a.replace('+', '_')}.json"))
             if arm.captured:
                 rows[a]["graph_pool"] = arm.graph_pool
     for a, why in failed.items():
@@ -458,6 +493,10 @@ def format_table(rows: dict, cfg: Any, args: argparse.Namespace, use_cuda: bool,
         comm = f"{r['exposed_comm_us'] / 1e3:>17.2f}{r['comm_us'] / 1e3:>9.2f}" if "comm_us" in r else f"{'(GPU only)':>17}{'':>9}"
         lines.append(f"{a:<13}{'equal' if r['parity'] else 'DIFFER':>8}{r['step_ms']:>10.2f}{base / r['step_ms']:>8.3f}{comm}{mem}")
     for a, r in rows.items():
+        if "page_us" in r:
+            lines.append(
+                f"{a}: page copies {r['page_us'] / 1e3:.2f} ms in one step, {r['exposed_page_us'] / 1e3:.2f} ms of it with no compute kernel running"
+            )
         if "graph_pool" in r:
             eager = rows.get("ours", {}).get("max_reserved")
             ratio = f" ({r['graph_pool'] / eager:.3f} of ours' eager max reserved)" if eager else ""
@@ -488,6 +527,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="directory for train.json and the trace")
     p.add_argument("--nccl-channels", type=int, default=0, help="limit NCCL to this many channels (0: NCCL's choice)")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress line per step")
+    p.add_argument("--page-budget", type=float, default=0.5, help="arm ours+page: fraction of a microbatch's saved activations to page")
+    p.add_argument("--page-prefetch", type=int, default=2, help="arm ours+page: a page-in may start this many backward nodes before its consumer (0: at once)")
     p.add_argument("--costs", default=None, help='JSON {"node": us} (e.g. a previous run\'s durations.json) for arm ours+search')
     return p
 
