@@ -117,7 +117,9 @@ def pattern(kind: str, batch: int, iters: int, device: torch.device, produce: bo
     one retire + one acquire; `retire_owned`: no binds, one retire that names the owner, then
     one acquire; `release_after`: the same two in one call; `retire_owned_op`: retire + acquire
     through torch.ops (what graphs and capture call); `record_stream`: one record_stream per
-    tensor (CUDA only). `produce`: the tensors are allocated inside the timed loop (every arm
+    tensor (CUDA only); `record+wait`: the same, plus the owner's `wait_stream(consumer)` that
+    the pattern needs anyway before the owner reads what the consumer produced (Megatron's
+    compute stream waiting on the all-to-all), which ours' acquire already is. `produce`: the tensors are allocated inside the timed loop (every arm
     pays the same allocations; record_stream's allocator also polls its pending frees' events
     there, which is where its deferred free costs the host); otherwise they are allocated
     before the clock starts."""
@@ -154,6 +156,8 @@ def pattern(kind: str, batch: int, iters: int, device: torch.device, produce: bo
             else:
                 for t in ts:
                     t.record_stream(consumer)
+                if kind == "record+wait":
+                    owner.wait_stream(consumer)
             ts = t = None  # noqa: F841 (drop the last references here)
         dt = clock() - t0
     if device.type == "cuda":
@@ -180,7 +184,7 @@ def main() -> None:
         rows.append({"batch": batch, "ops_us": ops_us, "python_us": py_us, "ops_retire_acquire_us": ops_ra,
                      "python_retire_acquire_us": py_ra})
         print(f"{batch:>6}{ops_us:>12.2f}{py_us:>14.2f}{ops_us / py_us:>12.2f}{ops_ra:>12.2f}{py_ra:>14.2f}{ops_ra / py_ra:>12.2f}")
-    kinds = ["bind_each", "retire_owned", "release_after", "retire_owned_op"] + (["record_stream"] if device.type == "cuda" else [])
+    kinds = ["bind_each", "retire_owned", "release_after", "retire_owned_op"] + (["record_stream", "record+wait"] if device.type == "cuda" else [])
     prow = {}
     for produce in (False, True):
         where = "allocated in the timed loop" if produce else "allocated before the clock"
