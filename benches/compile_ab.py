@@ -3,7 +3,9 @@ forward + backward of one microbatch per step: plain eager, torch.compile(backen
 and torch.compile(backend="sched_lifetime") in the same run. Interleaved steps, medians;
 parity (torch.equal on every loss and gradient of the first step, all ranks); exposed
 communication from one profiled step per arm (NCCL kernel time with no other kernel running);
-max reserved. Prints one table (rank 0).
+max reserved. With `--graph-step N`, the same run also times GraphStep (compiled graphs, N
+microbatches per step) sequential vs multiplexed vs paired ends, with the same figures, in the
+same table. Prints one table (rank 0).
 
     NCCL_MIN_NCHANNELS=2 NCCL_MAX_NCHANNELS=2 torchrun --standalone --nproc-per-node 2 benches/compile_ab.py
 """
@@ -27,25 +29,30 @@ from sched_lifetime.train import exposed_comm_us
 CFGS = {"tiny": with_overrides(CONFIGS["tiny"], capacity_factor=1.0), "h200": CONFIGS["h200"]}
 
 
-def graph_step_ab(cfg, group, dev, a, rank, sync) -> None:
-    """GraphStep (compiled forward/backward graphs) over N microbatches: multiplexed, with paired
-    ends, and sequential, interleaved steps, medians, parity of the first step's losses and
-    gradients against sequential."""
+def graph_step_ab(cfg, group, dev, a, rank, sync) -> dict:
+    """GraphStep (compiled forward/backward graphs) over N microbatches: sequential, multiplexed
+    and with paired ends, interleaved steps, medians, parity of the first step's losses and
+    gradients against sequential (all ranks); then one profiled step per arm (exposed
+    communication, max reserved). Returns the table's rows."""
     from sched_lifetime.compile import GraphStep
 
     m = MoEModel(cfg, transport=FunctionalAllToAll(group), seed=0, device=dev)
     gs = GraphStep(m, tuple(m.batch(0, 0).values()))
     times: dict[str, list] = {"sequential": [], "multiplexed": [], "paired_ends": []}
     first = {}
-    for step in range(a.steps + 1):
+
+    def run(name: str, step: int) -> list:
+        for p in m.parameters():
+            p.grad = None
         mbs = [tuple(m.batch(step, k).values()) for k in range(a.graph_step)]
+        return gs.step(mbs, multiplexed=name != "sequential", paired_ends=name == "paired_ends")
+
+    for step in range(a.steps + 1):
         for name in times:
-            for p in m.parameters():
-                p.grad = None
             sync()
             dist.barrier()
             t0 = time.perf_counter()
-            losses = gs.step(mbs, multiplexed=name != "sequential", paired_ends=name == "paired_ends")
+            losses = run(name, step)
             sync()
             dt = (time.perf_counter() - t0) * 1e3
             if step == 0:
@@ -53,18 +60,39 @@ def graph_step_ab(cfg, group, dev, a, rank, sync) -> None:
             else:
                 times[name].append(dt)
     la, ga = first["sequential"]
-    same = all(
-        all(torch.equal(x, y) for x, y in zip(la, lb)) and all(torch.equal(x, y) for x, y in zip(ga, gb)) for lb, gb in first.values()
-    )
+    same = {
+        k: all(torch.equal(x, y) for x, y in zip(la, lb)) and all(torch.equal(x, y) for x, y in zip(ga, gb)) for k, (lb, gb) in first.items()
+    }
     everyone = [None, None]
     dist.all_gather_object(everyone, same)
-    if rank == 0:
-        med = {k: statistics.median(v) for k, v in times.items()}
-        print(f"GraphStep, EP=2, config {a.config}, {a.graph_step} microbatches, medians of {a.steps} interleaved steps; parity {everyone}")
-        print("| arm | step ms | vs sequential |")
-        print("|---|---:|---:|")
-        for k, v in med.items():
-            print(f"| {k} | {v:.1f} | {med['sequential'] / v:.3f} |")
+    rows = {}
+    for name in times:
+        exposed, total, resv = _profiled(lambda: run(name, 99), sync, dev.type == "cuda")
+        rows[f"GraphStep {name}"] = {
+            "parity": all(e[name] for e in everyone),
+            "microbatches": a.graph_step,
+            "step_ms": statistics.median(times[name]),
+            "exposed_comm_ms": exposed / 1e3,
+            "comm_ms": total / 1e3,
+            "max_reserved_mib": resv / 2**20,
+        }
+    return rows
+
+
+def _profiled(step, sync, cuda: bool) -> tuple[float, float, int]:
+    """One step under the profiler, from an empty cache: (exposed comm us, comm us, max reserved)."""
+    if not cuda:
+        step()
+        return 0.0, 0.0, 0
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        sync()
+    exposed, total = exposed_comm_us(prof)
+    return exposed, total, torch.cuda.max_memory_reserved()
 
 
 def main() -> None:
@@ -73,7 +101,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--out", default=None)
     ap.add_argument("--graph-step", type=int, default=0, metavar="N",
-                    help="instead: N microbatches per step on compiled graphs, multiplexed F(i+1)+B(i) vs F(i) then B(i)")
+                    help="also: N microbatches per step on compiled graphs (GraphStep), sequential vs multiplexed F(i+1)+B(i) vs paired ends, in the same table")
     a = ap.parse_args()
     assert "sched_lifetime" in torch._dynamo.list_backends(), sched_lifetime.__version__
     cuda = torch.cuda.is_available()
@@ -93,10 +121,6 @@ def main() -> None:
         m = MoEModel(cfg, transport=FunctionalAllToAll(group), seed=0, device=dev)
         arms[name] = (m, m if backend is None else torch.compile(m, backend=backend))
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    if a.graph_step:
-        graph_step_ab(cfg, group, dev, a, rank, sync)
-        dist.destroy_process_group()
-        return
     times: dict[str, list] = {k: [] for k in arms}
     first: dict[str, tuple] = {}
     for step in range(a.steps + 1):
@@ -120,34 +144,30 @@ def main() -> None:
     dist.all_gather_object(everyone, parity)
     rows = {}
     for name, (m, run) in arms.items():
-        exposed = total = 0.0
-        resv = 0
-        if cuda:
-            from torch.profiler import ProfilerActivity, profile
-
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            m.zero_grad(set_to_none=True)
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                run(**m.batch(99, 0)).backward()
-                sync()
-            exposed, total = exposed_comm_us(prof)
-            resv = torch.cuda.max_memory_reserved()
+        m.zero_grad(set_to_none=True)
+        exposed, total, resv = _profiled(lambda: run(**m.batch(99, 0)).backward(), sync, cuda)
         rows[name] = {
             "parity": all(p[name] for p in everyone),
+            "microbatches": 1,
             "step_ms": statistics.median(times[name]),
             "exposed_comm_ms": exposed / 1e3,
             "comm_ms": total / 1e3,
             "max_reserved_mib": resv / 2**20,
         }
+    if a.graph_step:
+        rows.update(graph_step_ab(cfg, group, dev, a, rank, sync))
     if rank == 0:
         where = f"2 x {torch.cuda.get_device_name(dev)}" if cuda else "CPU smoke run (no figures)"
-        print(f"EP=2 {where}, config {a.config}, one microbatch F+B per step, medians of {a.steps} interleaved steps, NCCL channels {os.environ.get('NCCL_MAX_NCHANNELS', 'default')}")
-        print("| arm | parity | step ms | vs aot_eager | exposed comm ms | comm ms | max reserved MiB (rank 0, own step) |")
-        print("|---|---|---:|---:|---:|---:|---:|")
-        base = rows["aot_eager"]["step_ms"]
+        print(f"EP=2 {where}, config {a.config}, medians of {a.steps} interleaved steps, NCCL channels {os.environ.get('NCCL_MAX_NCHANNELS', 'default')}")
+        print("backend rows: one microbatch F+B per step, vs aot_eager; GraphStep rows: N microbatches per step, vs GraphStep sequential")
+        print("| arm | parity | microbatches | step ms | vs | exposed comm ms | comm ms | max reserved MiB (rank 0, own step) |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
         for k, r in rows.items():
-            print(f"| {k} | {'=' if r['parity'] else 'DIFF'} | {r['step_ms']:.1f} | {base / r['step_ms']:.3f} | {r['exposed_comm_ms']:.1f} | {r['comm_ms']:.1f} | {r['max_reserved_mib']:.0f} |")
+            base = rows["GraphStep sequential" if k.startswith("GraphStep") else "aot_eager"]["step_ms"]
+            print(
+                f"| {k} | {'=' if r['parity'] else 'DIFF'} | {r['microbatches']} | {r['step_ms']:.1f} | {base / r['step_ms']:.3f} | "
+                f"{r['exposed_comm_ms']:.1f} | {r['comm_ms']:.1f} | {r['max_reserved_mib']:.0f} |"
+            )
         if a.out:
             with open(os.path.join(a.out, "compile_ab.json"), "w") as f:
                 json.dump({"config": a.config, "rows": rows, "times_ms": times}, f, indent=1)

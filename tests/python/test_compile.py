@@ -72,7 +72,7 @@ def _against_eager_and_aot(name: str, options: dict) -> tuple:
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-@pytest.mark.parametrize("options", [{}, {"overlap": False}, {"explain": True, "ep_budget": 1}, {"partition": "min_cut"}])
+@pytest.mark.parametrize("options", [{}, {"overlap": False}, {"explain": True, "ep_budget": 1}, {"partition": "default"}])
 def test_bit_exact_against_eager_and_aot_eager(name, options, capsys):
     eager, aot, ours = _against_eager_and_aot(name, options)
     assert _same(eager, ours), "sched_lifetime differs from eager"
@@ -107,7 +107,7 @@ STATIC = {**PAGING, "paging_timed": False}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-@pytest.mark.parametrize("options", [PAGING, STATIC, {**STATIC, "paging_prefetch": 0, "paging_budget": 0.5, "overlap": False}, {**STATIC, "partition": "min_cut"}])
+@pytest.mark.parametrize("options", [PAGING, STATIC, {**STATIC, "paging_prefetch": 0, "paging_budget": 0.5, "overlap": False}, {**STATIC, "partition": "default"}])
 def test_paging_is_bit_exact_and_moves_the_saved_activations(name, options):
     eager, aot, ours = _against_eager_and_aot(name, options)
     assert _same(eager, ours) and _same(aot, ours)
