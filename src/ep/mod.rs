@@ -1,9 +1,7 @@
 //! EP and paging stream roles, and their launch budgets (DESIGN.md §4).
 //!
-//! A schedule uses four streams: the caller's compute stream, one high-priority EP stream for
-//! dispatch/combine, and two high-priority page streams, one per copy direction (page-outs,
-//! device to host; page-ins, host to device), so the two copy engines run at once and a
-//! page-in the compute stream waits for never queues behind page-outs. [`Role`] names them; [`PerRole`] holds
+//! A schedule uses three streams: the caller's compute stream, one high-priority EP stream for
+//! dispatch/combine, and one high-priority page stream. [`Role`] names them; [`PerRole`] holds
 //! one value per role, so code indexes by role instead of by a number agreed by convention.
 //! [`Budgets`] caps the launches in flight on each side stream; the settings come from the
 //! environment and are validated here, with errors naming the variable and the accepted range.
@@ -22,25 +20,22 @@ pub enum Role {
     Compute,
     /// High-priority EP stream (dispatch/combine).
     Ep,
-    /// High-priority page-out stream (device -> host copies).
+    /// High-priority page stream (page-out / page-in copies).
     Page,
-    /// High-priority page-in stream (host -> device copies).
-    PageIn,
 }
 
 impl Role {
     /// Every role, in [`PerRole`] order.
-    pub const ALL: [Role; 4] = [Role::Compute, Role::Ep, Role::Page, Role::PageIn];
+    pub const ALL: [Role; 3] = [Role::Compute, Role::Ep, Role::Page];
     /// The side streams, whose launches count against a budget.
-    pub const SIDE: [Role; 3] = [Role::Ep, Role::Page, Role::PageIn];
+    pub const SIDE: [Role; 2] = [Role::Ep, Role::Page];
 
     /// Where a node of `kind` runs: launches on their side stream, everything else (waits
     /// included: the compute stream waits) on compute.
     pub fn of(kind: Kind) -> Role {
         match kind {
             Kind::CommLaunch => Role::Ep,
-            Kind::PageOut => Role::Page,
-            Kind::PageIn => Role::PageIn,
+            Kind::PageOut | Kind::PageIn => Role::Page,
             _ => Role::Compute,
         }
     }
@@ -51,14 +46,13 @@ impl Role {
             Role::Compute => "compute",
             Role::Ep => "ep",
             Role::Page => "page",
-            Role::PageIn => "page_in",
         }
     }
 }
 
 /// One `T` per [`Role`].
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
-pub struct PerRole<T>([T; 4]);
+pub struct PerRole<T>([T; 3]);
 
 impl<T> PerRole<T> {
     /// From a function of the role.
@@ -98,7 +92,7 @@ pub const MAX_BUDGET: u32 = 1024;
 pub struct Budgets {
     /// EP stream budget.
     pub ep: u32,
-    /// Budget of each page stream (page-out and page-in, each its own).
+    /// Page stream budget.
     pub page: u32,
 }
 
@@ -150,7 +144,7 @@ impl Budgets {
     pub fn of(&self, r: Role) -> usize {
         match r {
             Role::Ep => self.ep as usize,
-            Role::Page | Role::PageIn => self.page as usize,
+            Role::Page => self.page as usize,
             Role::Compute => usize::MAX,
         }
     }
@@ -163,7 +157,7 @@ mod tests {
     #[test]
     fn roles_follow_kinds() {
         assert_eq!(Role::of(Kind::CommLaunch), Role::Ep);
-        assert_eq!(Role::of(Kind::PageIn), Role::PageIn);
+        assert_eq!(Role::of(Kind::PageIn), Role::Page);
         assert_eq!(Role::of(Kind::PageOut), Role::Page);
         for k in [Kind::Compute, Kind::CommWait, Kind::PageWait, Kind::Noop] {
             assert_eq!(Role::of(k), Role::Compute);

@@ -239,14 +239,14 @@ def test_a_step_cut_short_gives_its_buffers_back():
 
 
 POISON_ITERS = 200
-SLEEP = 20_000_000  # ~10 ms of GPU sleep on the page-in stream before the page-in
+SLEEP = 20_000_000  # ~10 ms of GPU sleep on the page stream before the page-in
 
 
 def _freelist_poison(ordered: bool) -> int:
-    """A page-in delayed on the page-in stream, then at once a new page-out into the same (only)
-    host buffer. `ordered`: the page-out goes through the pool (the page stream waits on the
-    buffer's read-done event); control: the same buffer is rewritten by a copy on another
-    stream, skipping that wait. Returns how many of the iterations reloaded a corrupt tensor."""
+    """A page-in delayed on the page stream, then at once a new page-out into the same (only)
+    host buffer. `ordered`: the page-out goes through the pool (queued on the page stream);
+    control: the same buffer is rewritten by a copy on another stream, skipping that order.
+    Returns how many of the iterations reloaded a corrupt tensor."""
     n = 1 << 20
     pool = sl.HostPool([4 * n], "cuda")
     other = torch.cuda.Stream()
@@ -256,7 +256,7 @@ def _freelist_poison(ordered: bool) -> int:
         poison = torch.full((n,), -1.0, device="cuda")
         other.wait_stream(torch.cuda.current_stream())  # the control's copy may read `poison`
         p = pool.page_out(want)
-        with torch.cuda.stream(pool.page_in_stream):
+        with torch.cuda.stream(pool.page_stream):
             torch.cuda._sleep(SLEEP)
         # A prefetched page-in: queued behind the sleep, the compute stream has not waited on it
         # yet, and the buffer is already back on the freelist.
@@ -277,7 +277,7 @@ def _freelist_poison(ordered: bool) -> int:
 
 
 @pytest.mark.cuda
-def test_freelist_reuse_waits_for_the_page_in_and_the_control_corrupts():
+def test_freelist_reuse_is_ordered_on_the_page_stream_and_the_control_corrupts():
     assert _freelist_poison(ordered=True) == 0
     corrupt = _freelist_poison(ordered=False)
     assert corrupt > POISON_ITERS // 2, f"control corrupted only {corrupt}/{POISON_ITERS}: the test has no teeth here"
@@ -301,9 +301,7 @@ def test_page_nodes_on_the_node_path_are_scheduled_and_bit_exact(order, shape):
         assert kinds[f"F.{x}.page_out"] == "page_out" and kinds[f"B.{x}.page_in"] == "page_in"
     s = cp.order_schedule(True, True, "ours")
     roles = dict(map(tuple, s["streams"]))
-    # One stream per copy direction: page-outs on the page stream, page-ins on the page-in stream.
-    assert {roles[n] for n in kinds if kinds[n] == "page_out"} == {"page"}
-    assert {roles[n] for n in kinds if kinds[n] == "page_in"} == {"page_in"}
+    assert {roles[n] for n in kinds if kinds[n] in ("page_out", "page_in")} == {"page"}
     for step in range(3):
         for m in (ref, paged):
             for p in m.parameters():
@@ -334,9 +332,8 @@ def test_enable_paging_refuses_bad_input():
 
 def test_page_in_prefetch_distance_holds_page_ins_back():
     """With `prefetch=k` a page-in is issued only after the backward compute node k dI nodes
-    before its consumer; with None it may go at once. Page-ins have their own stream and
-    budget, so early page-ins no longer hold the forward's page-outs back (they did when both
-    shared one page stream: the first page-out went 24 positions after its node)."""
+    before its consumer; with None it may go at once (and the first page-ins then hold the page
+    budget while the forward's page-outs wait)."""
     cfg = replace(CONFIGS["tiny"], capacity_factor=1.0, layers=3)
     m = MoEModel(cfg)
     leads = {}
@@ -354,7 +351,7 @@ def test_page_in_prefetch_distance_holds_page_ins_back():
         first_out = min(pos[f"F.{x}.page_out"] - pos[f"F.{x}"] for x in plan["page"])
         leads[(pf, "out")] = first_out
     assert leads[2] < leads[None]  # no page-in sits in the budget from the start
-    assert leads[(2, "out")] == leads[(None, "out")] <= 2, leads  # page-outs go as soon either way
+    assert leads[(2, "out")] < leads[(None, "out")]  # so the first page-out goes sooner
     with pytest.raises(ValueError, match="prefetch must be"):
         m.chunk().enable_paging(m.batch(0, 0), budget=0.5, prefetch=0)
 

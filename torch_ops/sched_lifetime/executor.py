@@ -30,13 +30,10 @@ Graph = Union[dict, str]
 NodeFn = Callable[..., Any]
 
 _LIFETIME_MODES = ("scheduled", "record_stream", "none")
-_SIDE_ROLES = ("ep", "page", "page_in")
 
 
 class SideStreams:
-    """The high-priority EP stream and page streams (page-out, device -> host; page-in, host ->
-    device: one per copy direction, so both copy engines run at once) of one device, created
-    once and reused."""
+    """The high-priority EP and page streams of one device, created once and reused."""
 
     _lock = threading.Lock()
     _by_device: dict[torch.device, "SideStreams"] = {}
@@ -47,9 +44,8 @@ class SideStreams:
             prio = min(lo, hi)  # the numerically lower value is the higher priority
             self.ep: torch.Stream = torch.cuda.Stream(device=device, priority=prio)
             self.page: torch.Stream = torch.cuda.Stream(device=device, priority=prio)
-            self.page_in: torch.Stream = torch.cuda.Stream(device=device, priority=prio)
         else:
-            self.ep = self.page = self.page_in = current_stream(device)
+            self.ep = self.page = current_stream(device)
 
     @classmethod
     def of(cls, device: torch.device) -> "SideStreams":
@@ -173,9 +169,9 @@ class Executor:
     def _streams(self) -> dict[str, torch.Stream]:
         comp = current_stream(self.device)
         if self.single_stream or self.device.type != "cuda":
-            return {"compute": comp, "ep": comp, "page": comp, "page_in": comp}
+            return {"compute": comp, "ep": comp, "page": comp}
         side = SideStreams.of(self.device)
-        return {"compute": comp, "ep": side.ep, "page": side.page, "page_in": side.page_in}
+        return {"compute": comp, "ep": side.ep, "page": side.page}
 
     def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """Issue every node once. Returns the values no node consumes, plus `keep`."""
@@ -186,7 +182,7 @@ class Executor:
             managers = {p: LifetimeManager(p) for p in self._plans}
         comp = streams["compute"]
         # Side streams start after what the caller queued on compute.
-        for role in _SIDE_ROLES:
+        for role in ("ep", "page"):
             if streams[role] is not comp:
                 streams[role].wait_stream(comp)
         # Under a profiler, each node is a labelled range (per-node GPU times for the simulator).
@@ -201,7 +197,7 @@ class Executor:
                 else:
                     self._issue(name, streams, env, managers)
             # Side streams rejoin compute: the caller's later work sees everything.
-            for role in _SIDE_ROLES:
+            for role in ("ep", "page"):
                 if streams[role] is not comp:
                     comp.wait_stream(streams[role])
             self.last_stats = {p: m.finalize() for p, m in managers.items()}

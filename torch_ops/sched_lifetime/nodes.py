@@ -309,14 +309,10 @@ class Chunk:
         paged = n.name in self._paged
 
         def release_paged_out(st: MicrobatchState) -> None:
-            # Page-outs queued before this node's page-in give their device storage back: under
-            # capture with no query (the compute stream waits on their copies: the capture-safe
-            # release point), eagerly those whose copy a query finds done.
-            mark = st.page_marks.pop(n.name)
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                self.pool.release_queued_before(mark)
-            else:
-                self.pool.release_done()
+            # The compute stream has waited for this node's page-in (its sync edge), which the
+            # page stream ran after every page-out queued before it: their device storage goes
+            # now, with no query (the capture-safe release point; eager also frees on queries).
+            self.pool.release_queued_before(st.page_marks.pop(n.name))
 
         def d_input(*grads: torch.Tensor) -> Any:
             st = ctx.bwd

@@ -11,12 +11,12 @@ The first step calibrates: it records the live prefix (every tensor autograd sav
 its save order and the backward order of its first use) and asks Rust (`page_plan`) what to
 page. Host buffers are then allocated once (pinned on CUDA), never during a step. Later steps
 copy the chosen tensors to their host buffer when autograd saves them and back when the
-backward unpacks them; the rest stay on the device. On CUDA page-outs run on the page stream
-and page-ins on the page-in stream (`SideStreams`: one per copy direction), the device storage
-of a paged-out tensor is released through the lifetime manager (owner: the compute stream,
-retired on the page stream with `drop_reference`), and the host buffers come from a `HostPool`:
-a buffer is given back right after the page-in that reads it is queued, and the next page-out
-into it waits on that read's event first (no host sync). On CPU the copies are plain.
+backward unpacks them; the rest stay on the device. On CUDA the copies run on the page stream
+(`SideStreams`), the device storage of a paged-out tensor is released through the lifetime
+manager (owner: the compute stream, retired on the page stream with `drop_reference`), and the
+host buffers come from a `HostPool` whose freelist is updated in page-stream order: a buffer is
+given back right after the page-in that reads it is queued, so the next page-out into it is
+queued behind that read on the same stream (no host sync). On CPU the copies are plain.
 
 A step whose saved tensors differ from the calibration (count, shape or dtype) raises: no
 silent fallback. `stats()` gives bytes out and in (equal every step) and the host bytes held;
@@ -138,12 +138,9 @@ class Paged:
 class HostPool:
     """Host buffers allocated once (pinned when they serve a GPU), handed out from a freelist per
     byte size. Page copies take a buffer for a page-out and give it back right after queueing the
-    page-in that reads it. Page-outs run on the page stream, page-ins on the page-in stream (one
-    stream per copy direction: the two copy engines run at once, and a page-in the compute
-    stream waits for never queues behind page-outs). Each buffer has a read-done event, recorded
-    on the page-in stream after the page-in that reads it; the page-out that takes the buffer
-    next makes the page stream wait on it before its copy, so a buffer is rewritten only after
-    the copy that last read it, with no host synchronisation (capture-safe). A step never
+    page-in that reads it; both copies run on the page stream, and the freelist is FIFO, so a
+    buffer is rewritten only by a copy queued on the page stream after the copy that last read
+    it: the stream's order is the freelist's order, with no host synchronisation. A step never
     allocates host memory: an empty freelist is an error (the pool was sized at calibration).
     """
 
@@ -172,11 +169,6 @@ class HostPool:
         # Host-cost caches (a page copy is tens of microseconds of Python otherwise): the page
         # stream, the last current stream seen (by its raw id), spare copy-done events.
         self._page: Any = None
-        self._page_in: Any = None
-        # Per buffer: the event recorded after the page-in that last read it, until the next
-        # page-out into it has queued its wait (CUDA only).
-        self._read_done: dict[int, Any] = {}
-        self._unread: set[int] = set()
         self._cur: tuple = (None, None)
         self._spare: list = []
         # Per-step figures (`take_figures`): host bytes taken at once, page-outs holding device
@@ -190,17 +182,10 @@ class HostPool:
 
     @property
     def page_stream(self) -> Any:
-        """The stream this pool's page-outs run on (None on CPU)."""
+        """The stream every page copy of this pool runs on (None on CPU)."""
         if self._page is None and self.device.type == "cuda":
             self._page = SideStreams.of(self.device).page
         return self._page
-
-    @property
-    def page_in_stream(self) -> Any:
-        """The stream this pool's page-ins run on (None on CPU)."""
-        if self._page_in is None and self.device.type == "cuda":
-            self._page_in = SideStreams.of(self.device).page_in
-        return self._page_in
 
     def current_stream(self) -> Any:
         """`torch.cuda.current_stream(device)`, without building a new Stream when it has not
@@ -317,9 +302,6 @@ class HostPool:
         if t.is_cuda:
             comp, page = owner if owner is not None else self.current_stream(), self.page_stream
             self._after(page, comp)
-            if slot in self._unread:  # the page-in that last read this buffer goes first
-                page.wait_event(self._read_done[slot])
-                self._unread.discard(slot)
             done = self._copy_on(page, buf, t.detach())
             m = LifetimeManager("page_out")
             m.bind(t, comp)
@@ -345,16 +327,16 @@ class HostPool:
         return out
 
     def page_in_launch(self, p: Paged, alloc_stream: Any = None) -> tuple:
-        """Queue the copy back (on the page-in stream after the compute stream's work so far) into
+        """Queue the copy back (on the page stream after the compute stream's work so far) into
         a tensor with the paged-out one's shape and strides, allocated on the compute stream;
         returns it with the event to wait on before
         reading it (None on CPU). The buffer goes back to the freelist at once: the next
-        page-out that takes it waits on this copy's read-done event first. `alloc_stream`:
+        page-out that takes it is queued behind this copy on the page stream. `alloc_stream`:
         the consumer's stream (default: the current stream)."""
         buf = self.view_of(p)
         ev = None
         if p.device.type == "cuda":
-            comp, page = alloc_stream if alloc_stream is not None else self.current_stream(), self.page_in_stream
+            comp, page = alloc_stream if alloc_stream is not None else self.current_stream(), self.page_stream
             prev = self._on(comp)
             try:
                 out = torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=p.device)
@@ -362,11 +344,6 @@ class HostPool:
                 self._back(prev)
             self._after(page, comp)
             ev = self._copy_on(page, out, buf)
-            read = self._read_done.get(p.slot)
-            if read is None:
-                read = self._read_done[p.slot] = torch.cuda.Event()
-            read.record(page)
-            self._unread.add(p.slot)
         else:
             out = torch.empty_strided(p.shape, p.stride, dtype=p.dtype).copy_(buf)
         self.give(p.slot)
@@ -430,14 +407,14 @@ class HostPool:
             self._drain_one()
 
     def mark(self) -> int:
-        """The page-outs queued so far (taken when a page-in is queued)."""
+        """The page-outs queued on the page stream so far: taken when a page-in is queued, every
+        page-out numbered below it runs before that page-in on the page stream."""
         return self.page_outs
 
     def release_queued_before(self, mark: int) -> None:
-        """Release every page-out numbered below `mark` (a page-in's `mark`): the compute stream
-        waits on each one's copy, then its device storage goes. No query, no host sync: the
-        capture-safe release point. Page-outs run on their own stream, so the wait may stall
-        the compute stream until those copies end (eager steps release on queries instead)."""
+        """Release every page-out numbered below `mark` (a page-in's `mark`), once the compute
+        stream has waited for that page-in: the page stream ran them before it, so the wait
+        each release queues finds its copy done. No query, no host sync: capture-safe."""
         while self._retiring and self._retiring[0][3] < mark:
             self._drain_one()
 
