@@ -4,17 +4,22 @@ nodes); its pool against the eager step's reserved growth from the same start an
 record_stream's (large pool, where the activations live: small tensors land in cached small
 segments eagerly but need the graph's own)."""
 
+import contextlib
 from dataclasses import replace
 
 import pytest
 import torch
 
 
-def _captured_and_eager():
+@contextlib.contextmanager
+def _arms(*names: str):
+    """Arms of the embedded model (a small fixed-capacity config, EP=1) with deterministic
+    kernels and a probed deterministic attention backend, as the main job runs them; one per
+    name, same weights; the settings are undone on exit."""
     from sched_lifetime import ep
     from sched_lifetime.models import CONFIGS
     from sched_lifetime.models import moe as moe_mod
-    from sched_lifetime.train import Arm, same_grads
+    from sched_lifetime.train import Arm
 
     torch.use_deterministic_algorithms(True)
     try:
@@ -22,8 +27,17 @@ def _captured_and_eager():
         moe_mod.deterministic_sdpa(dev, torch.float32)
         cfg = replace(CONFIGS["tiny"], capacity_factor=1.0, hidden=512, heads=8, expert_ffn=1024, shared_ffn=512, seq=256, batch=8)
         t = ep.AllToAll(None)
-        eager = Arm("ours", cfg, t, dev, 0.05)
-        graphs = {a: Arm(a, cfg, t, dev, 0.05) for a in ("ours+graph", "ours+graph+record")}
+        yield [Arm(a, cfg, t, dev, 0.05) for a in names]
+    finally:
+        torch.use_deterministic_algorithms(False)
+        moe_mod.SDPA_BACKENDS = None
+
+
+def _captured_and_eager():
+    from sched_lifetime.train import same_grads
+
+    with _arms("ours", "ours+graph", "ours+graph+record") as (eager, *captured):
+        graphs = {g.name: g for g in captured}
         n = 3
         parity = {a: True for a in graphs}
         for step in range(4):
@@ -50,9 +64,6 @@ def _captured_and_eager():
         pools = {a: g.graph_pool_large for a, g in graphs.items()}
         print({"graph_pool_large": pools, "eager_peak_large": eager_peak})
         return parity, pools, eager_peak
-    finally:
-        torch.use_deterministic_algorithms(False)
-        moe_mod.SDPA_BACKENDS = None
 
 
 @pytest.mark.cuda
@@ -80,18 +91,9 @@ def test_page_nodes_captured_in_the_whole_step_replay_bit_exact_with_no_pinned_a
     three replays bit-exact against the same paging run eagerly; the pinned host allocator
     grows no block after the warm-up (the host pool is allocated at calibration); every host
     buffer is back on the freelist after each step."""
-    from sched_lifetime import ep
-    from sched_lifetime.models import CONFIGS
-    from sched_lifetime.models import moe as moe_mod
-    from sched_lifetime.train import Arm, same_grads
+    from sched_lifetime.train import same_grads
 
-    torch.use_deterministic_algorithms(True)
-    try:
-        dev = torch.device("cuda", torch.cuda.current_device())
-        moe_mod.deterministic_sdpa(dev, torch.float32)
-        cfg = replace(CONFIGS["tiny"], capacity_factor=1.0, hidden=512, heads=8, expert_ffn=1024, shared_ffn=512, seq=256, batch=8)
-        t = ep.AllToAll(None)
-        eager, graph = Arm("ours", cfg, t, dev, 0.05), Arm("ours+graph", cfg, t, dev, 0.05)
+    with _arms("ours", "ours+graph") as (eager, graph):
         plans = [a.chunk.enable_paging(a.model.batch(0, 0), budget=0.5) for a in (eager, graph)]
         assert plans[0]["page"] and plans[0]["page"] == plans[1]["page"], plans
         n, ok = 3, True
@@ -121,6 +123,3 @@ def test_page_nodes_captured_in_the_whole_step_replay_bit_exact_with_no_pinned_a
         assert len(grown) == 3 and grown == [0, 0, 0], f"pinned host blocks made during replays: {grown}"
         assert eager.chunk.page_stats["bytes_out"] == eager.chunk.page_stats["bytes_in"] > 0
         print({"paged_nodes": plans[0]["page"], "graph_pool_large": graph.graph_pool_large, "replay_host_blocks": grown})
-    finally:
-        torch.use_deterministic_algorithms(False)
-        moe_mod.SDPA_BACKENDS = None
