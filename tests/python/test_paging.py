@@ -426,3 +426,26 @@ print(out)
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip().splitlines()[-1] == "[(0, 0), (0, 0), (0, 0)]", res.stdout
+
+
+def test_a_node_path_step_cut_short_gives_its_buffers_back_and_the_next_step_is_exact():
+    """A page-node step that fails midway (a microbatch without its labels, after two forwards
+    paged out) gives every host buffer back, and the next step runs and equals the same step on
+    a chunk that never failed (every gradient, bit for bit). Before, the buffers stayed taken and
+    the next step failed with 'host pool exhausted'."""
+    from sched_lifetime.nodes import train_step
+
+    cfg = replace(CONFIGS["tiny"], capacity_factor=1.0)
+    models = [MoEModel(cfg, sl.ep.AllToAll(None), seed=0, device=torch.device("cpu")) for _ in range(2)]
+    chunks = [m.chunk(torch.device("cpu")) for m in models]
+    for m, c in zip(models, chunks):
+        assert c.enable_paging(m.batch(0, 0), budget=0.5, min_bytes=1)["page"]
+    m, c = models[0], chunks[0]
+    with pytest.raises(ValueError, match="chunk inputs missing"):
+        train_step(c, [m.batch(0, 0), m.batch(0, 1), {"tokens": m.batch(0, 2)["tokens"]}])
+    assert c.pool.in_use() == 0
+    for mm, cc in zip(models, chunks):
+        mm.zero_grad(set_to_none=True)
+        train_step(cc, [mm.batch(1, i) for i in range(3)])
+        assert cc.pool.in_use() == 0
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(models[0].parameters(), models[1].parameters()))

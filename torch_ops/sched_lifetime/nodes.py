@@ -906,28 +906,38 @@ def train_step(
         if on_run is not None:
             on_run()
 
-    if order == "sequential":
-        for i in range(n):
-            chunk.run((states[i], microbatches[i]), None, order, lifetime)
+    try:
+        if order == "sequential":
+            for i in range(n):
+                chunk.run((states[i], microbatches[i]), None, order, lifetime)
+                after()
+                chunk.run(None, states[i], order, lifetime, scale)
+                after()
+        elif paired_ends and n >= 2:
+            run_two(chunk, "F", [(states[0], microbatches[0]), (states[1], microbatches[1])], order, lifetime)
             after()
-            chunk.run(None, states[i], order, lifetime, scale)
+            for i in range(n - 2):
+                chunk.run((states[i + 2], microbatches[i + 2]), states[i], order, lifetime, scale)
+                after()
+            run_two(chunk, "B", [states[n - 2], states[n - 1]], order, lifetime, scale)
             after()
-    elif paired_ends and n >= 2:
-        run_two(chunk, "F", [(states[0], microbatches[0]), (states[1], microbatches[1])], order, lifetime)
-        after()
-        for i in range(n - 2):
-            chunk.run((states[i + 2], microbatches[i + 2]), states[i], order, lifetime, scale)
+        else:
+            chunk.run((states[0], microbatches[0]), None, order, lifetime)
             after()
-        run_two(chunk, "B", [states[n - 2], states[n - 1]], order, lifetime, scale)
-        after()
-    else:
-        chunk.run((states[0], microbatches[0]), None, order, lifetime)
-        after()
-        for i in range(n - 1):
-            chunk.run((states[i + 1], microbatches[i + 1]), states[i], order, lifetime, scale)
+            for i in range(n - 1):
+                chunk.run((states[i + 1], microbatches[i + 1]), states[i], order, lifetime, scale)
+                after()
+            chunk.run(None, states[n - 1], order, lifetime, scale)
             after()
-        chunk.run(None, states[n - 1], order, lifetime, scale)
-        after()
+    except BaseException:
+        # A step cut short gives its host buffers back (page-outs never paged in), so the next
+        # step finds the pool whole; the original error is what the caller sees.
+        if chunk.pool is not None:
+            try:
+                chunk.pool.drain()
+            finally:
+                chunk.pool.reclaim()
+        raise
     if chunk.pool is not None:  # page-outs still holding device storage: the step ends here
         chunk.pool.drain()
     for s in states:
