@@ -449,3 +449,19 @@ def test_a_node_path_step_cut_short_gives_its_buffers_back_and_the_next_step_is_
         train_step(cc, [mm.batch(1, i) for i in range(3)])
         assert cc.pool.in_use() == 0
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(models[0].parameters(), models[1].parameters()))
+
+
+def test_page_nodes_refuse_shapes_that_differ_from_calibration_naming_the_node():
+    """Counted EP dispatch changes what a node saves from one microbatch to the next; the host
+    pool is sized for the calibrated shapes, so the page-out says so, naming the node and the
+    fix (a fixed capacity), before taking any buffer; the pool stays whole."""
+    from sched_lifetime.nodes import train_step
+
+    cfg = replace(CONFIGS["tiny"], capacity_factor=None)
+    m = MoEModel(cfg, sl.ep.AllToAll(None), seed=0, device=torch.device("cpu"))
+    c = m.chunk(torch.device("cpu"))
+    plan = c.enable_paging(m.batch(0, 0), budget=1.0, min_bytes=1)
+    assert plan["page"]
+    with pytest.raises(ValueError, match=r"node 'F\.[^']+\.page_out': saved .* calibration saw .*capacity_factor"):
+        train_step(c, [m.batch(0, i) for i in range(3)])
+    assert c.pool.in_use() == 0

@@ -136,6 +136,7 @@ class Chunk:
         # Paging (`enable_paging`): the compute nodes whose saved activations are paged, the
         # pinned host pool, and the calibration's per-node saved bytes.
         self._paged: set[str] = set()
+        self._page_bytes: dict[str, list[int]] = {}
         self.pool: Any = None
         self.page_min_bytes = 1 << 16
         self.page_prefetch: Optional[int] = None
@@ -432,6 +433,12 @@ class Chunk:
         def page_out() -> tuple:
             st = ctx.fwd
             held = st.paged.get(name, [])
+            got = [t.numel() * t.element_size() for t in held]
+            if got != self._page_bytes[name]:
+                raise ValueError(
+                    f"saved {got} bytes, calibration saw {self._page_bytes[name]}: the host pool is sized for the "
+                    "calibrated shapes (counted EP dispatch changes them each microbatch: page with a fixed capacity_factor)"
+                )
             st.paged[name] = [self.pool.page_out(t, owner=ctx.compute) for t in held]
             self.page_stats["bytes_out"] += sum(h.nbytes for h in st.paged[name])
             return ()
@@ -506,6 +513,7 @@ class Chunk:
             prefix = [{"name": x, "bytes": nbytes[x], "saved_at": i, "used_at": len(order) - 1 - i} for i, x in enumerate(order)]
             plan = page_plan(prefix, budget, min_distance)
         self._paged = set(plan["page"])
+        self._page_bytes = {x: list(calib[x]) for x in self._paged}  # what each paged node saves
         self._rebuild()
         sizes = [b for x in sorted(self._paged) for b in calib[x]] * in_flight
         self.pool = HostPool(sizes, self.device) if sizes else None
