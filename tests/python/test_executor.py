@@ -90,8 +90,10 @@ def test_retired_values_are_bound_in_the_retire_call_not_at_the_producer(monkeyp
         def __getattr__(self, name):  # acquire, create, finalize, ...: the real entry
             return getattr(real, name)
 
-    monkeypatch.setattr(lt, "direct", Counting())
-    monkeypatch.setattr(lt, "_bind", Counting().bind)
+    counting = Counting()
+    monkeypatch.setattr(lt, "direct", counting)
+    monkeypatch.setattr(lt, "_direct_retire", counting.retire)  # the retire hot path's own reference
+    monkeypatch.setattr(lt, "_bind", counting.bind)
     graph, w = moe_layer(), weights()
     s = sl.schedule(graph, ep_budget=1)
     ex = sl.Executor(graph, s, callables(w))

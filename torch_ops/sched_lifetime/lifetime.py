@@ -25,6 +25,7 @@ _retire_owned = ops.retire_owned.default
 #: Action names accepted by `retire`, with their integer codes across the FFI (from Rust).
 ACTIONS: dict[str, int] = dict(INFO["actions"])
 _DEFAULT_ACTION: int = ACTIONS[INFO["default_action"]]
+_direct_release, _direct_retire = direct.release, direct.retire  # module-level: one lookup fewer per call
 
 _names = itertools.count()
 _CPU_STREAM: Optional[torch.Stream] = None
@@ -112,8 +113,11 @@ class LifetimeManager:
         `action` defaults to Rust's default (`INFO["default_action"]`, emptying the storage).
         `owner_stream`: bind the tensors to it in the same call (the eager hot path: no
         separate bind per tensor as it is produced)."""
-        code = _action_code(action, "retire")
-        if consumer_stream is not None and direct.retire(self.handle, tensors, consumer_stream, code, owner_stream) is None:
+        h = self._handle
+        if h is None:
+            h = self.handle  # raises: closed
+        code = _DEFAULT_ACTION if action is None else _action_code(action, "retire")
+        if consumer_stream is not None and _direct_retire(h, tensors, consumer_stream, code, owner_stream) is None:
             return
         ts = _tensor_list(tensors, "retire")
         consumer = _stream(consumer_stream, ts, "consumer_stream")
@@ -134,8 +138,12 @@ class LifetimeManager:
         stream waits for it now and the storage goes back to the owner's pool at once
         (`record_stream`'s one-call replacement, with no deferred free). Returns how many
         tensors were released (this plan's others parked for the owner included)."""
-        code = _action_code(action, "release_after")
-        got = direct.release(self.handle, tensors, consumer_stream, code, owner_stream)
+        # The hot path, per tensor in eager code: no property, no helper call when defaulted.
+        h = self._handle
+        if h is None:
+            h = self.handle  # raises: closed
+        code = _DEFAULT_ACTION if action is None else _action_code(action, "release_after")
+        got = _direct_release(h, tensors, consumer_stream, code, owner_stream)
         if got is not NotImplemented:
             return got
         ts = _tensor_list(tensors, "release_after")
