@@ -43,7 +43,7 @@ def main() -> None:
     from sched_lifetime import ep, executor
     from sched_lifetime.models import CONFIGS
     from sched_lifetime.models import moe as moe_mod
-    from sched_lifetime.train import Arm, same_grads
+    from sched_lifetime.train import Arm, eager_step_growth, same_grads
 
     torch.use_deterministic_algorithms(True)
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -73,20 +73,8 @@ def main() -> None:
         segs = _segments(g.graph.pool())
         rows[a] = {"pool_large": g.graph_pool_large, "pool": g.graph_pool, "by_stream": _by_stream(segs, names), "parity": parity[a]}
     # Eager step from no gradients and an empty cache (what the capture starts from).
-    eager.opt.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    torch._C._cuda_clearCublasWorkspaces()
-    torch.cuda.empty_cache()
-    large = lambda: torch.cuda.memory_stats()["reserved_bytes.large_pool.current"]  # noqa: E731
-    base, base_large, start = torch.cuda.memory_reserved(), large(), torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    eager.step(9, n)
-    torch.cuda.synchronize()
-    st = torch.cuda.memory_stats()
     rows["ours (eager)"] = {
-        "pool_large": st["reserved_bytes.large_pool.peak"] - base_large,
-        "pool": torch.cuda.max_memory_reserved() - base,
-        "allocated_peak": torch.cuda.max_memory_allocated() - start,
+        **eager_step_growth(eager, 9, n),
         "by_stream": _by_stream([s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", (0, 0))) == (0, 0)], names),
         "parity": True,
     }

@@ -34,7 +34,7 @@ def _arms(*names: str):
 
 
 def _captured_and_eager():
-    from sched_lifetime.train import same_grads
+    from sched_lifetime.train import eager_step_growth, same_grads
 
     with _arms("ours", "ours+graph", "ours+graph+record") as (eager, *captured):
         graphs = {g.name: g for g in captured}
@@ -49,18 +49,9 @@ def _captured_and_eager():
         for a, g in graphs.items():
             assert g.graph is not None
             parity[a] = parity[a] and all(torch.equal(p, q) for p, q in zip(eager.model.parameters(), g.model.parameters()))
-        # The eager step from where the capture starts: no gradients (the graph writes them in
-        # its pool) and an empty cache; large-pool growth, as the graph pool is counted. Both
-        # count the cuBLAS workspaces their own run allocates (cleared here, allocated again).
-        eager.opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        torch._C._cuda_clearCublasWorkspaces()
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_stats()["reserved_bytes.large_pool.current"]
-        torch.cuda.reset_peak_memory_stats()
-        eager.step(9, n)
-        torch.cuda.synchronize()
-        eager_peak = torch.cuda.memory_stats()["reserved_bytes.large_pool.peak"] - base
+        # The eager step from where the capture starts (no gradients, empty cache, cuBLAS
+        # workspaces cleared): its large-pool growth, as the graph pool is counted.
+        eager_peak = eager_step_growth(eager, 9, n)["pool_large"]
         pools = {a: g.graph_pool_large for a, g in graphs.items()}
         print({"graph_pool_large": pools, "eager_peak_large": eager_peak})
         return parity, pools, eager_peak

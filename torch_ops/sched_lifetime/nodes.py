@@ -515,7 +515,7 @@ class Chunk:
         self._paged = set(plan["page"])
         self._page_bytes = {x: list(calib[x]) for x in self._paged}  # what each paged node saves
         self._rebuild()
-        sizes = [b for x in sorted(self._paged) for b in calib[x]] * in_flight
+        sizes = [b for x in sorted(self._paged) for b in self._page_bytes[x]] * in_flight
         self.pool = HostPool(sizes, self.device) if sizes else None
         self.page_plan = dict(plan, host_bytes=sum(sizes))
         return self.page_plan

@@ -209,14 +209,38 @@ def _capture(arm: "Arm", batches: list) -> None:
     arm.opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    large = lambda: torch.cuda.memory_stats().get("reserved_bytes.large_pool.current", 0)  # noqa: E731
-    base, base_large = torch.cuda.memory_reserved(), large()
+    base, base_large = torch.cuda.memory_reserved(), _large_pool_reserved()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         arm.static_losses = train_step(arm.chunk, arm.static, arm.order, arm.lifetime)
     arm.graph_pool = torch.cuda.memory_reserved() - base
-    arm.graph_pool_large = large() - base_large
+    arm.graph_pool_large = _large_pool_reserved() - base_large
     arm.graph = g
+
+
+def _large_pool_reserved() -> int:
+    return torch.cuda.memory_stats().get("reserved_bytes.large_pool.current", 0)
+
+
+def eager_step_growth(arm: "Arm", step: int, microbatches: int) -> dict[str, int]:
+    """One eager step of `arm` from where a whole-step capture starts, measured as `_capture`
+    counts the graph pool: no gradients (the graph writes them in its pool), an empty cache, and
+    the cuBLAS workspaces cleared (each side counts those its own run allocates). Returns the
+    peak growth above that start: `pool_large` (large-pool reserved, where the activations
+    live), `pool` (all reserved) and `allocated_peak`."""
+    arm.opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    base, base_large, start = torch.cuda.memory_reserved(), _large_pool_reserved(), torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    arm.step(step, microbatches)
+    torch.cuda.synchronize()
+    return {
+        "pool_large": torch.cuda.memory_stats()["reserved_bytes.large_pool.peak"] - base_large,
+        "pool": torch.cuda.max_memory_reserved() - base,
+        "allocated_peak": torch.cuda.max_memory_allocated() - start,
+    }
 
 
 def worker(rank: int, world: int, args: argparse.Namespace, port: Optional[int]) -> None:
