@@ -17,6 +17,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/SmallVector.h>
 #include <c10/util/Exception.h>
 
 #include "sched-lifetime/cpp/shim.h"
@@ -103,9 +104,12 @@ bool unpack_stream(PyObject* obj, const char* what, StreamKey& key) {
   return true;
 }
 
+// The unpacked tensors: on the stack for the eager hot path's few at a time.
+using Tensors = c10::SmallVector<at::Tensor, 4>;
+
 enum class Unpacked { kOk, kError, kNotPlain };
 
-Unpacked unpack_tensor(PyObject* obj, const char* verb, Py_ssize_t i, std::vector<at::Tensor>& out) {
+Unpacked unpack_tensor(PyObject* obj, const char* verb, Py_ssize_t i, Tensors& out) {
   PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(obj));
   if (type != cache.tensor_type && type != cache.parameter_type) {
     int is = PyObject_IsInstance(obj, cache.tensor_type);
@@ -130,7 +134,7 @@ Unpacked unpack_tensor(PyObject* obj, const char* verb, Py_ssize_t i, std::vecto
 }
 
 // A tensor or a list/tuple of tensors.
-Unpacked unpack_tensors(PyObject* obj, const char* verb, std::vector<at::Tensor>& out) {
+Unpacked unpack_tensors(PyObject* obj, const char* verb, Tensors& out) {
   if (PyList_Check(obj) || PyTuple_Check(obj)) {
     const bool list = PyList_Check(obj);
     const Py_ssize_t n = list ? PyList_Size(obj) : PyTuple_Size(obj);
@@ -194,21 +198,22 @@ PyObject* retire_args(const char* verb, PyObject* const* args, bool release) {
   if (owned && !unpack_stream(args[4], "owner_stream", owner)) return nullptr;
   long long action = PyLong_AsLongLong(args[3]);
   if (action == -1 && PyErr_Occurred()) return nullptr;
-  std::vector<at::Tensor> ts;
+  Tensors ts;
   switch (unpack_tensors(args[1], verb, ts)) {
     case Unpacked::kError: return nullptr;
     case Unpacked::kNotPlain: Py_RETURN_NOTIMPLEMENTED;
     case Unpacked::kOk: break;
   }
   TensorList list{ts};
+  if (release) {
+    int64_t released = 0;
+    if (!call_rust([&] { released = sl_release(mgr, list, owner, consumer, action); })) return nullptr;
+    return PyLong_FromLongLong(released);
+  }
   bool ok = owned ? call_rust([&] { sl_retire_owned(mgr, list, owner, consumer, action); })
                   : call_rust([&] { sl_retire(mgr, list, consumer, action); });
   if (!ok) return nullptr;
-  if (!release) Py_RETURN_NONE;
-  ts.clear();  // the manager holds what it parked; these references must not outlive the release
-  int64_t released = 0;
-  if (!call_rust([&] { released = sl_acquire(mgr, owner); })) return nullptr;
-  return PyLong_FromLongLong(released);
+  Py_RETURN_NONE;
 }
 
 // retire(handle, tensors, consumer, action, owner_or_None) -> None, or NotImplemented.
@@ -234,7 +239,7 @@ PyObject* direct_bind(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   uint64_t mgr = 0;
   StreamKey owner{};
   if (!unpack_handle(args[0], mgr) || !unpack_stream(args[2], "owner_stream", owner)) return nullptr;
-  std::vector<at::Tensor> ts;
+  Tensors ts;
   switch (unpack_tensors(args[1], "bind", ts)) {
     case Unpacked::kError: return nullptr;
     case Unpacked::kNotPlain: Py_RETURN_NOTIMPLEMENTED;

@@ -440,3 +440,79 @@ fn retire_owned_is_bind_then_retire_and_checks_first() {
     assert_eq!(m.stats().bound, 1, "a failed retire_owned bound nothing");
     assert!(rt.ops.is_empty());
 }
+
+/// `retire_owned` is the hot path's own code (one lookup per tensor), not bind-then-retire: on
+/// random call sequences (tensors bound before or not, to this owner or another, retired
+/// twice, views of one storage, both actions that matter, cross-stream or not, acquires in
+/// between) it leaves the same log and counters as `bind` followed by `retire` on a second
+/// manager, and a call it rejects changes nothing.
+#[test]
+fn retire_owned_equals_bind_then_retire_on_random_sequences() {
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = |n: u64| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state % n
+    };
+    let streams = [A, B, C];
+    let actions = [Action::EmptyStorage, Action::DropReference, Action::Preserve];
+    let (mut rejected, mut crossed) = (0, 0);
+    for _ in 0..200 {
+        let (mut fused, mut rt_f) = mgr();
+        let (mut split, mut rt_s) = mgr();
+        let mut fresh = 1u64;
+        for _ in 0..30 {
+            // Tensors: mostly fresh, sometimes an earlier one again or a view of one.
+            let n = 1 + next(3) as usize;
+            let ts: Vec<TensorKey> = (0..n)
+                .map(|_| match next(6) {
+                    0 if fresh > 1 => t(1 + next(fresh - 1)),
+                    1 if fresh > 1 => {
+                        let mut v = t(fresh + 1000);
+                        v.storage = t(1 + next(fresh - 1)).storage;
+                        fresh += 1;
+                        v
+                    }
+                    _ => {
+                        fresh += 1;
+                        t(fresh)
+                    }
+                })
+                .collect();
+            let owner = streams[next(3) as usize];
+            match next(4) {
+                0 => {
+                    // A bind as Megatron's pattern does it, on both managers alike.
+                    let a = fused.bind(&ts, owner, |i| ts[i].tensor).map_err(|e| e.to_string());
+                    let b = split.bind(&ts, owner, |i| ts[i].tensor).map_err(|e| e.to_string());
+                    assert_eq!(a, b);
+                }
+                1 => {
+                    assert_eq!(fused.acquire(&mut rt_f, owner).unwrap(), split.acquire(&mut rt_s, owner).unwrap());
+                }
+                _ => {
+                    let consumer = streams[next(3) as usize];
+                    let action = actions[next(3) as usize];
+                    let (before_ops, before) = (rt_f.ops.len(), fused.stats());
+                    match fused.retire_owned(&mut rt_f, &ts, owner, consumer, action, |i| ts[i].tensor) {
+                        Ok(()) => {
+                            crossed += usize::from(owner != consumer);
+                            split.bind(&ts, owner, |i| ts[i].tensor).unwrap();
+                            retire(&mut split, &mut rt_s, &ts, consumer, action).unwrap();
+                        }
+                        Err(_) => {
+                            rejected += 1;
+                            assert_eq!((rt_f.ops.len(), fused.stats()), (before_ops, before), "a rejected call changed something");
+                        }
+                    }
+                }
+            }
+            assert_eq!(rt_f.ops, rt_s.ops);
+            assert_eq!(fused.stats(), split.stats());
+        }
+        fused.abandon(&mut rt_f).unwrap();
+        split.abandon(&mut rt_s).unwrap();
+    }
+    assert!(rejected > 100 && crossed > 100, "the sequences hit both paths: {rejected} rejected, {crossed} crossed");
+}

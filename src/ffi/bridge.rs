@@ -50,6 +50,7 @@ pub(crate) mod ffi {
         fn sl_bind(mgr: u64, tensors: &TensorList, owner: StreamKey) -> Result<()>;
         fn sl_retire(mgr: u64, tensors: &TensorList, consumer: StreamKey, action: i64) -> Result<()>;
         fn sl_retire_owned(mgr: u64, tensors: &TensorList, owner: StreamKey, consumer: StreamKey, action: i64) -> Result<()>;
+        fn sl_release(mgr: u64, tensors: &TensorList, owner: StreamKey, consumer: StreamKey, action: i64) -> Result<i64>;
         fn sl_passthrough(mgr: u64, tensors: &TensorList) -> Result<()>;
         fn sl_acquire(mgr: u64, stream: StreamKey) -> Result<i64>;
         fn sl_finalize(mgr: u64) -> Result<Vec<i64>>;
@@ -62,4 +63,4 @@ pub(crate) mod ffi {
 }
 
 use super::json_ops::{sl_json_call, sl_json_schemas};
-use super::lifetime_ops::{sl_acquire, sl_bind, sl_create, sl_destroy, sl_finalize, sl_passthrough, sl_retire, sl_retire_owned, sl_stats};
+use super::lifetime_ops::{sl_acquire, sl_bind, sl_create, sl_destroy, sl_finalize, sl_passthrough, sl_release, sl_retire, sl_retire_owned, sl_stats};

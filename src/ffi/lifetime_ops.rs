@@ -32,6 +32,16 @@ pub(super) fn sl_retire_owned(mgr: u64, tensors: &TensorList, owner: StreamKey, 
     })
 }
 
+/// `retire_owned` then `acquire(owner)` under one registry lock: the direct entry's
+/// `release_after` (record_stream's one-call replacement).
+pub(super) fn sl_release(mgr: u64, tensors: &TensorList, owner: StreamKey, consumer: StreamKey, action: i64) -> Ret<i64> {
+    enter(|reg| {
+        let action = Action::from_code(action)?;
+        let take = |i| ffi::list_take(tensors, i);
+        reg.get(mgr)?.release_after(&mut TorchRuntime, &keys(tensors), owner.into(), consumer.into(), action, take).map(|n| n as i64)
+    })
+}
+
 pub(super) fn sl_passthrough(mgr: u64, tensors: &TensorList) -> Ret<()> {
     enter(|reg| reg.get(mgr)?.passthrough(&keys(tensors)))
 }

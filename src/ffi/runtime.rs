@@ -31,8 +31,9 @@ fn tensor_key(i: TensorInfo) -> TensorKey {
     }
 }
 
-/// The keys of every tensor of an op's `Tensor[]` argument.
-pub(super) fn keys(list: &TensorList) -> Vec<TensorKey> {
+/// The keys of every tensor of an op's `Tensor[]` argument (on the stack up to 8: the eager
+/// hot path retires one or a few at a time).
+pub(super) fn keys(list: &TensorList) -> smallvec::SmallVec<[TensorKey; 8]> {
     (0..ffi::list_len(list)).map(|i| tensor_key(ffi::list_info(list, i))).collect()
 }
 

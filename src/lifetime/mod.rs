@@ -192,6 +192,23 @@ impl<P, E> Manager<P, E> {
         Ok(())
     }
 
+    /// Bind's own checks: on the owner's device, not bound to another owner.
+    fn check_bindable(&self, i: usize, t: &TensorKey, owner: StreamId) -> Result<()> {
+        if t.device != owner.device {
+            return Err(Error::InvalidInput(format!(
+                "plan '{}': bind: tensor {i} is on {} but the owner stream is {owner}",
+                self.name, t.device
+            )));
+        }
+        match self.bindings.get(&t.tensor) {
+            Some(b) if b.owner != owner => Err(Error::Protocol(format!(
+                "plan '{}': bind: tensor {i} is already bound to {}, not {owner}",
+                self.name, b.owner
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     /// Record that `tensors` are owned by `owner` (the stream their storage was allocated on).
     /// `take(i)` yields the runtime's strong reference to tensor `i`.
     pub fn bind(
@@ -204,15 +221,7 @@ impl<P, E> Manager<P, E> {
         self.check_distinct("bind", tensors, false)?;
         for (i, t) in tensors.iter().enumerate() {
             self.check_tensor("bind", "owner", i, t, owner)?;
-            match self.bindings.get(&t.tensor) {
-                Some(b) if b.owner != owner => {
-                    return Err(Error::Protocol(format!(
-                        "plan '{}': bind: tensor {i} is already bound to {}, not {owner}",
-                        self.name, b.owner
-                    )))
-                }
-                _ => {}
-            }
+            self.check_bindable(i, t, owner)?;
         }
         for (i, t) in tensors.iter().enumerate() {
             // Binding again to the same owner changes nothing (idempotent).
@@ -269,25 +278,7 @@ impl<P, E> Manager<P, E> {
         }
         for (i, t) in tensors.iter().enumerate() {
             match self.bindings.remove(&t.tensor) {
-                Some(b) if same_queue(b.owner, consumer) => {
-                    self.stats.count_retired(action);
-                    self.stats.immediate += 1;
-                    if action == Action::EmptyStorage {
-                        // Empty the storage now; keep the (now memoryless) object until the plan ends.
-                        rt.release(take(i), action)?;
-                        self.spent.insert(t.tensor, b.payload);
-                    } else {
-                        rt.release(b.payload, action)?;
-                    }
-                }
-                Some(b) => {
-                    self.stats.count_retired(action);
-                    // Preserve releases nothing of the storage, so its views may be parked twice.
-                    if t.storage != 0 && action != Action::Preserve {
-                        self.parked_storages.insert(t.storage);
-                    }
-                    self.park(b, t.tensor, t.storage, consumer, action);
-                }
+                Some(b) => self.settle(rt, b, t, consumer, action, || take(i))?,
                 None => {
                     self.stats.fallback_record_stream += 1;
                     let payload = take(i);
@@ -317,12 +308,76 @@ impl<P, E> Manager<P, E> {
     ) -> Result<()> {
         self.check_open()?;
         self.check_distinct("retire", tensors, true)?;
-        // Retire's own checks, before bind changes anything (bind checks its own first).
+        // Retire's checks, then bind's (each tensor looked up once more: the hot path does not
+        // go through `bind` and `retire`, which would repeat every check and map update).
         for (i, t) in tensors.iter().enumerate() {
             self.check_tensor("retire", "consumer", i, t, consumer)?;
         }
-        self.bind(tensors, owner, &mut take)?;
-        self.retire(rt, tensors, consumer, action, take)
+        for (i, t) in tensors.iter().enumerate() {
+            self.check_bindable(i, t, owner)?;
+        }
+        // Every tensor is (or now becomes) bound to `owner`, so the call crosses or it does not.
+        if !tensors.is_empty() && !same_queue(owner, consumer) {
+            self.record_plan_event(rt, consumer)?;
+        }
+        for (i, t) in tensors.iter().enumerate() {
+            let b = match self.bindings.remove(&t.tensor) {
+                Some(b) => b,
+                None => {
+                    self.stats.bound += 1;
+                    Binding { owner, nbytes: t.nbytes, payload: take(i) }
+                }
+            };
+            self.settle(rt, b, t, consumer, action, || take(i))?;
+        }
+        Ok(())
+    }
+
+    /// `retire_owned`, then `acquire(owner)`: the consumer has queued its last use, the owner
+    /// waits for it now and the storage goes back to the owner's pool at once (with this plan's
+    /// other tensors parked for `owner`). Returns how many tensors the acquire released.
+    pub fn release_after<R: Runtime<Payload = P, Event = E>>(
+        &mut self,
+        rt: &mut R,
+        tensors: &[TensorKey],
+        owner: StreamId,
+        consumer: StreamId,
+        action: Action,
+        take: impl FnMut(usize) -> P,
+    ) -> Result<usize> {
+        self.retire_owned(rt, tensors, owner, consumer, action, take)?;
+        self.drain(rt, owner)
+    }
+
+    /// A bound tensor's retire on `consumer`: released now on its owner's queue (rule 2; an
+    /// emptied storage's object is kept until the plan ends), parked for its owner otherwise
+    /// (rules 1, 3). `again` yields one more reference to the tensor.
+    fn settle<R: Runtime<Payload = P, Event = E>>(
+        &mut self,
+        rt: &mut R,
+        b: Binding<P>,
+        t: &TensorKey,
+        consumer: StreamId,
+        action: Action,
+        again: impl FnOnce() -> P,
+    ) -> Result<()> {
+        self.stats.count_retired(action);
+        if same_queue(b.owner, consumer) {
+            self.stats.immediate += 1;
+            if action == Action::EmptyStorage {
+                // Empty the storage now; keep the (now memoryless) object until the plan ends.
+                rt.release(again(), action)?;
+                self.spent.insert(t.tensor, b.payload);
+                return Ok(());
+            }
+            return rt.release(b.payload, action);
+        }
+        // Preserve releases nothing of the storage, so its views may be parked twice.
+        if t.storage != 0 && action != Action::Preserve {
+            self.parked_storages.insert(t.storage);
+        }
+        self.park(b, t.tensor, t.storage, consumer, action);
+        Ok(())
     }
 
     fn record_plan_event<R: Runtime<Payload = P, Event = E>>(&mut self, rt: &mut R, consumer: StreamId) -> Result<()> {
