@@ -9,6 +9,7 @@ on their owner stream (immediate release). Prints a table; --json writes the fig
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -17,7 +18,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_ops"))
+if importlib.util.find_spec("sched_lifetime") is None:  # PYTHONPATH may name another build (an A/B)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_ops"))
 import sched_lifetime as sl  # noqa: E402
 
 
@@ -173,6 +175,7 @@ def main() -> None:
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     path = "cross-stream (event, wait, resize_(0))" if device.type == "cuda" else "same-stream (immediate resize_(0))"
+    print(f"sched_lifetime from {os.path.dirname(os.path.abspath(sl.__file__))}")
     print(f"per-tensor host overhead of bind+retire+acquire on {device}, {path}")
     print(f"{'':>6}{'bind+retire+acquire':^38}{'retire+acquire':^38}")
     print(f"{'batch':>6}" + f"{'sl (us)':>12}{'python (us)':>14}{'sl/python':>12}" * 2)

@@ -41,8 +41,9 @@ def _parity_worker(rank: int, port: int, out: str, config: str, capacity: float)
     )
     cfg = replace(base, capacity_factor=capacity or None)
     t = ep.AllToAll(ep.new_ep_group())
-    # ours+ends: the warm-up and cool-down multiplexed too (two forwards, two backwards).
-    arms = {a: Arm(a, cfg, t, torch.device("cpu"), lr=0.05) for a in [*ARMS, "ours+ends"]}
+    # ours+ends: the warm-up and cool-down multiplexed too (two forwards, two backwards);
+    # ours+reduce_after: the data-parallel all-reduce after the step instead of in it.
+    arms = {a: Arm(a, cfg, t, torch.device("cpu"), lr=0.05) for a in [*ARMS, "ours+ends", "ours+reduce_after"]}
     ref = arms["sequential"]
     grads = {a: True for a in arms}
     for step in range(3):
@@ -58,7 +59,18 @@ def _parity_worker(rank: int, port: int, out: str, config: str, capacity: float)
             "weights": all(torch.equal(p, q) for p, q in zip(arm.model.parameters(), ref.model.parameters())),
             "n_grads": sum(p.grad is not None for p in arm.model.parameters()),
             "loss_moved": bool((arm.losses[0] != arm.losses[-1]).any()),
+            # All-reduce buckets launched over the 3 steps (None: reduced after the step by Arm).
+            "buckets": None if arm.chunk.grad_reduce is None else arm.chunk.grad_reduce.buckets,
         }
+    # Bad input: a parameter of no node, or one listed twice, is a clear error.
+    chunk = arms["ours"].chunk
+    errs = []
+    for bad in ([torch.nn.Parameter(torch.zeros(1))], [chunk.nodes[1].params[0]] * 2):
+        try:
+            chunk.enable_grad_reduce(bad)
+        except ValueError as e:
+            errs.append(str(e))
+    res["errors"] = errs
     # The experts are sharded: this rank's slice differs from the other's.
     res["expert_shard"] = arms["ours"].model.expert_parameters()[0].flatten()[:4].tolist()
     with open(f"{out}.{rank}", "w") as f:
@@ -75,9 +87,16 @@ def test_every_arm_bit_exact_against_sequential_over_two_gloo_ranks(tmp_path, co
         with open(f"{out}.{rank}") as f:
             res = json.load(f)
         shards.append(res.pop("expert_shard"))
+        errs = res.pop("errors")
+        assert len(errs) == 2 and "belong to no node" in errs[0] and "listed twice" in errs[1], errs
         for arm, r in res.items():
             assert r["losses"] and r["grads"] and r["weights"], (rank, arm, r)
             assert r["n_grads"] > 10 and r["loss_moved"], (rank, arm, r)
+        # Baselines reduce once per step, ours once per node with weights in the last backward
+        # (so they start under the rest of it), ours+reduce_after after the step.
+        assert res["sequential"]["buckets"] == res["b_then_f"]["buckets"] == 3, res
+        assert res["ours"]["buckets"] >= 3 * 4 and res["ours+ends"]["buckets"] == res["ours"]["buckets"], res
+        assert res["ours+reduce_after"]["buckets"] is None, res
     assert shards[0] != shards[1]
 
 

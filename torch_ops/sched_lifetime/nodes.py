@@ -65,6 +65,56 @@ class MicrobatchState:
     paged_in: dict[str, list] = field(default_factory=dict)
     #: Per paged node, the host pool's `mark()` when its page-in was queued.
     page_marks: dict[str, int] = field(default_factory=dict)
+    #: The step's last backward: each node's data-parallel gradients are final after its
+    #: weight gradients here, and their all-reduce starts then (`Chunk.enable_grad_reduce`).
+    last: bool = False
+
+
+class GradReduce:
+    """Data-parallel gradient averaging inside the step, as DDP / Megatron's
+    `overlap_grad_reduce` do: the gradients of `params` are summed over `group` and divided by
+    its size. `launch(params)` flattens the given ones' gradients (as they are now: the caller
+    launches once they are final) into one bucket and starts its all-reduce asynchronously (c10d
+    queues it on its own stream after the current stream's work); `finish()` waits for every
+    bucket on the current stream and writes the averages back into `.grad`. The arithmetic is
+    the one all-reduce of the flattened gradients after the step does (with two ranks the sum of
+    each element is the same wherever its bucket ends)."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], group: Any = None) -> None:
+        import torch.distributed as dist
+
+        self.ids = {id(p) for p in params}
+        if len(self.ids) != len(list(params)):
+            raise ValueError("enable_grad_reduce: a parameter is listed twice")
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.pending: list[tuple[list[torch.Tensor], torch.Tensor, Any]] = []
+        self.buckets = 0  # buckets launched so far, in all
+
+    def launch(self, params: Sequence[torch.Tensor]) -> None:
+        import torch.distributed as dist
+
+        grads = [p.grad for p in params if id(p) in self.ids and p.grad is not None]
+        if not grads:
+            return
+        flat = torch._utils._flatten_dense_tensors(grads)
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        self.pending.append((grads, flat, work))
+        self.buckets += 1
+
+    def finish(self) -> None:
+        pending, self.pending = self.pending, []
+        for grads, flat, work in pending:
+            work.wait()
+            flat /= self.world
+            for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(f)
+
+    def abandon(self) -> None:
+        """A step cut short: wait for what was launched (every rank launched it) and drop it."""
+        pending, self.pending = self.pending, []
+        for _, _, work in pending:
+            work.wait()
 
 
 class _Ctx:
@@ -150,6 +200,8 @@ class Chunk:
         self._executors: dict[tuple, Executor] = {}
         #: The second microbatch's Chunk of a `run_two` pair (same nodes, own context).
         self._twin_chunk: Optional[Chunk] = None
+        #: Data-parallel gradient averaging in the step (`enable_grad_reduce`), or None.
+        self.grad_reduce: Optional[GradReduce] = None
         #: Time every node (`Executor(timing=True)`); `node_times_us` collects the times.
         self.timing = False
         self._times: dict[str, list[float]] = {}
@@ -326,6 +378,8 @@ class Chunk:
                 res = torch.autograd.grad(outs, [*leaves, *params], g, allow_unused=True)
                 st.paged_in.pop(n.name, None)
                 accumulate_grads(params, res[len(leaves) :])
+                if st.last and self.grad_reduce is not None:
+                    self.grad_reduce.launch(params)
                 res = res[: len(leaves)]
             elif not has_dw:
                 res = torch.autograd.grad(outs, leaves, g, allow_unused=True)
@@ -346,6 +400,8 @@ class Chunk:
                 res = torch.autograd.grad(saved[1], params, summed(grads), allow_unused=True)
             st.paged_in.pop(n.name, None)
             accumulate_grads(params, res)
+            if st.last and self.grad_reduce is not None:  # this node's gradients are final
+                self.grad_reduce.launch(params)
 
         def d_weight(*grads: torch.Tensor) -> Any:
             st = ctx.bwd
@@ -519,6 +575,26 @@ class Chunk:
         self.pool = HostPool(sizes, self.device) if sizes else None
         self.page_plan = dict(plan, host_bytes=sum(sizes))
         return self.page_plan
+
+    def enable_grad_reduce(self, params: Sequence[torch.nn.Parameter], group: Any = None) -> GradReduce:
+        """Average the gradients of `params` (the data-parallel ones: not the experts) over
+        `group` inside `train_step` with our orders: in the step's last backward, each node's
+        all-reduce starts right after its weight gradients are final, so it runs under the
+        rest of that backward (the scheduler's placement of the dW nodes decides when), and the
+        step ends by waiting for them. Baseline orders reduce every gradient at once after the
+        step. Each parameter must belong to one node (its gradient is final after that node's
+        last dW). Not with deferred dW (a pipeline's BACKWARD_WEIGHT)."""
+        owners: dict[int, str] = {}
+        for n in self.nodes:
+            for p in n.params:
+                if id(p) in owners and owners[id(p)] != n.name:
+                    raise ValueError(f"enable_grad_reduce: a parameter of node '{n.name}' also belongs to '{owners[id(p)]}'")
+                owners[id(p)] = n.name
+        missing = [i for i, p in enumerate(params) if id(p) not in owners]
+        if missing:
+            raise ValueError(f"enable_grad_reduce: parameters {missing[:5]} belong to no node of this chunk")
+        self.grad_reduce = GradReduce(params, group)
+        return self.grad_reduce
 
     def _rebuild(self) -> None:
         self._forward_table = self._forward_nodes()
@@ -763,6 +839,7 @@ def run_two(
     if chunk._paged or chunk.deferred_dw is not None:
         raise ValueError("run_two: not with paging or deferred dW (a chunk of the pipelining hooks)")
     twin = _twin(chunk)
+    twin.grad_reduce = chunk.grad_reduce  # the second microbatch's dW launches the chunk's reduce
     key = ("two", phase, order, lifetime)
     ex = chunk._executors.get(key)
     if ex is None:
@@ -909,6 +986,11 @@ def train_step(
         raise ValueError(f"paired_ends needs one of our orders ('ours' or 'ours:...'), got {order!r}")
     scale = 1.0 / n
     states = [MicrobatchState(i) for i in range(n)]
+    reduce = chunk.grad_reduce
+    if reduce is not None and chunk.deferred_dw is not None:
+        raise ValueError("train_step: grad reduce in the step is not supported with deferred dW")
+    in_step = reduce is not None and (order == "ours" or order.startswith("ours:"))
+    states[-1].last = in_step
 
     def after() -> None:
         if on_run is not None:
@@ -938,6 +1020,8 @@ def train_step(
             chunk.run(None, states[n - 1], order, lifetime, scale)
             after()
     except BaseException:
+        if reduce is not None:
+            reduce.abandon()
         # A step cut short gives its host buffers back (page-outs never paged in), so the next
         # step finds the pool whole; the original error is what the caller sees.
         if chunk.pool is not None:
@@ -948,6 +1032,10 @@ def train_step(
         raise
     if chunk.pool is not None:  # page-outs still holding device storage: the step ends here
         chunk.pool.drain()
+    if reduce is not None:
+        if not in_step:  # a baseline's step: every gradient at once, after the step
+            reduce.launch([p for node in chunk.nodes for p in node.params])
+        reduce.finish()
     for s in states:
         if s.saved:
             raise RuntimeError(f"microbatch {s.index}: backward left state behind for {sorted(s.saved)[:5]}")

@@ -54,7 +54,12 @@ EXTRA_ARMS = {
     "ours+search": ("ours:search", "scheduled"),
     "ours+ends": ("ours", "scheduled"),
     "ours+page": ("ours", "scheduled"),
+    "ours+reduce_after": ("ours", "scheduled"),
 }
+#: Arms whose data-parallel gradient all-reduce runs after the step, at once (`ours+reduce_after`:
+#: the A/B of `ours`, which starts each node's reduce in the last backward, as
+#: `Chunk.enable_grad_reduce` does; baselines reduce after the step either way).
+REDUCE_AFTER = {"ours+reduce_after"}
 #: Arms whose warm-up and cool-down are multiplexed too (`train_step(..., paired_ends=True)`:
 #: F(0) with F(1), B(n-2) with B(n-1)), at the cost of one more microbatch's activations.
 PAIRED_ENDS = {"ours+ends"}
@@ -154,6 +159,9 @@ class Arm:
         self.static_losses: list = []
         self.model = MoEModel(cfg, transport, seed=0, device=device)
         self.chunk = self.model.chunk(device)
+        if dist.is_initialized() and dist.get_world_size() > 1 and not self.captured and name not in REDUCE_AFTER:
+            # Data parallel over the EP ranks for everything but the experts, in train_step.
+            self.chunk.enable_grad_reduce(self.model.dense_parameters())
         self.opt = torch.optim.SGD(self.model.parameters(), lr=lr)
         self.losses: list[torch.Tensor] = []
         self.times: list[float] = []
@@ -168,8 +176,9 @@ class Arm:
         else:
             self.opt.zero_grad(set_to_none=True)
             losses = train_step(self.chunk, batches, self.order, self.lifetime, on_run, paired_ends=self.name in PAIRED_ENDS)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            # Data parallel over the EP ranks for everything but the experts.
+        if self.chunk.grad_reduce is None and dist.is_initialized() and dist.get_world_size() > 1:
+            # Data parallel over the EP ranks for everything but the experts (the captured
+            # arms: after the replay; the others reduce inside train_step).
             grads = [p.grad for p in m.dense_parameters() if p.grad is not None]
             flat = torch._utils._flatten_dense_tensors(grads)
             dist.all_reduce(flat)
