@@ -516,3 +516,28 @@ fn retire_owned_equals_bind_then_retire_on_random_sequences() {
     }
     assert!(rejected > 100 && crossed > 100, "the sequences hit both paths: {rejected} rejected, {crossed} crossed");
 }
+
+/// `release_after` (record_stream's one-call replacement): the owner waits on the consumer's
+/// event recorded at this retire, then releases these tensors and the plan's others parked for
+/// the owner; same stream, released at once with no event. Returns what the acquire released.
+#[test]
+fn release_after_waits_then_releases_with_the_owners_other_parked() {
+    let (mut m, mut rt) = mgr();
+    bind(&mut m, &[t(1)], A);
+    retire(&mut m, &mut rt, &[t(1)], C, Action::EmptyStorage).unwrap();
+    let at = rt.ops.len();
+    let got = m.release_after(&mut rt, &[t(2), t(3)], A, B, Action::EmptyStorage, |i| 2 + i as u64).unwrap();
+    assert_eq!(got, 3, "t(2), t(3) and the parked t(1)");
+    assert_waits_before_releases(&rt.ops, 2, A, B, at);
+    assert_waits_before_releases(&rt.ops, 3, A, B, at);
+    assert_waits_before_releases(&rt.ops, 1, A, C, 0);
+    assert_eq!((m.parked_on(A), m.stats().pending_count, m.stats().bound), (0, 0, 3));
+    // Same stream: nothing parked, nothing recorded; the count is the acquire's (none parked).
+    let (mut m, mut rt) = mgr();
+    assert_eq!(m.release_after(&mut rt, &[t(4)], A, A, Action::EmptyStorage, |_| 4).unwrap(), 0);
+    assert_eq!(rt.ops, vec![Op::Release(4, Action::EmptyStorage)]);
+    // A rejected retire releases nothing and waits on nothing.
+    let e = m.release_after(&mut rt, &[t(4)], A, B, Action::EmptyStorage, |_| 4).unwrap_err();
+    assert!(e.to_string().contains("already retired"), "{e}");
+    assert_eq!(rt.ops.len(), 1);
+}

@@ -53,7 +53,7 @@ EXTRA_ARMS = {
     "ours+ep2": ("ours:ep_budget=2", "scheduled"),
     "ours+search": ("ours:search", "scheduled"),
     "ours+ends": ("ours", "scheduled"),
-    "ours+page": ("ours", "scheduled"),
+    "ours+page": ("ours:page_budget=8", "scheduled"),
     "ours+reduce_after": ("ours", "scheduled"),
 }
 #: Arms whose data-parallel gradient all-reduce runs after the step, at once (`ours+reduce_after`:
@@ -302,7 +302,8 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
             arm.chunk.costs = costs
     for a in PAGED & set(arms):
         # Calibration runs a forward (with EP, its collectives): every rank, same order.
-        plan = arms[a].chunk.enable_paging(arms[a].model.batch(0, 0), budget=args.page_budget, prefetch=args.page_prefetch or None)
+        how = {"nodes": args.page_nodes.split(",")} if args.page_nodes else {"budget": args.page_budget}
+        plan = arms[a].chunk.enable_paging(arms[a].model.batch(0, 0), prefetch=args.page_prefetch or None, **how)
         if rank0 and args.progress:
             print(f"{a}: paging {len(plan['page'])} nodes, {plan['bytes_paged'] / 2**20:.0f} of {plan['bytes_live'] / 2**20:.0f} MiB saved per microbatch: {plan['page']}", flush=True)
     first = next(iter(arms.values()))
@@ -561,6 +562,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nccl-channels", type=int, default=0, help="limit NCCL to this many channels (0: NCCL's choice)")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress line per step")
     p.add_argument("--page-budget", type=float, default=0.5, help="arm ours+page: fraction of a microbatch's saved activations to page")
+    p.add_argument("--page-nodes", default="", help="arm ours+page: page these compute nodes (comma-separated, e.g. L1.experts,L2.experts) instead of --page-budget's choice")
     p.add_argument("--page-prefetch", type=int, default=2, help="arm ours+page: a page-in may start this many backward nodes before its consumer (0: at once)")
     p.add_argument("--costs", default=None, help='JSON {"node": us} (e.g. a previous run\'s durations.json) for arm ours+search')
     return p
