@@ -26,8 +26,9 @@ def _segments(pool_id) -> list[dict]:
 def _by_stream(segs: list[dict], names: dict[int, str]) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     for s in segs:
-        row = out.setdefault(names.get(s["stream"], hex(s["stream"])), {"segments": 0, "reserved": 0, "allocated": 0})
+        row = out.setdefault(names.get(s["stream"], hex(s["stream"])), {"segments": 0, "reserved": 0, "allocated": 0, "sizes_mib": []})
         row["segments"] += 1
+        row["sizes_mib"].append(round(s["total_size"] / 2**20, 1))
         row["reserved"] += s["total_size"]
         row["allocated"] += sum(b["size"] for b in s["blocks"] if b["state"] == "active_allocated")
     return out
@@ -88,6 +89,7 @@ def main() -> None:
     for a, r in rows.items():
         for s, v in r["by_stream"].items():
             print(f"  {a:20s} stream {s:10s} segments {v['segments']:3d} reserved {v['reserved'] / mib:8.1f} MiB, allocated now {v['allocated'] / mib:8.1f} MiB")
+            print(f"  {'':20s} segment sizes MiB: {sorted(v['sizes_mib'], reverse=True)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"microbatches": n, "grad_bytes": grad_bytes, "rows": rows}, f, indent=1)
