@@ -4,7 +4,8 @@ The embedded MoE model as one chunk (EP=1), `train_step` of N microbatches in ou
 (warm-up F(0), F(i+1) multiplexed with B(i), cool-down B): two microbatches' activations are
 alive at once, the case paging across microbatches is for. Arms: no paging, and
 `Chunk.enable_paging(budget=FRACTION, prefetch=K)` with the page-stream launch budget B
-(`page:FRACTION:K:B`). One model per arm with the same weights, no optimizer step (every arm
+(`page:FRACTION:K:B`), or the listed nodes instead of the budget's choice
+(`nodes:L1.experts+L2.experts:K:B`). One model per arm with the same weights, no optimizer step (every arm
 computes the same gradients); steps interleaved across arms, medians. Per arm: step time, peak
 allocated above the step's start, bytes paged per step, parity (torch.equal on every loss and
 gradient against no paging, every step).
@@ -48,8 +49,10 @@ def main() -> None:
         chunk = model.chunk()
         order, plan = "ours", None
         if spec != "off":
-            _, frac, pf, pb = spec.split(":")
-            plan = chunk.enable_paging(model.batch(0, 0), budget=float(frac), prefetch=int(pf), min_bytes=a.min_bytes)
+            kind, what, pf, pb = spec.split(":")
+            # page:FRACTION:K:B (Rust's choice under the budget) or nodes:A+B+...:K:B (these nodes)
+            how = {"nodes": what.split("+")} if kind == "nodes" else {"budget": float(what)}
+            plan = chunk.enable_paging(model.batch(0, 0), prefetch=int(pf), min_bytes=a.min_bytes, **how)
             order = f"ours:page_budget={int(pb)}"
         arms[spec] = (model, chunk, order, plan)
     def prepare(model: MoEModel, chunk, order: str) -> Callable[[int], Callable[[], list]]:
