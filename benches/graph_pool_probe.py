@@ -44,7 +44,7 @@ def main() -> None:
     from sched_lifetime import ep, executor
     from sched_lifetime.models import CONFIGS
     from sched_lifetime.models import moe as moe_mod
-    from sched_lifetime.train import Arm, eager_step_growth, same_grads
+    from sched_lifetime.train import Arm, eager_step_growth, eager_step_pool, same_grads
 
     torch.use_deterministic_algorithms(True)
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -79,6 +79,8 @@ def main() -> None:
         "by_stream": _by_stream([s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", (0, 0))) == (0, 0)], names),
         "parity": True,
     }
+    # The same eager step with its allocations routed into a private pool, as the capture's are.
+    rows["ours (eager, own pool)"] = {**eager_step_pool(eager, 10, n), "by_stream": {}, "parity": True}
     mib = 2**20
     print(f"microbatches {n}, gradients {grad_bytes / mib:.1f} MiB, {torch.cuda.get_device_name(dev)}")
     print("| arm | parity | large pool MiB | all pools MiB | eager: allocated peak MiB |")

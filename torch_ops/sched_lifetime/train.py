@@ -231,16 +231,21 @@ def _large_pool_reserved() -> int:
     return torch.cuda.memory_stats().get("reserved_bytes.large_pool.current", 0)
 
 
+def _capture_start(arm: "Arm") -> None:
+    """Where a whole-step capture starts: no gradients, an empty cache, no cuBLAS workspaces."""
+    arm.opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+
+
 def eager_step_growth(arm: "Arm", step: int, microbatches: int) -> dict[str, int]:
     """One eager step of `arm` from where a whole-step capture starts, measured as `_capture`
     counts the graph pool: no gradients (the graph writes them in its pool), an empty cache, and
     the cuBLAS workspaces cleared (each side counts those its own run allocates). Returns the
     peak growth above that start: `pool_large` (large-pool reserved, where the activations
     live), `pool` (all reserved) and `allocated_peak`."""
-    arm.opt.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    torch._C._cuda_clearCublasWorkspaces()
-    torch.cuda.empty_cache()
+    _capture_start(arm)
     base, base_large, start = torch.cuda.memory_reserved(), _large_pool_reserved(), torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     arm.step(step, microbatches)
@@ -250,6 +255,33 @@ def eager_step_growth(arm: "Arm", step: int, microbatches: int) -> dict[str, int
         "pool": torch.cuda.max_memory_reserved() - base,
         "allocated_peak": torch.cuda.max_memory_allocated() - start,
     }
+
+
+def eager_step_pool(arm: "Arm", step: int, microbatches: int) -> dict[str, int]:
+    """One eager step of `arm` with every allocation on the device (any stream, any thread: the
+    autograd engine's too) routed into a fresh private pool, as a capture routes its
+    allocations into the graph's pool, and from the same start as `eager_step_growth`. Unlike
+    the growth of the shared pool, the step cannot use free space left inside segments that
+    existed before it (the parameters' segments), so its pool compares like for like with a
+    graph pool. Returns the pool's reserved bytes at the end (nothing is released from a pool
+    during the step, so that is its peak): `pool_large` (large segments) and `pool`."""
+    _capture_start(arm)
+    dev = torch.cuda.current_device()
+    pool = torch.cuda.MemPool()
+    torch._C._cuda_beginAllocateToPool(dev, pool.id)  # every stream, every thread
+    try:
+        arm.step(step, microbatches)
+        torch.cuda.synchronize()
+    finally:
+        torch._C._cuda_endAllocateToPool(dev, pool.id)
+    segs = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == tuple(pool.id)]
+    out = {
+        "pool_large": sum(s["total_size"] for s in segs if s["segment_type"] == "large"),
+        "pool": sum(s["total_size"] for s in segs),
+    }
+    # The step's gradients live in the pool; its segments go back once they are freed.
+    torch._C._cuda_releasePool(dev, pool.id)
+    return out
 
 
 def worker(rank: int, world: int, args: argparse.Namespace, port: Optional[int]) -> None:
