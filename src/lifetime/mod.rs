@@ -164,12 +164,7 @@ impl<P, E> Manager<P, E> {
 
     /// Per-tensor checks of bind and retire: on the stream's device, not already parked.
     fn check_tensor(&self, verb: &str, role: &str, i: usize, t: &TensorKey, stream: StreamId) -> Result<()> {
-        if t.device != stream.device {
-            return Err(Error::InvalidInput(format!(
-                "plan '{}': {verb}: tensor {i} is on {} but the {role} stream is {stream}",
-                self.name, t.device
-            )));
-        }
+        self.check_device(verb, role, i, t, stream)?;
         if self.parked.contains(&t.tensor) {
             return Err(Error::Protocol(format!(
                 "plan '{}': {verb}: tensor {i} was already retired and waits for its owner's acquire",
@@ -192,14 +187,19 @@ impl<P, E> Manager<P, E> {
         Ok(())
     }
 
-    /// Bind's own checks: on the owner's device, not bound to another owner.
-    fn check_bindable(&self, i: usize, t: &TensorKey, owner: StreamId) -> Result<()> {
-        if t.device != owner.device {
+    /// The tensor is on the stream's device.
+    fn check_device(&self, verb: &str, role: &str, i: usize, t: &TensorKey, stream: StreamId) -> Result<()> {
+        if t.device != stream.device {
             return Err(Error::InvalidInput(format!(
-                "plan '{}': bind: tensor {i} is on {} but the owner stream is {owner}",
+                "plan '{}': {verb}: tensor {i} is on {} but the {role} stream is {stream}",
                 self.name, t.device
             )));
         }
+        Ok(())
+    }
+
+    /// Bind's own check: not bound to another owner.
+    fn check_owner(&self, i: usize, t: &TensorKey, owner: StreamId) -> Result<()> {
         match self.bindings.get(&t.tensor) {
             Some(b) if b.owner != owner => Err(Error::Protocol(format!(
                 "plan '{}': bind: tensor {i} is already bound to {}, not {owner}",
@@ -221,7 +221,7 @@ impl<P, E> Manager<P, E> {
         self.check_distinct("bind", tensors, false)?;
         for (i, t) in tensors.iter().enumerate() {
             self.check_tensor("bind", "owner", i, t, owner)?;
-            self.check_bindable(i, t, owner)?;
+            self.check_owner(i, t, owner)?;
         }
         for (i, t) in tensors.iter().enumerate() {
             // Binding again to the same owner changes nothing (idempotent).
@@ -314,7 +314,8 @@ impl<P, E> Manager<P, E> {
             self.check_tensor("retire", "consumer", i, t, consumer)?;
         }
         for (i, t) in tensors.iter().enumerate() {
-            self.check_bindable(i, t, owner)?;
+            self.check_device("bind", "owner", i, t, owner)?;
+            self.check_owner(i, t, owner)?;
         }
         // Every tensor is (or now becomes) bound to `owner`, so the call crosses or it does not.
         if !tensors.is_empty() && !same_queue(owner, consumer) {
