@@ -367,6 +367,11 @@ class Chunk:
             # now, with no query (the capture-safe release point; eager also frees on queries).
             self.pool.release_queued_before(st.page_marks.pop(n.name))
 
+        def accumulate(st: MicrobatchState, grads: Sequence[Optional[torch.Tensor]]) -> None:
+            accumulate_grads(params, grads)
+            if st.last and self.grad_reduce is not None:  # this node's gradients are final
+                self.grad_reduce.launch(params)
+
         def d_input(*grads: torch.Tensor) -> Any:
             st = ctx.bwd
             if paged:  # the last input is the page-in's token (the unpack hook reads st.paged_in)
@@ -377,9 +382,7 @@ class Chunk:
             if fused:
                 res = torch.autograd.grad(outs, [*leaves, *params], g, allow_unused=True)
                 st.paged_in.pop(n.name, None)
-                accumulate_grads(params, res[len(leaves) :])
-                if st.last and self.grad_reduce is not None:
-                    self.grad_reduce.launch(params)
+                accumulate(st, res[len(leaves) :])
                 res = res[: len(leaves)]
             elif not has_dw:
                 res = torch.autograd.grad(outs, leaves, g, allow_unused=True)
@@ -399,9 +402,7 @@ class Chunk:
             else:  # no dI part (no input takes a gradient): the whole backward is dW
                 res = torch.autograd.grad(saved[1], params, summed(grads), allow_unused=True)
             st.paged_in.pop(n.name, None)
-            accumulate_grads(params, res)
-            if st.last and self.grad_reduce is not None:  # this node's gradients are final
-                self.grad_reduce.launch(params)
+            accumulate(st, res)
 
         def d_weight(*grads: torch.Tensor) -> Any:
             st = ctx.bwd

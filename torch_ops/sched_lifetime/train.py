@@ -148,6 +148,7 @@ class Arm:
 
     def __init__(self, name: str, cfg: Any, transport: Any, device: torch.device, lr: float) -> None:
         from .models import MoEModel
+        from .nodes import GradReduce
 
         self.name = name
         self.order, self.lifetime = {**ARMS, **GRAPH_ARMS, **EXTRA_ARMS}[name]
@@ -159,9 +160,14 @@ class Arm:
         self.static_losses: list = []
         self.model = MoEModel(cfg, transport, seed=0, device=device)
         self.chunk = self.model.chunk(device)
-        if dist.is_initialized() and dist.get_world_size() > 1 and not self.captured and name not in REDUCE_AFTER:
-            # Data parallel over the EP ranks for everything but the experts, in train_step.
-            self.chunk.enable_grad_reduce(self.model.dense_parameters())
+        # Data parallel over the EP ranks for everything but the experts: in train_step, or
+        # after the step (the captured arms: after the replay; `ours+reduce_after`).
+        self.reduce_after: Any = None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            if self.captured or name in REDUCE_AFTER:
+                self.reduce_after = GradReduce(self.model.dense_parameters())
+            else:
+                self.chunk.enable_grad_reduce(self.model.dense_parameters())
         self.opt = torch.optim.SGD(self.model.parameters(), lr=lr)
         self.losses: list[torch.Tensor] = []
         self.times: list[float] = []
@@ -176,15 +182,9 @@ class Arm:
         else:
             self.opt.zero_grad(set_to_none=True)
             losses = train_step(self.chunk, batches, self.order, self.lifetime, on_run, paired_ends=self.name in PAIRED_ENDS)
-        if self.chunk.grad_reduce is None and dist.is_initialized() and dist.get_world_size() > 1:
-            # Data parallel over the EP ranks for everything but the experts (the captured
-            # arms: after the replay; the others reduce inside train_step).
-            grads = [p.grad for p in m.dense_parameters() if p.grad is not None]
-            flat = torch._utils._flatten_dense_tensors(grads)
-            dist.all_reduce(flat)
-            flat /= dist.get_world_size()
-            for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                g.copy_(f)
+        if self.reduce_after is not None:  # every gradient at once, after the step
+            self.reduce_after.launch(m.dense_parameters())
+            self.reduce_after.finish()
         self.opt.step()
         self.losses.append(torch.stack([x.float() for x in losses]).detach().cpu())
 
