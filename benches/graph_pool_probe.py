@@ -19,10 +19,6 @@ from dataclasses import replace
 import torch
 
 
-def _segments(pool_id) -> list[dict]:
-    return [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == tuple(pool_id)]
-
-
 def _by_stream(segs: list[dict], names: dict[int, str]) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     for s in segs:
@@ -44,7 +40,7 @@ def main() -> None:
     from sched_lifetime import ep, executor
     from sched_lifetime.models import CONFIGS
     from sched_lifetime.models import moe as moe_mod
-    from sched_lifetime.train import Arm, eager_step_growth, eager_step_pool, same_grads
+    from sched_lifetime.train import Arm, eager_step_growth, eager_step_pool, pool_segments, same_grads
 
     torch.use_deterministic_algorithms(True)
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -71,7 +67,7 @@ def main() -> None:
     grad_bytes = sum(p.numel() * p.element_size() for p in eager.model.parameters())
     rows = {}
     for a, g in graphs.items():
-        segs = _segments(g.graph.pool())
+        segs = pool_segments(g.graph.pool())
         rows[a] = {"pool_large": g.graph_pool_large, "pool": g.graph_pool, "by_stream": _by_stream(segs, names), "parity": parity[a]}
     # Eager step from no gradients and an empty cache (what the capture starts from).
     rows["ours (eager)"] = {

@@ -231,6 +231,11 @@ def _large_pool_reserved() -> int:
     return torch.cuda.memory_stats().get("reserved_bytes.large_pool.current", 0)
 
 
+def pool_segments(pool_id: Any) -> list[dict]:
+    """The allocator snapshot's segments of one private pool (a graph's or a MemPool's)."""
+    return [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == tuple(pool_id)]
+
+
 def _capture_start(arm: "Arm") -> None:
     """Where a whole-step capture starts: no gradients, an empty cache, no cuBLAS workspaces."""
     arm.opt.zero_grad(set_to_none=True)
@@ -274,7 +279,7 @@ def eager_step_pool(arm: "Arm", step: int, microbatches: int) -> dict[str, int]:
         torch.cuda.synchronize()
     finally:
         torch._C._cuda_endAllocateToPool(dev, pool.id)
-    segs = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == tuple(pool.id)]
+    segs = pool_segments(pool.id)
     out = {
         "pool_large": sum(s["total_size"] for s in segs if s["segment_type"] == "large"),
         "pool": sum(s["total_size"] for s in segs),
