@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--arms", default="off,page:0.3:2:8,page:0.5:2:8,page:0.5:2:2")
     ap.add_argument("--min-bytes", type=int, default=1 << 20, help="smallest saved activation to page")
     ap.add_argument("--json")
+    ap.add_argument("--cpu-ops", action="store_true", help="with --profile: the host's top ops by self time")
+    ap.add_argument("--profile", default="", help="arms (comma-separated) to profile one more step of: where the compute stream idles")
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = CONFIGS[a.config]
@@ -49,9 +51,12 @@ def main() -> None:
         chunk = model.chunk()
         order, plan = "ours", None
         if spec != "off":
-            kind, what, pf, pb = spec.split(":")
-            # page:FRACTION:K:B (Rust's choice under the budget) or nodes:A+B+...:K:B (these nodes)
+            kind, what, pf, pb, *rel = spec.split(":")
+            # page:FRACTION:K:B[:R] (Rust's choice under the budget) or nodes:A+B+...:K:B[:R]
+            # (these nodes); R: enable_paging's release distance (0: none)
             how = {"nodes": what.split("+")} if kind == "nodes" else {"budget": float(what)}
+            if rel:
+                how["release"] = int(rel[0]) or None
             plan = chunk.enable_paging(model.batch(0, 0), prefetch=int(pf), min_bytes=a.min_bytes, **how)
             order = f"ours:page_budget={int(pb)}"
         arms[spec] = (model, chunk, order, plan)
@@ -73,11 +78,77 @@ def main() -> None:
     print(f"paging through page nodes, config {a.config}, {dev}, train_step of {a.microbatches} microbatches (ours), medians of {a.steps} interleaved steps")
     paged = {name: plan["bytes_paged"] for name, (_, _, _, plan) in arms.items() if plan}
     out = table(rows, paged, "paged MiB/mb")
-    for name, (_, _, _, plan) in arms.items():
+    for name, (_, c, _, plan) in arms.items():
+        if plan:
+            print(f"{name}: forced drains {c.pool.forced_drains}, released {c.pool.released}, page-outs {c.pool.page_outs}, nodes {plan['page']}")
         out[name].update(paged_bytes_per_microbatch=paged.get(name), plan_nodes=plan["page"] if plan else None)
+    for name in filter(None, a.profile.split(",")):
+        m, c, o, _ = arms[name]
+        idle_breakdown(name, prepare(m, c, o)(a.steps + 2), dev, a.cpu_ops)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"config": a.config, "device": str(dev), "microbatches": a.microbatches, "arms": out}, f, indent=1)
+
+
+def idle_breakdown(name: str, run: Callable[[], list], dev: torch.device, cpu_ops: bool = False) -> None:
+    """Profile one step: the compute kernels' busy time, and the step's idle time on the GPU split
+    by what the page stream was copying meanwhile (device->host, host->device, nothing)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from sched_lifetime.train import _is_kernel, _is_page_copy
+
+    torch.cuda.synchronize(dev)
+    import time
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        h0 = time.perf_counter()
+        run()
+        host = time.perf_counter() - h0
+        torch.cuda.synchronize(dev)
+    if cpu_ops:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=48), flush=True)
+    comp, d2h, h2d = [], [], []
+    cpu: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and (e.name.endswith(".page_out") or e.name.endswith(".page_in")):
+            k = e.name.rsplit(".", 1)[1]
+            cpu[k] = cpu.get(k, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
+        if not _is_kernel(e):
+            continue
+        iv = (e.time_range.start, e.time_range.end)
+        if _is_page_copy(e):
+            (d2h if "DtoH" in e.name else h2d).append(iv)
+        else:
+            comp.append(iv)
+
+    def union(iv: list) -> list:
+        out: list = []
+        for s, t in sorted(iv):
+            if out and s <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], t)
+            else:
+                out.append([s, t])
+        return out
+
+    cu = union(comp)
+    t0, t1 = cu[0][0], cu[-1][1]
+    gaps = [(a[1], b[0]) for a, b in zip(cu, cu[1:]) if b[0] > a[1]]
+
+    def overlap(g: tuple, iv: list) -> float:
+        return sum(max(0.0, min(g[1], t) - max(g[0], s)) for s, t in iv)
+
+    du, hu = union(d2h), union(h2d)
+    idle = sum(b - a for a, b in gaps)
+    od = sum(overlap(g, du) for g in gaps)
+    oh = sum(overlap(g, hu) for g in gaps)
+    big = sorted(gaps, key=lambda g: g[0] - g[1])[:6]
+    print(
+        f"{name}: host issue {host * 1e3:.1f} ms (page nodes' CPU ms {cpu}), GPU span {(t1 - t0) / 1e3:.1f} ms, compute busy {sum(b - a for a, b in cu) / 1e3:.1f}, idle {idle / 1e3:.1f} "
+        f"(of it a D2H copy running {od / 1e3:.1f}, an H2D copy {oh / 1e3:.1f}); copies D2H {sum(b - a for a, b in du) / 1e3:.1f} "
+        f"H2D {sum(b - a for a, b in hu) / 1e3:.1f} ms; largest gaps (ms at, ms long): "
+        + ", ".join(f"{(g[0] - t0) / 1e3:.1f}:{(g[1] - g[0]) / 1e3:.2f}" for g in big),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

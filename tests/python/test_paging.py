@@ -466,3 +466,103 @@ def test_page_nodes_refuse_shapes_that_differ_from_calibration_naming_the_node()
     with pytest.raises(ValueError, match=r"node 'F\.[^']+\.page_out': saved .* calibration saw .*capacity_factor"):
         train_step(c, [m.batch(0, i) for i in range(3)])
     assert c.pool.in_use() == 0
+
+
+def test_a_group_pages_out_into_one_buffer_and_comes_back_with_its_strides():
+    """`page_out_group` / `page_in_group` (a page node's saved activations together): one
+    buffer laid out by `group_layout` (each tensor 512-byte aligned), every tensor back equal,
+    with its dtype and strides (a transposed one, a chunk with gaps), the buffer free again;
+    tensors of different groups are not one group; an expanded tensor is refused."""
+    offs, total = sl.paging.group_layout([10, 512, 513, 4])
+    assert offs == [0, 512, 1024, 2048] and total == 2560
+    x = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    ts = [torch.randn(3, 5), torch.arange(12, dtype=torch.int64).reshape(3, 4).t(), x.chunk(2, dim=-1)[1], torch.randn(7).to(torch.bfloat16)]
+    sizes = [t.numel() * t.element_size() for t in ts]
+    pool = sl.HostPool([sl.paging.group_layout(sizes)[1]] * 2, "cpu")
+    ps = pool.page_out_group(ts)
+    assert pool.in_use() == 1 and pool.mark() == 1 and len({p.slot for p in ps}) == 1
+    assert [p.offset for p in ps] == sl.paging.group_layout(sizes)[0]
+    other = pool.page_out_group(ts)
+    with pytest.raises(ValueError, match="not paged out as one group"):
+        pool.page_in_group([ps[0], other[1]])
+    back, ev = pool.page_in_group(ps)
+    assert ev is None and pool.in_use() == 1
+    for b, t in zip(back, ts):
+        assert b.dtype == t.dtype and b.stride() == t.stride() and torch.equal(b, t)
+    assert [torch.equal(b, t) for b, t in zip(pool.page_in_group(other)[0], ts)] == [True] * 4
+    assert pool.in_use() == 0
+    with pytest.raises(ValueError, match="elements sharing memory"):
+        pool.page_out_group([torch.ones(3, 1).expand(3, 4)])
+
+
+def test_page_out_release_points_wait_and_release_under_the_forward():
+    """`enable_paging(release=k)`: the forward compute node k compute nodes after a paged one
+    depends on that node's page-out wait (the scheduler issues the wait first) and releases the
+    page-outs queued up to and including it, with the pool's mark taken right after it; with
+    release=None there is no such edge and no such release. Bit-exact either way."""
+    from sched_lifetime.nodes import train_step
+
+    cfg = replace(CONFIGS["tiny"], capacity_factor=1.0, layers=3)
+    ref = MoEModel(cfg)
+    cr = ref.chunk()
+    for release in (2, None):
+        m = MoEModel(cfg)
+        c = m.chunk()
+        plan = c.enable_paging(m.batch(0, 0), budget=0.5, min_bytes=1024, release=release)
+        computes = [n.name for n in c.nodes if n.kind == "compute"]
+        control = c.graph(True, False).get("control", [])
+        waits = {a.split(".page_out")[0][2:]: b[2:] for a, b in control if a.endswith(".page_out.wait")}
+        if release is None:
+            assert waits == {}
+        else:
+            want = {x: computes[computes.index(x) + release] for x in plan["page"] if computes.index(x) + release < len(computes)}
+            assert want and waits == want
+            order = c.order_schedule(True, True, "ours")["order"]
+            for x, target in want.items():
+                assert order.index(f"F.{x}.page_out.wait") < order.index(f"F.{target}")
+        seen = []
+        real = c.pool.release_queued_before
+        c.pool.release_queued_before = lambda mark: (seen.append(mark), real(mark))
+        for mm in (ref, m):
+            for p in mm.parameters():
+                p.grad = None
+        lr = train_step(cr, [ref.batch(0, k) for k in range(2)])
+        lp = train_step(c, [m.batch(0, k) for k in range(2)])
+        assert all(torch.equal(a, b) for a, b in zip(lr, lp))
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), m.parameters()))
+        # Per microbatch: one release per node with a target (marks after its page-out), and
+        # one per paged node at its page-in's consumer.
+        n_paged = len(plan["page"])
+        n_targets = 0 if release is None else len(want)
+        assert len(seen) == 2 * (n_targets + n_paged), seen
+        if release is not None:  # a release point's mark: the page-outs up to and including its node's
+            ends = [k * n_paged + i + 1 for k in range(2) for i, x in enumerate(plan["page"]) if x in want]
+            assert set(ends) <= set(seen), (ends, seen)
+    with pytest.raises(ValueError, match="release must be"):
+        MoEModel(cfg).chunk().enable_paging(ref.batch(0, 0), budget=0.5, release=0)
+
+
+@pytest.mark.cuda
+def test_a_group_on_the_gpu_holds_each_storage_once_and_comes_back_as_one_block():
+    """On the GPU: two saved views of one storage (q and k of one projection) are one storage
+    to the lifetime manager (held and released once, not refused as aliases), a group of dense
+    tensors comes back as views of one device block (one copy) with their strides, one with
+    gaps as its own tensor; bit-exact; the device storage is released after its copy."""
+    dev = torch.device("cuda")
+    qkv = torch.randn(64, 3 * 256, device=dev)
+    q, k, _ = qkv.split(256, dim=-1)
+    dense = [torch.randn(128, 64, device=dev).t(), torch.arange(1000, device=dev), torch.randn(33, device=dev).to(torch.bfloat16)]
+    for ts in (dense, [q, k, *dense]):
+        want = [t.clone() for t in ts]
+        sizes = [t.numel() * t.element_size() for t in ts]
+        pool = sl.HostPool([sl.paging.group_layout(sizes)[1]], dev)
+        ps = pool.page_out_group(ts)
+        assert pool.page_outs == 1  # one page-out (its storage released once its copy is done)
+        back, ev = pool.page_in_group(ps)
+        pool.page_wait(ev)
+        bases = {b.untyped_storage().data_ptr() for b in back}
+        assert (len(bases) == 1) == (ts is dense)  # one block only when every layout is dense
+        for b, t, w in zip(back, ts, want):
+            assert b.stride() == t.stride() and torch.equal(b, w)
+        pool.drain()
+        assert pool.released == 1 and not pool._retiring

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .executor import Executor
-from .paging import HostPool, is_weight, page_plan, restorable
+from .paging import HostPool, group_layout, is_weight, page_plan, restorable
 from .schedule import schedule, schedule_order
 
 
@@ -65,6 +65,8 @@ class MicrobatchState:
     paged_in: dict[str, list] = field(default_factory=dict)
     #: Per paged node, the host pool's `mark()` when its page-in was queued.
     page_marks: dict[str, int] = field(default_factory=dict)
+    #: Per paged node, the host pool's `mark()` right after its page-out was queued.
+    page_out_end: dict[str, int] = field(default_factory=dict)
     #: The step's last backward: each node's data-parallel gradients are final after its
     #: weight gradients here, and their all-reduce starts then (`Chunk.enable_grad_reduce`).
     last: bool = False
@@ -190,6 +192,9 @@ class Chunk:
         self.pool: Any = None
         self.page_min_bytes = 1 << 16
         self.page_prefetch: Optional[int] = None
+        self.page_release: Optional[int] = None
+        # Forward compute node -> the paged nodes whose page-out it waits for and releases.
+        self._release_at: dict[str, list[str]] = {}
         self._calibrating: Optional[dict[str, list[int]]] = None
         self.page_plan: Optional[dict] = None
         #: Bytes moved by the page nodes (out == in once every paged microbatch has run its
@@ -231,6 +236,8 @@ class Chunk:
     def _forward_nodes(self) -> list[dict]:
         table = []
         self._forward_control: list[list[str]] = []
+        self._release_at = {}
+        computes = [n.name for n in self.nodes if n.kind == "compute"]
         for n in self.nodes:
             ins = [f"F.{v}" for v in n.inputs]
             if n.kind == "compute":
@@ -242,6 +249,12 @@ class Chunk:
                     table.append({"name": po, "source": "F", "kind": "page_out", "inputs": [], "outputs": []})
                     table.append({"name": f"{po}.wait", "source": "F", "kind": "page_wait", "launch": po})
                     self._forward_control.append([f"F.{n.name}", po])
+                    # The compute node `page_release` nodes later waits for the page-out (the
+                    # scheduler issues the wait before it) and releases its device storage.
+                    k = computes.index(n.name) + (self.page_release or 0)
+                    if self.page_release is not None and k < len(computes):
+                        self._forward_control.append([f"{po}.wait", f"F.{computes[k]}"])
+                        self._release_at.setdefault(computes[k], []).append(n.name)
             else:
                 outs = [
                     {"value": f"F.{v}", "alloc": "consumer"} if v in n.consumer_alloc else f"F.{v}" for v in n.outputs
@@ -314,7 +327,13 @@ class Chunk:
         flowing = self._flowing(n)
         out_ix = [i for i, v in enumerate(n.outputs) if v in flowing]
 
+        release = list(self._release_at.get(n.name, ()))
+
         def compute(*args: Any) -> Any:
+            for x in release:  # the compute stream has waited for x's page-out (a control edge)
+                mark = ctx.fwd.page_out_end.pop(x, None)
+                if mark is not None:
+                    self.pool.release_queued_before(mark)
             args = list(args)
             leaves = []
             for i in grad_ix:
@@ -496,7 +515,8 @@ class Chunk:
                     f"saved {got} bytes, calibration saw {self._page_bytes[name]}: the host pool is sized for the "
                     "calibrated shapes (counted EP dispatch changes them each microbatch: page with a fixed capacity_factor)"
                 )
-            st.paged[name] = [self.pool.page_out(t, owner=ctx.compute) for t in held]
+            st.paged[name] = self.pool.page_out_group(held, owner=ctx.compute, ordered=True)
+            st.page_out_end[name] = self.pool.page_outs
             self.page_stats["bytes_out"] += sum(h.nbytes for h in st.paged[name])
             return ()
 
@@ -512,7 +532,7 @@ class Chunk:
                 raise RuntimeError(f"node '{name}': page-in of microbatch {st.index}, which was never paged out")
             self.pool.release_done()  # page-outs whose copy is done give their device storage back
             st.page_marks[name] = self.pool.mark()
-            st.paged_in[name] = [self.pool.page_in_launch(h, alloc_stream=ctx.compute)[0] for h in handles]
+            st.paged_in[name] = self.pool.page_in_group(handles, alloc_stream=ctx.compute)[0]
             self.page_stats["bytes_in"] += sum(h.nbytes for h in handles)
             return (st.paged_in[name],)
 
@@ -527,6 +547,7 @@ class Chunk:
         min_bytes: int = 1 << 16,
         min_distance: int = 1,
         prefetch: Optional[int] = 2,
+        release: Optional[int] = 4,
     ) -> dict:
         """Page the saved activations of some compute nodes to pinned host memory through page
         nodes of the graph (`F.<node>.page_out` after the node, `B.<node>.page_in` before its
@@ -537,14 +558,21 @@ class Chunk:
         The host pool is allocated here, `in_flight` microbatches deep (a combined F(i+1)+B(i)
         step holds two), never during a step. `prefetch`: a page-in may start once the backward
         compute node that many dI nodes before its consumer has been issued (None: at once).
-        Returns the plan."""
+        `release`: the forward compute node that many compute nodes after a paged one waits for
+        its page-out and releases its device storage (a control edge from the page-out's wait:
+        the bytes leave the device under the forward, by a point the copy has had that many
+        nodes of compute to finish in; None: released only when a host-side query finds the
+        copy done, or at the page-in). Returns the plan."""
         if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
             raise ValueError(f"in_flight must be an int >= 1, got {in_flight!r}")
         if (budget is None) == (nodes is None):
             raise ValueError("enable_paging needs a budget or a list of nodes (not both)")
         if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1):
             raise ValueError(f"prefetch must be an int >= 1 (backward nodes ahead) or None, got {prefetch!r}")
+        if release is not None and (isinstance(release, bool) or not isinstance(release, int) or release < 1):
+            raise ValueError(f"release must be an int >= 1 (forward compute nodes after the paged one) or None, got {release!r}")
         self.page_prefetch = prefetch
+        self.page_release = release
         self._paged = set()
         self._rebuild()
         # Eligible: compute nodes that have a backward node (something reads what they save).
@@ -572,7 +600,7 @@ class Chunk:
         self._paged = set(plan["page"])
         self._page_bytes = {x: list(calib[x]) for x in self._paged}  # what each paged node saves
         self._rebuild()
-        sizes = [b for x in sorted(self._paged) for b in self._page_bytes[x]] * in_flight
+        sizes = [group_layout(self._page_bytes[x])[1] for x in sorted(self._paged)] * in_flight
         self.pool = HostPool(sizes, self.device) if sizes else None
         self.page_plan = dict(plan, host_bytes=sum(sizes))
         return self.page_plan

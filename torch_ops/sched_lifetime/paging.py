@@ -31,7 +31,7 @@ import collections
 import contextlib
 import json
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -133,6 +133,22 @@ class Paged:
     device: torch.device
     requires_grad: bool
     nbytes: int
+    offset: int = 0  # byte offset in the buffer (a group's tensors share one)
+
+#: Byte alignment of each tensor of a group in its buffer (the device allocator's block
+#: alignment: a tensor reloaded as a view of the group's one device block is as aligned as one
+#: allocated alone).
+GROUP_ALIGN = 512
+
+
+def group_layout(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Offsets of tensors of `sizes` bytes laid out one after another in one buffer, each
+    `GROUP_ALIGN`-aligned, and the buffer's size."""
+    offsets, end = [], 0
+    for n in sizes:
+        offsets.append(end)
+        end += -(-n // GROUP_ALIGN) * GROUP_ALIGN
+    return offsets, end
 
 
 class HostPool:
@@ -166,6 +182,7 @@ class HostPool:
         self.page_outs = 0  # page-outs queued so far (numbers them; `mark` reads it)
         self.drain_distance = drain_distance
         self.released = 0  # page-outs whose device storage was released, in all
+        self.forced_drains = 0  # releases forced by `drain_distance` (the compute stream may stall)
         # Host-cost caches (a page copy is tens of microseconds of Python otherwise): the page
         # stream, the last current stream seen (by its raw id), spare copy-done events.
         self._page: Any = None
@@ -257,22 +274,26 @@ class HostPool:
         ev.record(comp)
         page.wait_event(ev)
 
-    def view(self, slot: int, shape: tuple, dtype: torch.dtype, stride: Optional[tuple] = None) -> torch.Tensor:
+    def view(self, slot: int, shape: tuple, dtype: torch.dtype, stride: Optional[tuple] = None, offset: int = 0) -> torch.Tensor:
         """Buffer `slot` seen as a tensor of `shape` and `dtype`, contiguous or with `stride`
         when that layout is dense (then a page copy is one block, with no gather kernel and no
         device temporary); made once per key: a step pages the same shapes every time."""
-        key = (slot, tuple(shape), dtype, stride)
+        key = (slot, tuple(shape), dtype, stride, offset)
         v = self._views.get(key)
         if v is None:
             if stride is not None and not _dense(shape, stride):
                 stride = None
-            flat = self._bufs[slot].view(dtype)
+            numel = 1
+            for d in shape:
+                numel *= d
+            nbytes = numel * dtype.itemsize
+            flat = self._bufs[slot][offset : offset + nbytes].view(dtype)
             v = self._views[key] = flat.view(shape) if stride is None else flat.as_strided(shape, stride)
         return v
 
     def view_of(self, p: Paged) -> torch.Tensor:
         """The host buffer `p` was paged into, seen as the tensor it holds."""
-        return self.view(p.slot, p.shape, p.dtype, p.stride)
+        return self.view(p.slot, p.shape, p.dtype, p.stride, p.offset)
 
     def in_use(self) -> int:
         """Buffers taken and not given back."""
@@ -313,6 +334,7 @@ class HostPool:
             # copy costs nothing), oldest first; only past `drain_distance` copies in flight does
             # the compute stream wait on one (the copies fall behind the forward).
             while len(self._retiring) > self.drain_distance:
+                self.forced_drains += 1
                 self._drain_one()
             self.release_done()
         else:
@@ -350,6 +372,95 @@ class HostPool:
         if p.requires_grad and out.is_leaf:
             out.requires_grad_(True)
         return out, ev
+
+    def page_out_group(self, ts: Sequence[torch.Tensor], owner: Any = None, ordered: bool = False) -> list[Paged]:
+        """`page_out` of several tensors into one buffer (`group_layout`: the pool was sized
+        with it), with one copy-done event and one lifetime manager for them all: a page node's
+        saved activations go out together (the host cost of one page-out, not one per tensor).
+        `ordered`: the caller has already made the page stream wait for the work that produced
+        `ts` (the executor's sync edge from the producing node), so the page stream does not
+        also wait for everything queued on `owner` since."""
+        for t in ts:
+            if not restorable(t):
+                raise ValueError(f"page_out: a tensor of shape {tuple(t.shape)} and strides {t.stride()} has elements sharing memory; keep it on the device")
+        sizes = [t.numel() * t.element_size() for t in ts]
+        offsets, total = group_layout(sizes)
+        slot = self.take(total)
+        bufs = [self.view(slot, tuple(t.shape), t.dtype, t.stride(), off) for t, off in zip(ts, offsets)]
+        if ts and ts[0].is_cuda:
+            comp, page = owner if owner is not None else self.current_stream(), self.page_stream
+            if not ordered:
+                self._after(page, comp)
+            prev = self._on(page)
+            try:
+                for b, t in zip(bufs, ts):
+                    b.copy_(t.detach(), non_blocking=True)
+            finally:
+                self._back(prev)
+            done = self._event()
+            done.record(page)
+            # One tensor per storage (a node may save two views of one tensor; the manager
+            # holds and releases storages, each once).
+            held = list({t.untyped_storage().data_ptr(): t for t in ts}.values())
+            m = LifetimeManager("page_out")
+            m.bind(held, comp)
+            m.retire(held, page, "drop_reference")
+            self._retiring.append((m, done, comp, self.page_outs))
+            self.page_outs += 1
+            self.peak_out_in_flight = max(self.peak_out_in_flight, len(self._retiring))
+            while len(self._retiring) > self.drain_distance:
+                self.forced_drains += 1
+                self._drain_one()
+            self.release_done()
+        else:
+            for b, t in zip(bufs, ts):
+                b.copy_(t.detach())
+            self.page_outs += 1
+        return [Paged(slot, tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, n, off) for t, n, off in zip(ts, sizes, offsets)]
+
+    def page_in_group(self, ps: Sequence[Paged], alloc_stream: Any = None) -> tuple:
+        """`page_in_launch` of a `page_out_group`'s tensors: one device block allocated on the
+        compute stream, one copy of the whole buffer when every tensor's layout is dense (each
+        comes back as a view of the block with its own strides), else one copy per tensor;
+        returns the tensors and the one event to wait on (None on CPU). The buffer goes back to
+        the freelist at once (the next page-out into it queues behind this copy)."""
+        if not ps:
+            return [], None
+        slot = ps[0].slot
+        if any(p.slot != slot for p in ps):
+            raise ValueError("page_in_group: the tensors were not paged out as one group")
+        dev = ps[0].device
+        ev = None
+        if dev.type == "cuda":
+            comp, page = alloc_stream if alloc_stream is not None else self.current_stream(), self.page_stream
+            total = self._bufs[slot].numel()
+            whole = all(_dense(p.shape, p.stride) for p in ps)
+            prev = self._on(comp)
+            try:
+                if whole:
+                    block = torch.empty(total, dtype=torch.uint8, device=dev)
+                    outs = [block[p.offset : p.offset + p.nbytes].view(p.dtype).as_strided(p.shape, p.stride) for p in ps]
+                else:
+                    outs = [torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=dev) for p in ps]
+            finally:
+                self._back(prev)
+            self._after(page, comp)
+            prev = self._on(page)
+            try:
+                if whole:
+                    block.copy_(self._bufs[slot], non_blocking=True)
+                else:
+                    for o, p in zip(outs, ps):
+                        o.copy_(self.view_of(p), non_blocking=True)
+            finally:
+                self._back(prev)
+            ev = self._event()
+            ev.record(page)
+        else:
+            outs = [torch.empty_strided(p.shape, p.stride, dtype=p.dtype).copy_(self.view_of(p)) for p in ps]
+        self.give(slot)
+        outs = [o.detach().requires_grad_(True) if p.requires_grad else o for o, p in zip(outs, ps)]
+        return outs, ev
 
     def page_wait(self, ev: Any) -> None:
         """The compute stream waits for a page-in (no host sync). With `measure_waits`, timing

@@ -340,7 +340,7 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
     for a in PAGED & set(arms):
         # Calibration runs a forward (with EP, its collectives): every rank, same order.
         how = {"nodes": args.page_nodes.split(",")} if args.page_nodes else {"budget": args.page_budget}
-        plan = arms[a].chunk.enable_paging(arms[a].model.batch(0, 0), prefetch=args.page_prefetch or None, **how)
+        plan = arms[a].chunk.enable_paging(arms[a].model.batch(0, 0), prefetch=args.page_prefetch or None, release=args.page_release or None, **how)
         if rank0 and args.progress:
             print(f"{a}: paging {len(plan['page'])} nodes, {plan['bytes_paged'] / 2**20:.0f} of {plan['bytes_live'] / 2**20:.0f} MiB saved per microbatch: {plan['page']}", flush=True)
     first = next(iter(arms.values()))
@@ -601,6 +601,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--page-budget", type=float, default=0.5, help="arm ours+page: fraction of a microbatch's saved activations to page")
     p.add_argument("--page-nodes", default="", help="arm ours+page: page these compute nodes (comma-separated, e.g. L1.experts,L2.experts) instead of --page-budget's choice")
     p.add_argument("--page-prefetch", type=int, default=2, help="arm ours+page: a page-in may start this many backward nodes before its consumer (0: at once)")
+    p.add_argument("--page-release", type=int, default=4, help="arm ours+page: the forward compute node this many nodes after a paged one waits for its page-out and releases its storage (0: only when a query finds the copy done)")
     p.add_argument("--costs", default=None, help='JSON {"node": us} (e.g. a previous run\'s durations.json) for arm ours+search')
     return p
 
