@@ -95,7 +95,7 @@ def idle_breakdown(name: str, run: Callable[[], list], dev: torch.device, cpu_op
     by what the page stream was copying meanwhile (device->host, host->device, nothing)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from sched_lifetime.train import _is_kernel, _is_page_copy
+    from sched_lifetime.train import _is_kernel, _is_page_copy, union
 
     torch.cuda.synchronize(dev)
     import time
@@ -120,15 +120,6 @@ def idle_breakdown(name: str, run: Callable[[], list], dev: torch.device, cpu_op
             (d2h if "DtoH" in e.name else h2d).append(iv)
         else:
             comp.append(iv)
-
-    def union(iv: list) -> list:
-        out: list = []
-        for s, t in sorted(iv):
-            if out and s <= out[-1][1]:
-                out[-1][1] = max(out[-1][1], t)
-            else:
-                out.append([s, t])
-        return out
 
     cu = union(comp)
     t0, t1 = cu[0][0], cu[-1][1]

@@ -323,23 +323,30 @@ class HostPool:
         if t.is_cuda:
             comp, page = owner if owner is not None else self.current_stream(), self.page_stream
             self._after(page, comp)
-            done = self._copy_on(page, buf, t.detach())
-            m = LifetimeManager("page_out")
-            m.bind(t, comp)
-            m.retire(t, page, "drop_reference")
-            self._retiring.append((m, done, comp, self.page_outs))
-            self.page_outs += 1
-            self.peak_out_in_flight = max(self.peak_out_in_flight, len(self._retiring))
-            # Release what the link has already copied (the compute stream's wait on a finished
-            # copy costs nothing), oldest first; only past `drain_distance` copies in flight does
-            # the compute stream wait on one (the copies fall behind the forward).
-            while len(self._retiring) > self.drain_distance:
-                self.forced_drains += 1
-                self._drain_one()
-            self.release_done()
+            self._hold([t], self._copy_on(page, buf, t.detach()), comp, page)
         else:
             buf.copy_(t.detach())
+            self.page_outs += 1
         return Paged(slot, tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, nbytes)
+
+    def _hold(self, ts: Sequence[torch.Tensor], done: Any, comp: Any, page: Any) -> None:
+        """A page-out queued (its copies end at `done` on `page`): a lifetime manager holds the
+        device storage of `ts` (owner `comp`, each storage once: a node may save two views of
+        one tensor) until its release. Then what the link has already copied is released (the
+        compute stream's wait on a finished copy costs nothing), oldest first; only past
+        `drain_distance` page-outs holding storage does the compute stream wait on one at once
+        (the copies fall behind the forward)."""
+        held = list({t.untyped_storage().data_ptr(): t for t in ts}.values())
+        m = LifetimeManager("page_out")
+        m.bind(held, comp)
+        m.retire(held, page, "drop_reference")
+        self._retiring.append((m, done, comp, self.page_outs))
+        self.page_outs += 1
+        self.peak_out_in_flight = max(self.peak_out_in_flight, len(self._retiring))
+        while len(self._retiring) > self.drain_distance:
+            self.forced_drains += 1
+            self._drain_one()
+        self.release_done()
 
     def page_in(self, p: Paged) -> torch.Tensor:
         """The tensor back on its device, allocated on the compute (consumer) stream; the
@@ -399,19 +406,7 @@ class HostPool:
                 self._back(prev)
             done = self._event()
             done.record(page)
-            # One tensor per storage (a node may save two views of one tensor; the manager
-            # holds and releases storages, each once).
-            held = list({t.untyped_storage().data_ptr(): t for t in ts}.values())
-            m = LifetimeManager("page_out")
-            m.bind(held, comp)
-            m.retire(held, page, "drop_reference")
-            self._retiring.append((m, done, comp, self.page_outs))
-            self.page_outs += 1
-            self.peak_out_in_flight = max(self.peak_out_in_flight, len(self._retiring))
-            while len(self._retiring) > self.drain_distance:
-                self.forced_drains += 1
-                self._drain_one()
-            self.release_done()
+            self._hold(ts, done, comp, page)
         else:
             for b, t in zip(bufs, ts):
                 b.copy_(t.detach())

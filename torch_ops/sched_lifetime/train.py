@@ -101,6 +101,17 @@ def exposed_page_us(prof: Any) -> tuple[float, float]:
     return _exposed_us(prof, _is_page_copy, _is_nccl)
 
 
+def union(iv: list) -> list:
+    """The union of (start, end) intervals: disjoint [start, end] lists, sorted."""
+    out: list = []
+    for s, t in sorted(iv):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], t)
+        else:
+            out.append([s, t])
+    return out
+
+
 def _exposed_us(prof: Any, pick: Any, ignore: Any) -> tuple[float, float]:
     """(exposed, total) time in us of the kernels `pick` selects: their union, less what the
     union of the other kernels (all but `pick` and `ignore`) covers."""
@@ -111,15 +122,6 @@ def _exposed_us(prof: Any, pick: Any, ignore: Any) -> tuple[float, float]:
         start = e.time_range.start
         end = e.time_range.end
         (comm if pick(e) else comp).append((start, end))
-
-    def union(iv: list) -> list:
-        out: list = []
-        for s, t in sorted(iv):
-            if out and s <= out[-1][1]:
-                out[-1][1] = max(out[-1][1], t)
-            else:
-                out.append([s, t])
-        return out
 
     cu, pu = union(comm), union(comp)
     total = sum(t - s for s, t in cu)
