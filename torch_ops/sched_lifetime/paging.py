@@ -135,6 +135,7 @@ class Paged:
     nbytes: int
     offset: int = 0  # byte offset in the buffer (a group's tensors share one)
 
+
 #: Byte alignment of each tensor of a group in its buffer (the device allocator's block
 #: alignment: a tensor reloaded as a view of the group's one device block is as aligned as one
 #: allocated alone).
