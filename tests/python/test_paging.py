@@ -468,20 +468,27 @@ def test_page_nodes_refuse_shapes_that_differ_from_calibration_naming_the_node()
     assert c.pool.in_use() == 0
 
 
-def test_a_group_pages_out_into_one_buffer_and_comes_back_with_its_strides():
-    """`page_out_group` / `page_in_group` (a page node's saved activations together): one
-    buffer laid out by `group_layout` (each tensor 512-byte aligned), every tensor back equal,
-    with its dtype and strides (a transposed one, a chunk with gaps), the buffer free again;
-    tensors of different groups are not one group; an expanded tensor is refused."""
-    offs, total = sl.paging.group_layout([10, 512, 513, 4])
-    assert offs == [0, 512, 1024, 2048] and total == 2560
+def test_a_group_pages_each_storage_once_and_comes_back_with_its_strides_and_aliasing():
+    """`page_out_group` / `page_in_group` (a page node's saved activations together), laid out
+    by `group_plan`: one tensor saved twice and q, k, v of one projection move once (the bytes
+    their storage spans), a lone chunk with gaps on its own (packed), a transposed tensor as
+    its bytes; every segment 512-byte aligned; every tensor back equal with its dtype and
+    strides, and tensors that shared memory share it again; the buffer free again; tensors
+    of different groups are not one group; an expanded tensor is refused."""
     x = torch.arange(24, dtype=torch.float32).reshape(4, 6)
-    ts = [torch.randn(3, 5), torch.arange(12, dtype=torch.int64).reshape(3, 4).t(), x.chunk(2, dim=-1)[1], torch.randn(7).to(torch.bfloat16)]
-    sizes = [t.numel() * t.element_size() for t in ts]
-    pool = sl.HostPool([sl.paging.group_layout(sizes)[1]] * 2, "cpu")
+    qkv = torch.randn(5, 3 * 8)
+    q, k, v = qkv.split(8, dim=-1)
+    dup = torch.randn(3, 5)
+    ts = [dup, q, torch.arange(12, dtype=torch.int64).reshape(3, 4).t(), k, x.chunk(2, dim=-1)[1], dup, v, torch.randn(7).to(torch.bfloat16)]
+    plan = sl.paging.group_plan(ts)
+    kinds = [(kind, i) for kind, i, *_ in plan.segments]
+    assert kinds == [("span", 0), ("span", 1), ("span", 2), ("view", 4), ("span", 7)], kinds
+    assert [n for *_, n, _ in plan.segments] == [60, 4 * 5 * 24, 96, 48, 14]
+    assert all(off % sl.paging.GROUP_ALIGN == 0 for *_, off in plan.segments)
+    assert plan.places[0][0] == plan.places[5][0] and [p[1] for p in plan.places] == [False] * 4 + [True] + [False] * 3
+    pool = sl.HostPool([plan.nbytes] * 2, "cpu")
     ps = pool.page_out_group(ts)
     assert pool.in_use() == 1 and pool.mark() == 1 and len({p.slot for p in ps}) == 1
-    assert [p.offset for p in ps] == sl.paging.group_layout(sizes)[0]
     other = pool.page_out_group(ts)
     with pytest.raises(ValueError, match="not paged out as one group"):
         pool.page_in_group([ps[0], other[1]])
@@ -489,8 +496,15 @@ def test_a_group_pages_out_into_one_buffer_and_comes_back_with_its_strides():
     assert ev is None and pool.in_use() == 1
     for b, t in zip(back, ts):
         assert b.dtype == t.dtype and b.stride() == t.stride() and torch.equal(b, t)
-    assert [torch.equal(b, t) for b, t in zip(pool.page_in_group(other)[0], ts)] == [True] * 4
+    # One device block holds them all but the packed one; the same tensor twice is one tensor's
+    # memory again, and k sits 8 floats after q, as in qkv.
+    blocks = [b.untyped_storage().data_ptr() for b in back]
+    assert len(set(blocks[:4] + blocks[5:])) == 1 and blocks[4] != blocks[0]
+    assert back[0].data_ptr() == back[5].data_ptr() and back[3].data_ptr() - back[1].data_ptr() == 8 * 4
+    assert [torch.equal(b, t) for b, t in zip(pool.page_in_group(other)[0], ts)] == [True] * len(ts)
     assert pool.in_use() == 0
+    lone = sl.paging.group_plan([q])
+    assert [kind for kind, *_ in lone.segments] == ["view"] and lone.places == [(0, True)]
     with pytest.raises(ValueError, match="elements sharing memory"):
         pool.page_out_group([torch.ones(3, 1).expand(3, 4)])
 
@@ -554,8 +568,7 @@ def test_a_group_on_the_gpu_holds_each_storage_once_and_comes_back_as_one_block(
     dense = [torch.randn(128, 64, device=dev).t(), torch.arange(1000, device=dev), torch.randn(33, device=dev).to(torch.bfloat16)]
     for ts in (dense, [q, k, *dense]):
         want = [t.clone() for t in ts]
-        sizes = [t.numel() * t.element_size() for t in ts]
-        pool = sl.HostPool([sl.paging.group_layout(sizes)[1]], dev)
+        pool = sl.HostPool([sl.paging.group_plan(ts).nbytes], dev)
         ps = pool.page_out_group(ts)
         assert pool.page_outs == 1  # one page-out (its storage released once its copy is done)
         back, ev = pool.page_in_group(ps)

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .executor import Executor
-from .paging import HostPool, group_layout, is_weight, page_plan, restorable
+from .paging import HostPool, group_plan, is_weight, page_plan, restorable
 from .schedule import schedule, schedule_order
 
 
@@ -196,6 +196,7 @@ class Chunk:
         # Forward compute node -> the paged nodes whose page-out it waits for and releases.
         self._release_at: dict[str, list[str]] = {}
         self._calibrating: Optional[dict[str, list[int]]] = None
+        self._calib_saved: dict[str, list[torch.Tensor]] = {}
         self.page_plan: Optional[dict] = None
         #: Bytes moved by the page nodes (out == in once every paged microbatch has run its
         #: backward).
@@ -484,6 +485,7 @@ class Chunk:
                 return ("keep", t.detach())
             if calib is not None:
                 calib.setdefault(name, []).append(t.numel() * t.element_size())
+                self._calib_saved.setdefault(name, []).append(t.detach())  # for the host layout
                 return ("keep", t.detach())
             held = ref().paged.setdefault(name, [])
             held.append(t)
@@ -584,10 +586,14 @@ class Chunk:
                 raise ValueError(f"enable_paging: not compute nodes of this chunk with a backward: {unknown}")
         self.page_min_bytes = min_bytes
         self._calibrating = calib = {}
+        self._calib_saved = {}
         try:
             self.run(fwd=(MicrobatchState(-1), example))
+            # Each node's host buffer: its saved tensors laid out by storage (`group_plan`).
+            layout = {x: group_plan(ts).nbytes for x, ts in self._calib_saved.items()}
         finally:
             self._calibrating = None
+            self._calib_saved = {}
         nbytes = {x: sum(calib[x]) for x in compute if calib.get(x)}
         if nodes is not None:
             chosen = [x for x in compute if x in set(nodes) and x in nbytes]
@@ -600,7 +606,7 @@ class Chunk:
         self._paged = set(plan["page"])
         self._page_bytes = {x: list(calib[x]) for x in self._paged}  # what each paged node saves
         self._rebuild()
-        sizes = [group_layout(self._page_bytes[x])[1] for x in sorted(self._paged)] * in_flight
+        sizes = [layout[x] for x in sorted(self._paged)] * in_flight
         self.pool = HostPool(sizes, self.device) if sizes else None
         self.page_plan = dict(plan, host_bytes=sum(sizes))
         return self.page_plan

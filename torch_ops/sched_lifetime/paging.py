@@ -133,24 +133,89 @@ class Paged:
     device: torch.device
     requires_grad: bool
     nbytes: int
-    offset: int = 0  # byte offset in the buffer (a group's tensors share one)
+    offset: int = 0  # byte offset in the buffer of its element [0, ..., 0] (a group's tensors share one)
+    packed: bool = False  # in a group: held contiguous (a view with gaps), scattered back on the device
 
 
-#: Byte alignment of each tensor of a group in its buffer (the device allocator's block
-#: alignment: a tensor reloaded as a view of the group's one device block is as aligned as one
+#: Byte alignment of each segment of a group in its buffer (the device allocator's block
+#: alignment: a tensor reloaded from the group's one device block is as aligned as one
 #: allocated alone).
 GROUP_ALIGN = 512
 
 
-def group_layout(sizes: Sequence[int]) -> tuple[list[int], int]:
-    """Offsets of tensors of `sizes` bytes laid out one after another in one buffer, each
-    `GROUP_ALIGN`-aligned, and the buffer's size."""
-    offsets, end = [], 0
-    for n in sizes:
-        offsets.append(end)
-        end += -(-n // GROUP_ALIGN) * GROUP_ALIGN
-    return offsets, end
+def _contiguous(shape: tuple) -> tuple:
+    """The strides of a contiguous tensor of `shape`."""
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
 
+
+def _extent(t: torch.Tensor) -> int:
+    """Bytes from `t`'s first element to just past its last (0 when empty)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """How a node's saved tensors share one host buffer (`group_plan`)."""
+
+    #: (kind, tensor index, device byte start, bytes, buffer offset): kind "span" copies the bytes
+    #: [start, start + bytes) of that tensor's storage, "view" copies the tensor itself.
+    segments: list
+    #: Per tensor: (buffer offset of its element [0, ..., 0], packed).
+    places: list
+    #: The buffer's size.
+    nbytes: int
+
+
+def group_plan(ts: Sequence[torch.Tensor]) -> GroupPlan:
+    """Lay a node's saved tensors out in one buffer by storage: the bytes a storage's saved views
+    span are copied once when they hold no more than the distinct views do (the same tensor
+    saved twice, or q, k and v of one projection, move once, and the page-in rebuilds them as
+    views of one storage: they alias as before, strides and all); otherwise each distinct view
+    on its own (one with gaps packed contiguous). Segments are `GROUP_ALIGN`-aligned. Depends
+    only on the tensors' storages, offsets, shapes, strides and dtypes: the same every step of
+    a fixed-shape model, so calibration sizes the pool with it."""
+    by_storage: dict[int, list[int]] = {}
+    for i, t in enumerate(ts):
+        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(i)
+    segments: list = []
+    places: list = [None] * len(ts)
+    end = 0
+
+    def segment(kind: str, i: int, start: int, n: int) -> int:
+        nonlocal end
+        off = end
+        segments.append((kind, i, start, n, off))
+        end += -(-n // GROUP_ALIGN) * GROUP_ALIGN
+        return off
+
+    for idx in by_storage.values():
+        distinct: dict[tuple, int] = {}
+        for i in idx:
+            t = ts[i]
+            distinct.setdefault((t.storage_offset() * t.element_size(), tuple(t.shape), t.stride(), t.dtype), i)
+        first = [ts[i] for i in distinct.values()]
+        lo = min(t.storage_offset() * t.element_size() for t in first) // 16 * 16  # every dtype's alignment
+        hi = max(t.storage_offset() * t.element_size() + _extent(t) for t in first)
+        if hi - lo <= sum(t.numel() * t.element_size() for t in first) + 16:
+            off = segment("span", idx[0], lo, hi - lo)
+            for i in idx:
+                places[i] = (off + ts[i].storage_offset() * ts[i].element_size() - lo, False)
+        else:
+            for key, i in distinct.items():
+                t = ts[i]
+                off = segment("view", i, 0, t.numel() * t.element_size())
+                packed = not _dense(tuple(t.shape), t.stride())
+                for j in idx:
+                    u = ts[j]
+                    if (u.storage_offset() * u.element_size(), tuple(u.shape), u.stride(), u.dtype) == key:
+                        places[j] = (off, packed)
+    return GroupPlan(segments, places, end)
 
 class HostPool:
     """Host buffers allocated once (pinned when they serve a GPU), handed out from a freelist per
@@ -382,78 +447,90 @@ class HostPool:
         return out, ev
 
     def page_out_group(self, ts: Sequence[torch.Tensor], owner: Any = None, ordered: bool = False) -> list[Paged]:
-        """`page_out` of several tensors into one buffer (`group_layout`: the pool was sized
-        with it), with one copy-done event and one lifetime manager for them all: a page node's
-        saved activations go out together (the host cost of one page-out, not one per tensor).
-        `ordered`: the caller has already made the page stream wait for the work that produced
-        `ts` (the executor's sync edge from the producing node), so the page stream does not
-        also wait for everything queued on `owner` since."""
+        """`page_out` of a node's saved tensors into one buffer laid out by `group_plan` (the
+        pool was sized with it), with one copy-done event and one lifetime manager for them
+        all (the host cost of one page-out, not one per tensor). `ordered`: the caller has
+        already made the page stream wait for the work that produced `ts` (the executor's sync
+        edge from the producing node), so the page stream does not also wait for everything
+        queued on `owner` since."""
         for t in ts:
             if not restorable(t):
                 raise ValueError(f"page_out: a tensor of shape {tuple(t.shape)} and strides {t.stride()} has elements sharing memory; keep it on the device")
-        sizes = [t.numel() * t.element_size() for t in ts]
-        offsets, total = group_layout(sizes)
-        slot = self.take(total)
-        bufs = [self.view(slot, tuple(t.shape), t.dtype, t.stride(), off) for t, off in zip(ts, offsets)]
-        if ts and ts[0].is_cuda:
+        plan = group_plan(ts)
+        slot = self.take(plan.nbytes)
+        buf = self._bufs[slot]
+        cuda = bool(ts) and ts[0].is_cuda
+        if cuda:
             comp, page = owner if owner is not None else self.current_stream(), self.page_stream
             if not ordered:
                 self._after(page, comp)
             prev = self._on(page)
-            try:
-                for b, t in zip(bufs, ts):
-                    b.copy_(t.detach(), non_blocking=True)
-            finally:
+        try:
+            for kind, i, start, n, off in plan.segments:
+                t = ts[i].detach()
+                if kind == "span":
+                    src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), start, (n,), (1,))
+                    buf[off : off + n].copy_(src, non_blocking=cuda)
+                else:
+                    self.view(slot, tuple(t.shape), t.dtype, t.stride(), off).copy_(t, non_blocking=cuda)
+        finally:
+            if cuda:
                 self._back(prev)
+        if cuda:
             done = self._event()
             done.record(page)
             self._hold(ts, done, comp, page)
         else:
-            for b, t in zip(bufs, ts):
-                b.copy_(t.detach())
             self.page_outs += 1
-        return [Paged(slot, tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, n, off) for t, n, off in zip(ts, sizes, offsets)]
+        return [
+            Paged(slot, tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, t.numel() * t.element_size(), off, packed)
+            for t, (off, packed) in zip(ts, plan.places)
+        ]
 
     def page_in_group(self, ps: Sequence[Paged], alloc_stream: Any = None) -> tuple:
         """`page_in_launch` of a `page_out_group`'s tensors: one device block allocated on the
-        compute stream, one copy of the whole buffer when every tensor's layout is dense (each
-        comes back as a view of the block with its own strides), else one copy per tensor;
-        returns the tensors and the one event to wait on (None on CPU). The buffer goes back to
-        the freelist at once (the next page-out into it queues behind this copy)."""
+        compute stream (the consumer's), one host->device copy of the whole buffer; each tensor
+        comes back on the block's storage with its strides (views of one storage alias again),
+        a packed one scattered into its own tensor on the page stream. Returns the tensors and
+        the event to wait on (None on CPU). The buffer goes back to the freelist at once (the
+        next page-out into it queues behind this copy)."""
         if not ps:
             return [], None
         slot = ps[0].slot
         if any(p.slot != slot for p in ps):
             raise ValueError("page_in_group: the tensors were not paged out as one group")
         dev = ps[0].device
-        ev = None
-        if dev.type == "cuda":
+        cuda = dev.type == "cuda"
+        host = self._bufs[slot]
+        if cuda:
             comp, page = alloc_stream if alloc_stream is not None else self.current_stream(), self.page_stream
-            total = self._bufs[slot].numel()
-            whole = all(_dense(p.shape, p.stride) for p in ps)
             prev = self._on(comp)
-            try:
-                if whole:
-                    block = torch.empty(total, dtype=torch.uint8, device=dev)
-                    outs = [block[p.offset : p.offset + p.nbytes].view(p.dtype).as_strided(p.shape, p.stride) for p in ps]
-                else:
-                    outs = [torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=dev) for p in ps]
-            finally:
+        try:
+            block = torch.empty(host.numel(), dtype=torch.uint8, device=dev)
+            storage = block.untyped_storage()
+
+            def on_block(p: Paged, stride: tuple) -> torch.Tensor:
+                return torch.empty(0, dtype=p.dtype, device=dev).set_(storage, p.offset // p.dtype.itemsize, p.shape, stride)
+
+            outs = [torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=dev) if p.packed else on_block(p, p.stride) for p in ps]
+        finally:
+            if cuda:
                 self._back(prev)
+        ev = None
+        if cuda:
             self._after(page, comp)
             prev = self._on(page)
-            try:
-                if whole:
-                    block.copy_(self._bufs[slot], non_blocking=True)
-                else:
-                    for o, p in zip(outs, ps):
-                        o.copy_(self.view_of(p), non_blocking=True)
-            finally:
+        try:
+            block.copy_(host, non_blocking=cuda)
+            for o, p in zip(outs, ps):
+                if p.packed:
+                    o.copy_(on_block(p, _contiguous(p.shape)))
+        finally:
+            if cuda:
                 self._back(prev)
+        if cuda:
             ev = self._event()
             ev.record(page)
-        else:
-            outs = [torch.empty_strided(p.shape, p.stride, dtype=p.dtype).copy_(self.view_of(p)) for p in ps]
         self.give(slot)
         outs = [o.detach().requires_grad_(True) if p.requires_grad else o for o, p in zip(outs, ps)]
         return outs, ev
