@@ -237,6 +237,7 @@ class Chunk:
     def _forward_nodes(self) -> list[dict]:
         table = []
         self._forward_control: list[list[str]] = []
+        self._release_control: list[list[str]] = []
         self._release_at = {}
         computes = [n.name for n in self.nodes if n.kind == "compute"]
         for n in self.nodes:
@@ -251,10 +252,13 @@ class Chunk:
                     table.append({"name": f"{po}.wait", "source": "F", "kind": "page_wait", "launch": po})
                     self._forward_control.append([f"F.{n.name}", po])
                     # The compute node `page_release` nodes later waits for the page-out (the
-                    # scheduler issues the wait before it) and releases its device storage.
+                    # scheduler issues the wait before it) and releases its device storage;
+                    # only beside a backward source (`_pair_graph`): a forward alone (a
+                    # warm-up) has nothing to hide the copies under, and its memory is not
+                    # the step's peak (its page-outs go on queries and at the page-ins).
                     k = computes.index(n.name) + (self.page_release or 0)
                     if self.page_release is not None and k < len(computes):
-                        self._forward_control.append([f"{po}.wait", f"F.{computes[k]}"])
+                        self._release_control.append([f"{po}.wait", f"F.{computes[k]}"])
                         self._release_at.setdefault(computes[k], []).append(n.name)
             else:
                 outs = [
@@ -314,7 +318,7 @@ class Chunk:
 
     # -- callables ---------------------------------------------------------------------
 
-    def _forward_fn(self, n: NodeDef) -> Callable[..., Any]:
+    def _forward_fn(self, n: NodeDef, release_points: bool) -> Callable[..., Any]:
         ctx = self.ctx
         if n.kind == "comm":
 
@@ -328,7 +332,7 @@ class Chunk:
         flowing = self._flowing(n)
         out_ix = [i for i, v in enumerate(n.outputs) if v in flowing]
 
-        release = list(self._release_at.get(n.name, ()))
+        release = list(self._release_at.get(n.name, ())) if release_points else []
 
         def compute(*args: Any) -> Any:
             for x in release:  # the compute stream has waited for x's page-out (a control edge)
@@ -442,12 +446,14 @@ class Chunk:
             fns[f"B.{n.name}.dw"] = d_weight
         return fns
 
-    def callables(self, forward: bool, backward: bool) -> dict[str, Callable[..., Any]]:
+    def callables(self, forward: bool, backward: bool, release_points: bool = False) -> dict[str, Callable[..., Any]]:
+        """The node callables of a forward and/or backward source; `release_points`: the
+        forward runs beside a backward source, with the page-outs' release points."""
         out: dict[str, Callable[..., Any]] = {}
         names = {n["name"] for n in self.graph(forward, backward)["nodes"]}
         for n in self.nodes:
             if forward:
-                out[f"F.{n.name}"] = self._forward_fn(n)
+                out[f"F.{n.name}"] = self._forward_fn(n, release_points)
                 if n.name in self._paged:
                     out[f"F.{n.name}.page_out"] = self._page_out_fn(n.name)
             if backward:
@@ -677,6 +683,8 @@ def _pair_graph(fchunk: Optional[Chunk], bchunk: Optional[Chunk]) -> dict:
         sources.append({"name": "F", "phase": "F"})
         nodes += fchunk._forward_table
         control += fchunk._forward_control
+        if bchunk is not None:
+            control += fchunk._release_control
         inputs += [f"F.{v}" for v in fchunk.inputs]
     costs = {**(bchunk.costs if bchunk is not None else {}), **(fchunk.costs if fchunk is not None else {})}
     if costs:
@@ -722,7 +730,7 @@ def _executor(fchunk: Optional[Chunk], bchunk: Optional[Chunk], order: str, life
         s = _order_schedule(g, order)
         calls = {}
         if fchunk is not None:
-            calls.update(fchunk.callables(True, False))
+            calls.update(fchunk.callables(True, False, release_points=bchunk is not None))
         if bchunk is not None:
             calls.update(bchunk.callables(False, True))
         ex = home._executors[key] = Executor(g, s, calls, device=home.device, lifetime=lifetime, timing=timing)
