@@ -43,7 +43,13 @@ def _parity_worker(rank: int, port: int, out: str, config: str, capacity: float)
     t = ep.AllToAll(ep.new_ep_group())
     # ours+ends: the warm-up and cool-down multiplexed too (two forwards, two backwards);
     # ours+reduce_after: the data-parallel all-reduce after the step instead of in it.
-    arms = {a: Arm(a, cfg, t, torch.device("cpu"), lr=0.05) for a in [*ARMS, "ours+ends", "ours+reduce_after"]}
+    # ours+page (fixed capacity only: counted dispatch changes the saved shapes): page nodes
+    # with their release points among the EP collectives, calibrated on both ranks together.
+    extra = ["ours+ends", "ours+reduce_after"] + (["ours+page"] if capacity else [])
+    arms = {a: Arm(a, cfg, t, torch.device("cpu"), lr=0.05) for a in [*ARMS, *extra]}
+    if capacity:
+        plan = arms["ours+page"].chunk.enable_paging(arms["ours+page"].model.batch(0, 0), budget=0.5, min_bytes=1024)
+        assert plan["page"] and arms["ours+page"].chunk._release_control, plan
     ref = arms["sequential"]
     grads = {a: True for a in arms}
     for step in range(3):
@@ -61,6 +67,7 @@ def _parity_worker(rank: int, port: int, out: str, config: str, capacity: float)
             "loss_moved": bool((arm.losses[0] != arm.losses[-1]).any()),
             # All-reduce buckets launched over the 3 steps (None: reduced after the step by Arm).
             "buckets": None if arm.chunk.grad_reduce is None else arm.chunk.grad_reduce.buckets,
+            "paged": dict(arm.chunk.page_stats),
         }
     # Bad input: a parameter of no node, or one listed twice, is a clear error.
     chunk = arms["ours"].chunk
@@ -97,6 +104,9 @@ def test_every_arm_bit_exact_against_sequential_over_two_gloo_ranks(tmp_path, co
         assert res["sequential"]["buckets"] == res["b_then_f"]["buckets"] == 3, res
         assert res["ours"]["buckets"] >= 3 * 4 and res["ours+ends"]["buckets"] == res["ours"]["buckets"], res
         assert res["ours+reduce_after"]["buckets"] is None, res
+        if capacity:
+            moved = res["ours+page"]["paged"]
+            assert moved["bytes_out"] == moved["bytes_in"] > 0, moved
     assert shards[0] != shards[1]
 
 
