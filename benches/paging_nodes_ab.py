@@ -3,12 +3,14 @@
 The embedded MoE model as one chunk (EP=1), `train_step` of N microbatches in our order
 (warm-up F(0), F(i+1) multiplexed with B(i), cool-down B): two microbatches' activations are
 alive at once, the case paging across microbatches is for. Arms: no paging, and
-`Chunk.enable_paging(budget=FRACTION, prefetch=K)` with the page-stream launch budget B
-(`page:FRACTION:K:B`), or the listed nodes instead of the budget's choice
-(`nodes:L1.experts+L2.experts:K:B`). One model per arm with the same weights, no optimizer step (every arm
-computes the same gradients); steps interleaved across arms, medians. Per arm: step time, peak
-allocated above the step's start, bytes paged per step, parity (torch.equal on every loss and
-gradient against no paging, every step).
+`Chunk.enable_paging(budget=FRACTION, prefetch=K[, release=R])` with the page-stream launch
+budget B (`page:FRACTION:K:B[:R]`, R 0: no release points), or the listed nodes instead of the
+budget's choice (`nodes:L1.experts+L2.experts:K:B[:R]`). One model per arm with the same
+weights, no optimizer step (every arm computes the same gradients); steps interleaved across
+arms, medians. Per arm: step time, peak allocated above the step's start, bytes paged per step,
+parity (torch.equal on every loss and gradient against no paging, every step). `--profile ARMS`
+profiles one more step of each: host issue time, the page nodes' host time, the GPU's idle
+time split by the page copy running meanwhile.
 
     PYTHONPATH=torch_ops python3 benches/paging_nodes_ab.py --config h200 --microbatches 4
 """
