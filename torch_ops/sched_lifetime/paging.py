@@ -285,6 +285,18 @@ class HostPool:
         torch._C._cuda_setStream(stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type)
         return prev
 
+    @contextlib.contextmanager
+    def _switched(self, stream: Any) -> Iterator[None]:
+        """`stream` current inside (`_on` / `_back`); nothing to switch when None (CPU)."""
+        if stream is None:
+            yield
+            return
+        prev = self._on(stream)
+        try:
+            yield
+        finally:
+            self._back(prev)
+
     @staticmethod
     def _back(prev: tuple) -> None:
         torch._C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
@@ -460,12 +472,12 @@ class HostPool:
         slot = self.take(plan.nbytes)
         buf = self._bufs[slot]
         cuda = bool(ts) and ts[0].is_cuda
+        comp = page = None
         if cuda:
             comp, page = owner if owner is not None else self.current_stream(), self.page_stream
             if not ordered:
                 self._after(page, comp)
-            prev = self._on(page)
-        try:
+        with self._switched(page):
             for kind, i, start, n, off in plan.segments:
                 t = ts[i].detach()
                 if kind == "span":
@@ -473,9 +485,6 @@ class HostPool:
                     buf[off : off + n].copy_(src, non_blocking=cuda)
                 else:
                     self.view(slot, tuple(t.shape), t.dtype, t.stride(), off).copy_(t, non_blocking=cuda)
-        finally:
-            if cuda:
-                self._back(prev)
         if cuda:
             done = self._event()
             done.record(page)
@@ -502,10 +511,10 @@ class HostPool:
         dev = ps[0].device
         cuda = dev.type == "cuda"
         host = self._bufs[slot]
+        comp = page = None
         if cuda:
             comp, page = alloc_stream if alloc_stream is not None else self.current_stream(), self.page_stream
-            prev = self._on(comp)
-        try:
+        with self._switched(comp):
             block = torch.empty(host.numel(), dtype=torch.uint8, device=dev)
             storage = block.untyped_storage()
 
@@ -513,21 +522,14 @@ class HostPool:
                 return torch.empty(0, dtype=p.dtype, device=dev).set_(storage, p.offset // p.dtype.itemsize, p.shape, stride)
 
             outs = [torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=dev) if p.packed else on_block(p, p.stride) for p in ps]
-        finally:
-            if cuda:
-                self._back(prev)
         ev = None
         if cuda:
             self._after(page, comp)
-            prev = self._on(page)
-        try:
+        with self._switched(page):
             block.copy_(host, non_blocking=cuda)
             for o, p in zip(outs, ps):
                 if p.packed:
                     o.copy_(on_block(p, _contiguous(p.shape)))
-        finally:
-            if cuda:
-                self._back(prev)
         if cuda:
             ev = self._event()
             ev.record(page)
