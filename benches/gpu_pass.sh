@@ -11,9 +11,10 @@
 #   bash benches/gpu_pass.sh explain OUT  # one H200: timed paging, eager and compiled, with Rust's reasons per tensor
 #   bash benches/gpu_pass.sh capture OUT  # one H200: whole-step graph pools, page nodes captured, min_cut, host overhead
 #   bash benches/gpu_pass.sh four OUT   # nvidia-h200-x4: DualPipeV as PP=2 x EP=2, handler vs none
+#   bash benches/gpu_pass.sh twopage OUT  # nvidia-h200-x2: EP + page nodes, ours vs ours+page at 3 budgets
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -69,11 +70,17 @@ capture)
         --arms eager,aot_eager,compiled,timed:1.0 --json "$out/compile_min_cut.json"
     step python_overhead 70 "$py" benches/python_overhead.py --iters 2000 --json "$out/overhead.json"
     ;;
+twopage)
+    for b in 0.12 0.2 0.3; do
+        step "main_job_page_$b" 300 bash benches/main_job_2gpu.sh "$out/mj_page_$b" --arms ours,ours+page \
+            --nccl-channels 4 --steps 3 --page-budget "$b" --page-prefetch 6 --quiet
+    done
+    ;;
 four)
     step pipeline_ep2 500 torchrun --standalone --nproc-per-node 4 benches/pipeline_ab.py --config pp_h200 --ep 2 --out "$out"
     ;;
 *)
-    echo "unknown mode $mode: one, one2, two, two2, cuda2, explain, capture or four" >&2
+    echo "unknown mode $mode: one, one2, two, two2, cuda2, explain, capture, four or twopage" >&2
     exit 2
     ;;
 esac

@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--config", default="h200", choices=sorted(CONFIGS))
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--arms", default="off,page:0.3:2:8,page:0.5:2:8,page:0.5:2:2")
+    ap.add_argument("--arms", default="off,page:0.12:6:8,page:0.2:6:8,page:0.3:6:8")
     ap.add_argument("--min-bytes", type=int, default=1 << 20, help="smallest saved activation to page")
     ap.add_argument("--json")
     ap.add_argument("--cpu-ops", action="store_true", help="with --profile: the host's top ops by self time")
