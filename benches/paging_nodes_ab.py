@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from typing import Callable
 
 import torch
@@ -100,8 +101,6 @@ def idle_breakdown(name: str, run: Callable[[], list], dev: torch.device, cpu_op
     from sched_lifetime.train import _is_kernel, _is_page_copy, union
 
     torch.cuda.synchronize(dev)
-    import time
-
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         h0 = time.perf_counter()
         run()

@@ -503,8 +503,8 @@ def test_a_group_pages_each_storage_once_and_comes_back_with_its_strides_and_ali
     assert back[0].data_ptr() == back[5].data_ptr() and back[3].data_ptr() - back[1].data_ptr() == 8 * 4
     assert [torch.equal(b, t) for b, t in zip(pool.page_in_group(other)[0], ts)] == [True] * len(ts)
     assert pool.in_use() == 0
-    lone = sl.paging.group_plan([q])
-    assert [kind for kind, *_ in lone.segments] == ["view"] and lone.places == [(0, True)]
+    lone = sl.paging.group_plan([q, k[:, :4], q])  # a view with gaps saved twice, beside another
+    assert [kind for kind, *_ in lone.segments] == ["view", "view"] and lone.places == [(0, True), (512, True), (0, True)]
     with pytest.raises(ValueError, match="elements sharing memory"):
         pool.page_out_group([torch.ones(3, 1).expand(3, 4)])
 

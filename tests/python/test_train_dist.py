@@ -49,7 +49,7 @@ def _parity_worker(rank: int, port: int, out: str, config: str, capacity: float)
     arms = {a: Arm(a, cfg, t, torch.device("cpu"), lr=0.05) for a in [*ARMS, *extra]}
     if capacity:
         plan = arms["ours+page"].chunk.enable_paging(arms["ours+page"].model.batch(0, 0), budget=0.5, min_bytes=1024)
-        assert plan["page"] and arms["ours+page"].chunk._release_control, plan
+        assert plan["page"] and arms["ours+page"].chunk._release_at, plan
     ref = arms["sequential"]
     grads = {a: True for a in arms}
     for step in range(3):

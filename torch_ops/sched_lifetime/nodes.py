@@ -237,7 +237,6 @@ class Chunk:
     def _forward_nodes(self) -> list[dict]:
         table = []
         self._forward_control: list[list[str]] = []
-        self._release_control: list[list[str]] = []
         self._release_at = {}
         computes = [n.name for n in self.nodes if n.kind == "compute"]
         for n in self.nodes:
@@ -251,14 +250,10 @@ class Chunk:
                     table.append({"name": po, "source": "F", "kind": "page_out", "inputs": [], "outputs": []})
                     table.append({"name": f"{po}.wait", "source": "F", "kind": "page_wait", "launch": po})
                     self._forward_control.append([f"F.{n.name}", po])
-                    # The compute node `page_release` nodes later waits for the page-out (the
-                    # scheduler issues the wait before it) and releases its device storage;
-                    # only beside a backward source (`_pair_graph`): a forward alone (a
-                    # warm-up) has nothing to hide the copies under, and its memory is not
-                    # the step's peak (its page-outs go on queries and at the page-ins).
+                    # The compute node `page_release` nodes later waits for the page-out and
+                    # releases its device storage (`_release_edges`).
                     k = computes.index(n.name) + (self.page_release or 0)
                     if self.page_release is not None and k < len(computes):
-                        self._release_control.append([f"{po}.wait", f"F.{computes[k]}"])
                         self._release_at.setdefault(computes[k], []).append(n.name)
             else:
                 outs = [
@@ -267,6 +262,14 @@ class Chunk:
                 table.append({"name": f"F.{n.name}", "source": "F", "kind": "comm_launch", "inputs": ins, "outputs": outs})
                 table.append({"name": f"F.{n.name}.wait", "source": "F", "kind": "comm_wait", "launch": f"F.{n.name}"})
         return table
+
+    def _release_edges(self) -> list[list[str]]:
+        """Control edges from each paged node's page-out wait to the forward compute node that
+        releases its storage (the scheduler issues the wait before it). Only for a forward beside
+        a backward source (`_pair_graph`): a forward alone (a warm-up) has nothing to hide the
+        copies under, and its memory is not the step's peak (its page-outs go on queries and at
+        the page-ins)."""
+        return [[f"F.{x}.page_out.wait", f"F.{target}"] for target, xs in self._release_at.items() for x in xs]
 
     def _backward_nodes(self) -> list[dict]:
         table: list[dict] = []
@@ -684,7 +687,7 @@ def _pair_graph(fchunk: Optional[Chunk], bchunk: Optional[Chunk]) -> dict:
         nodes += fchunk._forward_table
         control += fchunk._forward_control
         if bchunk is not None:
-            control += fchunk._release_control
+            control += fchunk._release_edges()
         inputs += [f"F.{v}" for v in fchunk.inputs]
     costs = {**(bchunk.costs if bchunk is not None else {}), **(fchunk.costs if fchunk is not None else {})}
     if costs:

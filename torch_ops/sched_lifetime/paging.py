@@ -30,6 +30,7 @@ import bisect
 import collections
 import contextlib
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -82,6 +83,12 @@ def restorable(t: torch.Tensor) -> bool:
             return False
         covered += stride * (size - 1)
     return True
+
+
+def _check_restorable(t: torch.Tensor) -> None:
+    """A page-out's check: `t` can come back with its strides (`restorable`)."""
+    if not restorable(t):
+        raise ValueError(f"page_out: a tensor of shape {tuple(t.shape)} and strides {t.stride()} has elements sharing memory; keep it on the device")
 
 
 def link_rates(dev: torch.device, mib: int = 64, reps: int = 2) -> tuple[float, float]:
@@ -194,27 +201,27 @@ def group_plan(ts: Sequence[torch.Tensor]) -> GroupPlan:
         end += -(-n // GROUP_ALIGN) * GROUP_ALIGN
         return off
 
+    start = [t.storage_offset() * t.element_size() for t in ts]  # byte offset in its storage
     for idx in by_storage.values():
+        # The distinct views (the same one saved twice is one), each by its first tensor.
+        key = {i: (start[i], tuple(ts[i].shape), ts[i].stride(), ts[i].dtype) for i in idx}
         distinct: dict[tuple, int] = {}
         for i in idx:
-            t = ts[i]
-            distinct.setdefault((t.storage_offset() * t.element_size(), tuple(t.shape), t.stride(), t.dtype), i)
-        first = [ts[i] for i in distinct.values()]
-        lo = min(t.storage_offset() * t.element_size() for t in first) // 16 * 16  # every dtype's alignment
-        hi = max(t.storage_offset() * t.element_size() + _extent(t) for t in first)
-        if hi - lo <= sum(t.numel() * t.element_size() for t in first) + 16:
+            distinct.setdefault(key[i], i)
+        first = list(distinct.values())
+        lo = min(start[i] for i in first) // 16 * 16  # every dtype's alignment
+        hi = max(start[i] + _extent(ts[i]) for i in first)
+        if hi - lo <= sum(ts[i].numel() * ts[i].element_size() for i in first) + 16:
             off = segment("span", idx[0], lo, hi - lo)
             for i in idx:
-                places[i] = (off + ts[i].storage_offset() * ts[i].element_size() - lo, False)
+                places[i] = (off + start[i] - lo, False)
         else:
-            for key, i in distinct.items():
+            place = {}
+            for k, i in distinct.items():
                 t = ts[i]
-                off = segment("view", i, 0, t.numel() * t.element_size())
-                packed = not _dense(tuple(t.shape), t.stride())
-                for j in idx:
-                    u = ts[j]
-                    if (u.storage_offset() * u.element_size(), tuple(u.shape), u.stride(), u.dtype) == key:
-                        places[j] = (off, packed)
+                place[k] = (segment("view", i, 0, t.numel() * t.element_size()), not _dense(tuple(t.shape), t.stride()))
+            for i in idx:
+                places[i] = place[key[i]]
     return GroupPlan(segments, places, end)
 
 class HostPool:
@@ -361,11 +368,7 @@ class HostPool:
         if v is None:
             if stride is not None and not _dense(shape, stride):
                 stride = None
-            numel = 1
-            for d in shape:
-                numel *= d
-            nbytes = numel * dtype.itemsize
-            flat = self._bufs[slot][offset : offset + nbytes].view(dtype)
+            flat = self._bufs[slot][offset : offset + math.prod(shape) * dtype.itemsize].view(dtype)
             v = self._views[key] = flat.view(shape) if stride is None else flat.as_strided(shape, stride)
         return v
 
@@ -385,8 +388,6 @@ class HostPool:
             self.give(slot)
 
     def page_out(self, t: torch.Tensor, owner: Any = None) -> Paged:
-        if not restorable(t):
-            raise ValueError(f"page_out: a tensor of shape {tuple(t.shape)} and strides {t.stride()} has elements sharing memory; keep it on the device")
         """Copy `t` into a free host buffer (on the page stream after the compute stream's work
         so far). On CUDA the device storage is kept alive by a lifetime manager until the copy
         is done: at a later save, unpack or page-out whose host-side check finds the copy
@@ -395,6 +396,7 @@ class HostPool:
         1, no record_stream, no host sync; the event query makes this path eager-only, as
         saved_tensors_hooks are). `owner`: the stream `t` was produced on (default: the current
         stream; a page node running on the page stream passes the compute stream)."""
+        _check_restorable(t)
         nbytes = t.numel() * t.element_size()
         slot = self.take(nbytes)
         buf = self.view(slot, tuple(t.shape), t.dtype, t.stride())
@@ -466,8 +468,7 @@ class HostPool:
         edge from the producing node), so the page stream does not also wait for everything
         queued on `owner` since."""
         for t in ts:
-            if not restorable(t):
-                raise ValueError(f"page_out: a tensor of shape {tuple(t.shape)} and strides {t.stride()} has elements sharing memory; keep it on the device")
+            _check_restorable(t)
         plan = group_plan(ts)
         slot = self.take(plan.nbytes)
         buf = self._bufs[slot]
