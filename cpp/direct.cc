@@ -156,27 +156,39 @@ bool unpack_handle(PyObject* obj, uint64_t& out) {
   return true;
 }
 
-// Runs a Rust entry point; its errors become the Python errors the ops raise.
+// Runs a Rust entry point without the GIL; its errors become the Python errors the ops raise.
+// The GIL is let go first (src/ffi/registry.rs, `enter`: the lock rule): an entry may wait for
+// the registry lock, and a thread that holds that lock may need the GIL to release a tensor's
+// Python object. Nothing inside `f` touches a Python object (the arguments are unpacked first).
 template <typename F>
 bool call_rust(F&& f) {
+  std::string msg;
+  PyObject* kind = nullptr;
+  PyThreadState* state = PyEval_SaveThread();
   try {
     f();
-    return true;
   } catch (const rust::Error& e) {
-    std::string msg = e.what();
+    msg = e.what();
     const std::string tag = kValueTag;
     if (msg.rfind(tag, 0) == 0) {
-      PyErr_SetString(PyExc_ValueError, msg.substr(tag.size()).c_str());
+      msg = msg.substr(tag.size());
+      kind = PyExc_ValueError;
     } else {
-      PyErr_SetString(PyExc_RuntimeError, msg.c_str());
+      kind = PyExc_RuntimeError;
     }
   } catch (const c10::ValueError& e) {
-    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    msg = e.what_without_backtrace();
+    kind = PyExc_ValueError;
   } catch (const c10::Error& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    msg = e.what_without_backtrace();
+    kind = PyExc_RuntimeError;
   } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
+    msg = e.what();
+    kind = PyExc_RuntimeError;
   }
+  PyEval_RestoreThread(state);
+  if (kind == nullptr) return true;
+  PyErr_SetString(kind, msg.c_str());
   return false;
 }
 

@@ -3,7 +3,7 @@
 
 use super::bridge::ffi::{self, StreamKey, TensorList};
 use super::registry::enter;
-use super::runtime::{keys, TorchRuntime};
+use super::runtime::{keys, Payload, TorchRuntime};
 use crate::lifetime::Manager;
 use crate::runtime::Action;
 
@@ -15,20 +15,20 @@ pub(super) fn sl_create(name: &str) -> Ret<u64> {
 }
 
 pub(super) fn sl_bind(mgr: u64, tensors: &TensorList, owner: StreamKey) -> Ret<()> {
-    enter(|reg| reg.get(mgr)?.bind(&keys(tensors), owner.into(), |i| ffi::list_take(tensors, i)))
+    enter(|reg| reg.get(mgr)?.bind(&keys(tensors), owner.into(), |i| Payload::new(ffi::list_take(tensors, i))))
 }
 
 pub(super) fn sl_retire(mgr: u64, tensors: &TensorList, consumer: StreamKey, action: i64) -> Ret<()> {
     enter(|reg| {
         let action = Action::from_code(action)?;
-        reg.get(mgr)?.retire(&mut TorchRuntime, &keys(tensors), consumer.into(), action, |i| ffi::list_take(tensors, i))
+        reg.get(mgr)?.retire(&mut TorchRuntime, &keys(tensors), consumer.into(), action, |i| Payload::new(ffi::list_take(tensors, i)))
     })
 }
 
 pub(super) fn sl_retire_owned(mgr: u64, tensors: &TensorList, owner: StreamKey, consumer: StreamKey, action: i64) -> Ret<()> {
     enter(|reg| {
         let action = Action::from_code(action)?;
-        reg.get(mgr)?.retire_owned(&mut TorchRuntime, &keys(tensors), owner.into(), consumer.into(), action, |i| ffi::list_take(tensors, i))
+        reg.get(mgr)?.retire_owned(&mut TorchRuntime, &keys(tensors), owner.into(), consumer.into(), action, |i| Payload::new(ffi::list_take(tensors, i)))
     })
 }
 
@@ -37,7 +37,7 @@ pub(super) fn sl_retire_owned(mgr: u64, tensors: &TensorList, owner: StreamKey, 
 pub(super) fn sl_release(mgr: u64, tensors: &TensorList, owner: StreamKey, consumer: StreamKey, action: i64) -> Ret<i64> {
     enter(|reg| {
         let action = Action::from_code(action)?;
-        let take = |i| ffi::list_take(tensors, i);
+        let take = |i| Payload::new(ffi::list_take(tensors, i));
         reg.get(mgr)?.release_after(&mut TorchRuntime, &keys(tensors), owner.into(), consumer.into(), action, take).map(|n| n as i64)
     })
 }

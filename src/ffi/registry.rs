@@ -7,7 +7,7 @@ use std::sync::Mutex;
 
 use once_cell::sync::Lazy;
 
-use super::runtime::{Event, Payload};
+use super::runtime::{empty_graveyard, Event, Payload};
 use crate::error::{Error, Result};
 use crate::lifetime::Manager;
 
@@ -72,11 +72,20 @@ pub(super) fn live() -> (usize, u64) {
 }
 
 /// Run an entry point with the registry locked; otherwise as [`pure`].
+///
+/// Lock rule (issue 35): the registry lock is the only lock here, and no Python object is
+/// released while it is held: the tensor references an entry drops go to the thread's
+/// graveyard ([`super::runtime::Payload`]) and are released after the lock is let go. Callers
+/// never wait for the lock while holding the GIL (the torch.ops dispatcher releases it;
+/// `cpp/direct.cc` releases it around every entry). Together: no thread holds the lock and
+/// waits for the GIL, so none can hold the GIL and wait for the lock forever.
 pub(super) fn enter<T>(f: impl FnOnce(&mut Registry) -> Result<T>) -> std::result::Result<T, String> {
-    pure(|| {
+    let out = pure(|| {
         let mut reg = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
         f(&mut reg)
-    })
+    });
+    empty_graveyard();
+    out
 }
 
 /// Run an entry point: turn on logging if asked (once), catch panics, tag value errors for

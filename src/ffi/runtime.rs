@@ -41,8 +41,55 @@ fn shim_err(e: cxx::Exception) -> Error {
     Error::Runtime(e.what().to_string())
 }
 
-/// A tensor reference held by the manager.
-pub(super) type Payload = UniquePtr<ffi::TensorRef>;
+/// A tensor reference held by the manager. Dropping one never drops the tensor where it is:
+/// the reference moves to this thread's [`graveyard`], which [`super::registry::enter`] empties
+/// only after it has let go of the registry lock. The last reference to a tensor runs its
+/// Python object's deallocation, which takes the GIL (and may let other threads run Python);
+/// under the registry lock that is a lock-order inversion with any thread that holds the GIL
+/// and waits for the registry (issue 35's deadlock). Rule: no Python object is released while
+/// the registry lock is held.
+pub(super) struct Payload(Option<UniquePtr<ffi::TensorRef>>);
+
+impl Payload {
+    pub(super) fn new(t: UniquePtr<ffi::TensorRef>) -> Self {
+        Payload(Some(t))
+    }
+    fn tensor(&self) -> Option<&ffi::TensorRef> {
+        self.0.as_ref().and_then(|t| t.as_ref())
+    }
+}
+
+impl Drop for Payload {
+    fn drop(&mut self) {
+        let mut t = self.0.take();
+        // A thread being torn down has no graveyard left: `t` is then dropped here (no lock is
+        // held then: the registry's entries never run during thread-local destruction).
+        let _ = GRAVEYARD.try_with(|g| {
+            if let Some(t) = t.take() {
+                g.borrow_mut().push(t);
+            }
+        });
+    }
+}
+
+thread_local! {
+    /// Tensor references dropped while this thread held the registry lock, waiting to be
+    /// released after it (see [`Payload`]).
+    static GRAVEYARD: std::cell::RefCell<Vec<UniquePtr<ffi::TensorRef>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Releases the tensor references this thread's entries dropped; called with no lock held.
+pub(super) fn empty_graveyard() {
+    loop {
+        // Take the list out first: a tensor's deallocation may run Python that calls back
+        // into an entry, which pushes onto (and empties) the graveyard again.
+        let dead = GRAVEYARD.try_with(|g| std::mem::take(&mut *g.borrow_mut())).unwrap_or_default();
+        if dead.is_empty() {
+            return;
+        }
+        drop(dead);
+    }
+}
 /// A plan event.
 pub(super) type Event = UniquePtr<ffi::EventRef>;
 
@@ -66,7 +113,7 @@ impl Runtime for TorchRuntime {
     }
     fn release(&mut self, payload: Self::Payload, action: Action) -> Result<()> {
         if action == Action::EmptyStorage {
-            if let Some(t) = payload.as_ref() {
+            if let Some(t) = payload.tensor() {
                 ffi::empty_storage(t).map_err(shim_err)?;
             }
         }
@@ -74,7 +121,7 @@ impl Runtime for TorchRuntime {
         Ok(())
     }
     fn record_stream(&mut self, payload: Self::Payload, stream: StreamId) -> Result<()> {
-        if let Some(t) = payload.as_ref() {
+        if let Some(t) = payload.tensor() {
             ffi::record_stream(t, &key(stream)).map_err(shim_err)?;
         }
         Ok(())
