@@ -1,0 +1,105 @@
+"""Running a chunk (`nodes/run.py`) on CPU, one rank: per-node autograd gives the gradients of
+plain `loss.backward()` bit for bit, in every order and lifetime mode, both dispatch modes,
+with and without paired warm-up and cool-down."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from sched_lifetime.models import CONFIGS, MoEModel
+from sched_lifetime.nodes import MicrobatchState, _two_graph, combined_step, run_two, train_step
+
+#: A made-up shape beside the tiny config: odd sizes, 6 experts top-3, no shared expert, two
+#: dense layers first, counted routing (no capacity; a test may set one: below 1, assignments
+#: are dropped).
+ODD = replace(
+    CONFIGS["tiny"], vocab=97, hidden=48, heads=3, layers=4, dense_layers=2, experts=6, topk=3,
+    expert_ffn=40, shared_ffn=0, dense_ffn=72, seq=12, batch=3, capacity_factor=None,
+)
+
+
+@pytest.mark.parametrize("config", ["tiny", "tiny_dense", "odd"])
+@pytest.mark.parametrize("capacity", [None, 1.0, 0.75])
+def test_node_path_equals_plain_backward(config, capacity):
+    cfg = replace(ODD if config == "odd" else CONFIGS[config], capacity_factor=capacity)
+    ref = MoEModel(cfg)
+    n = 3
+    for i in range(n):
+        (ref(**ref.batch(0, i)) / n).backward()
+    want = {k: p.grad for k, p in ref.named_parameters()}
+    arms = [("sequential", "scheduled"), ("b_then_f", "scheduled"), ("ours", "scheduled"), ("ours", "record_stream"), ("ours:classic", "scheduled"), ("ours:ep_budget=1", "scheduled")]
+    for order, lifetime, dw_nodes in [(o, lt, True) for o, lt in arms] + [("ours", "scheduled", False), ("sequential", "scheduled", False)]:
+        m = MoEModel(cfg)
+        train_step(m.chunk(dw_nodes=dw_nodes), [m.batch(0, i) for i in range(n)], order, lifetime)
+        for k, p in m.named_parameters():
+            assert torch.equal(p.grad, want[k]), (order, lifetime, dw_nodes, k)
+
+
+def test_backward_without_a_forward_is_an_error():
+    m = MoEModel(CONFIGS["tiny"])
+    ch = m.chunk()
+    with pytest.raises(ValueError, match="microbatch 5 has no saved forward"):
+        combined_step(ch, (MicrobatchState(6), m.batch(0, 0)), MicrobatchState(5))
+
+
+def test_train_step_rejects_bad_orders_and_empty_steps():
+    m = MoEModel(CONFIGS["tiny"])
+    with pytest.raises(ValueError, match="at least one microbatch"):
+        train_step(m.chunk(), [], "ours")
+    with pytest.raises(ValueError, match="order must be one of"):
+        train_step(m.chunk(), [m.batch(0, 0)], "fastest")
+
+
+def _steps(cfg, n, order, paired, steps=3, costs=None):
+    m = MoEModel(cfg, seed=0, device="cpu")
+    ch = m.chunk(torch.device("cpu"))
+    if costs is not None:
+        ch.costs = costs(ch)
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    out = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        losses = train_step(ch, [m.batch(step, i) for i in range(n)], order, paired_ends=paired)
+        out += list(losses) + [p.grad.clone() for p in m.parameters()]
+        opt.step()
+    return out + [p.detach().clone() for p in m.parameters()], ch
+
+
+@pytest.mark.parametrize("cfg", [replace(CONFIGS["tiny"], capacity_factor=1.0), ODD], ids=["tiny", "odd"])
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_paired_ends_are_bit_exact_against_sequential(n, cfg):
+    """Warm-up F(0) with F(1) and cool-down B(n-2) with B(n-1) multiplexed: losses, every
+    gradient and the weights after 3 SGD steps equal sequential F then B."""
+    ref, _ = _steps(cfg, n, "sequential", False)
+    got, _ = _steps(cfg, n, "ours", True)
+    assert len(ref) == len(got) and all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+def test_paired_ends_errors():
+    cfg = replace(CONFIGS["tiny"], capacity_factor=1.0)
+    m = MoEModel(cfg, seed=0, device="cpu")
+    ch = m.chunk(torch.device("cpu"))
+    with pytest.raises(ValueError, match="paired_ends needs one of our orders"):
+        train_step(ch, [m.batch(0, 0), m.batch(0, 1)], "b_then_f", paired_ends=True)
+    with pytest.raises(ValueError, match="two microbatches"):
+        run_two(ch, "F", [(MicrobatchState(0), m.batch(0, 0))])
+    with pytest.raises(ValueError, match="phase must be"):
+        run_two(ch, "X", [None, None])
+    with pytest.raises(ValueError, match="no saved forward"):
+        run_two(ch, "B", [MicrobatchState(0), MicrobatchState(1)])
+    ch.deferred_dw = []
+    with pytest.raises(ValueError, match="not with paging or deferred dW"):
+        run_two(ch, "F", [(MicrobatchState(0), m.batch(0, 0)), (MicrobatchState(1), m.batch(0, 1))])
+
+
+def test_paired_ends_carry_the_node_costs_to_the_search_rule():
+    """With node costs (e.g. a previous run's durations), both microbatches' nodes carry them,
+    so `ours:search` orders the pairs too, still bit-exact."""
+    cfg = replace(CONFIGS["tiny"], capacity_factor=1.0)
+    ref, _ = _steps(cfg, 3, "sequential", False)
+    got, ch = _steps(cfg, 3, "ours:search", True, costs=lambda ch: {n["name"]: 10.0 + i for i, n in enumerate(ch.graph(True, True)["nodes"])})
+    assert len(ref) == len(got) and all(torch.equal(a, b) for a, b in zip(ref, got))
+    costs = {n["name"]: n.get("cost") for n in _two_graph(ch, "B")["nodes"]}
+    assert all(c is not None for c in costs.values())
+    assert all(costs["B2" + k[1:]] == v for k, v in costs.items() if k.startswith("B."))

@@ -1,0 +1,251 @@
+"""Running a chunk: the executor hand-off and the steps built from it.
+
+`run_pair` runs F of one chunk with B of another (or either alone) through an `Executor` made
+once per pairing (`_executor`), feeding the graph inputs and the chunks' contexts;
+`run_two` runs two microbatches of one phase (the second on the chunk's twin); `combined_step`
+is one F(i+1)+B(i); `train_step` a whole step of n microbatches with gradient accumulation
+(warm-up F, combined F(i+1)+B(i), cool-down B), then the in-step reduce's finish.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+import torch
+
+from ..executor import Executor
+from .graph import ORDERS, _order_schedule, _pair_graph, _two_graph
+from .state import MicrobatchState
+
+if TYPE_CHECKING:
+    from .chunk import Chunk
+
+
+def _executor(fchunk: Optional[Chunk], bchunk: Optional[Chunk], order: str, lifetime: str) -> Executor:
+    """The executor of F of `fchunk` with B of `bchunk` (made once per pair, cached on the
+    backward chunk, or the forward one when there is no backward)."""
+    home = bchunk if bchunk is not None else fchunk
+    assert home is not None
+    timing = bool((fchunk and fchunk.timing) or (bchunk and bchunk.timing))
+    key = (id(fchunk), id(bchunk), order, lifetime, timing)
+    ex = home._executors.get(key)
+    if ex is None:
+        g = _pair_graph(fchunk, bchunk)
+        s = _order_schedule(g, order)
+        calls = {}
+        if fchunk is not None:
+            calls.update(fchunk.callables(True, False, release_points=bchunk is not None))
+        if bchunk is not None:
+            calls.update(bchunk.callables(False, True))
+        ex = home._executors[key] = Executor(g, s, calls, device=home.device, lifetime=lifetime, timing=timing)
+    return ex
+
+
+def _feed_forward(c: Chunk, source: str, fwd: tuple[MicrobatchState, dict[str, Any]], inputs: dict[str, Any]) -> None:
+    """Source `source` runs the forward of `fwd` (its state, its chunk inputs) on `c`: the
+    graph inputs `<source>.<name>` and `c`'s context."""
+    missing = sorted(set(c.inputs) - set(fwd[1]))
+    if missing:
+        raise ValueError(f"chunk inputs missing: {missing}")
+    inputs.update({f"{source}.{k}": v for k, v in fwd[1].items()})
+    c.ctx.compute = _compute_stream(c)
+    c.ctx.fwd = fwd[0]
+
+
+def _feed_backward(c: Chunk, source: str, bwd: MicrobatchState, out_grad: torch.Tensor, inputs: dict[str, Any]) -> None:
+    """Source `source` runs the backward of `bwd` on `c`, starting from `out_grad`."""
+    inputs[f"{source}.g.{c.loss_output}"] = out_grad
+    c.ctx.compute = _compute_stream(c)
+    c.ctx.bwd = bwd
+
+
+def _compute_stream(c: Chunk) -> Optional[torch.Stream]:
+    return torch.cuda.current_stream(c.device) if c.device.type == "cuda" else None
+
+
+def _loss_grad(c: Chunk, st: MicrobatchState, scale: float) -> torch.Tensor:
+    """The gradient a microbatch's backward starts from: its loss scale (1/n when accumulating)."""
+    return torch.full((), scale, device=c.device, dtype=st.loss.dtype)
+
+
+def run_pair(
+    fchunk: Optional[Chunk],
+    fwd: Optional[tuple[MicrobatchState, dict[str, Any]]],
+    bchunk: Optional[Chunk],
+    bwd: Optional[MicrobatchState],
+    out_grad: Optional[torch.Tensor],
+    order: str = "ours",
+    lifetime: str = "scheduled",
+) -> dict[str, Any]:
+    """Forward of one microbatch on `fchunk` with the backward of another on `bchunk` (the
+    same chunk, or another: a pipeline's F of stage a with B of stage b), multiplexed in one
+    schedule. `out_grad`: the gradient of the backward chunk's output (`loss_output`).
+    Returns the executor's values: the forward's outputs (`F.<name>`) and the backward's
+    input gradients (`B.g.<input>@<consumer>`, one partial per consumer)."""
+    if fwd is None and bwd is None:
+        raise ValueError("nothing to run: give a forward, a backward, or both")
+    if (fwd is None) != (fchunk is None) or (bwd is None) != (bchunk is None):
+        raise ValueError("a forward needs its chunk and a backward its chunk")
+    if bwd is not None:
+        if not bwd.saved:
+            raise ValueError(f"microbatch {bwd.index} has no saved forward to run a backward on")
+        if out_grad is None:
+            raise ValueError(f"the backward of microbatch {bwd.index} needs the gradient of its output")
+    ex = _executor(fchunk, bchunk, order, lifetime)
+    inputs: dict[str, Any] = {}
+    touched = [c for c in (fchunk, bchunk) if c is not None]
+    if fwd is not None:
+        _feed_forward(fchunk, "F", fwd, inputs)
+    if bwd is not None:
+        _feed_backward(bchunk, "B", bwd, out_grad, inputs)
+    try:
+        out = ex.run(inputs)
+        if ex._timing:
+            for n, us in ex.node_times_us().items():
+                touched[0]._times.setdefault(n, []).append(us)
+        return out
+    finally:
+        for c in touched:
+            c.ctx.fwd = c.ctx.bwd = None
+
+
+def _twin(chunk: Chunk) -> Chunk:
+    """A second Chunk over the same nodes (the same modules and parameters) with its own
+    context: the other microbatch of a `run_two` pair (made once)."""
+    if chunk._twin_chunk is None:
+        chunk._twin_chunk = type(chunk)(chunk.nodes, chunk.inputs, chunk.loss_output, chunk.device, chunk.dw_nodes)
+    return chunk._twin_chunk
+
+
+def run_two(
+    chunk: Chunk, phase: str, items: Sequence[Any], order: str = "ours", lifetime: str = "scheduled", grad_scale: float = 1.0
+) -> dict[str, Any]:
+    """Two microbatches of the same phase multiplexed in one schedule: `phase="F"`, `items`
+    two (state, chunk inputs) pairs; `phase="B"`, two states, in microbatch order (the
+    first's weight gradients accumulate first on every node). What `train_step(...,
+    paired_ends=True)` runs for its warm-up and cool-down. Our orders only; not with paging or
+    deferred dW."""
+    if phase not in ("F", "B"):
+        raise ValueError(f"phase must be 'F' or 'B', got {phase!r}")
+    if len(items) != 2:
+        raise ValueError(f"run_two takes two microbatches, got {len(items)}")
+    if chunk._paged or chunk.deferred_dw is not None:
+        raise ValueError("run_two: not with paging or deferred dW (a chunk of the pipelining hooks)")
+    twin = _twin(chunk)
+    twin.grad_reduce = chunk.grad_reduce  # the second microbatch's dW launches the chunk's reduce
+    key = ("two", phase, order, lifetime)
+    ex = chunk._executors.get(key)
+    if ex is None:
+        g = _two_graph(chunk, phase)
+        calls = chunk.callables(phase == "F", phase == "B")
+        calls.update({phase + "2" + k[1:]: f for k, f in twin.callables(phase == "F", phase == "B").items()})
+        ex = chunk._executors[key] = Executor(g, _order_schedule(g, order), calls, device=chunk.device, lifetime=lifetime)
+    inputs: dict[str, Any] = {}
+    for c, p, item in ((chunk, phase, items[0]), (twin, phase + "2", items[1])):
+        if phase == "F":
+            _feed_forward(c, p, item, inputs)
+        else:
+            if not item.saved or item.loss is None:
+                raise ValueError(f"microbatch {item.index} has no saved forward to run a backward on")
+            _feed_backward(c, p, item, _loss_grad(c, item, grad_scale), inputs)
+    try:
+        return ex.run(inputs)
+    finally:
+        for c in (chunk, twin):
+            c.ctx.fwd = c.ctx.bwd = None
+
+
+def combined_step(
+    chunk: Chunk,
+    forward: tuple[MicrobatchState, dict[str, Any]],
+    backward: MicrobatchState,
+    order: str = "ours",
+    lifetime: str = "scheduled",
+    grad_scale: float = 1.0,
+) -> dict[str, Any]:
+    """F of one microbatch with B of another, in the scheduler's order (or a baseline's)."""
+    return chunk.run(forward, backward, order, lifetime, grad_scale)
+
+
+def train_step(
+    chunk: Chunk,
+    microbatches: Sequence[dict[str, Any]],
+    order: str = "ours",
+    lifetime: str = "scheduled",
+    on_run: Optional[Callable[[], None]] = None,
+    paired_ends: bool = False,
+) -> list[torch.Tensor]:
+    """One step over n microbatches with gradient accumulation (loss scaled by 1/n).
+
+    `order="sequential"`: F(i) then B(i), one microbatch at a time, each comm waited at once.
+    Otherwise the steady state: warm-up F(0), then F(i+1) multiplexed with B(i), cool-down
+    B(n-1), each multiplexing in `order` ("ours" or "b_then_f"). Returns the losses.
+
+    `paired_ends` (n >= 2, our orders): the warm-up and the cool-down are multiplexed too, so
+    their transfers also run under another microbatch's compute: F(0) with F(1), then F(i+2)
+    with B(i), then B(n-2) with B(n-1) (`run_two`). One more microbatch's activations are live
+    in the steady state (three forwards ahead of their backward instead of two). Gradients
+    accumulate in microbatch order as without it (bit-exact)."""
+    n = len(microbatches)
+    if n == 0:
+        raise ValueError("train_step needs at least one microbatch")
+    if order not in ORDERS and not order.startswith("ours:"):
+        raise ValueError(f"order must be one of {ORDERS} (or 'ours:<rules,budgets>'), got {order!r}")
+    if paired_ends and not (order == "ours" or order.startswith("ours:")):
+        raise ValueError(f"paired_ends needs one of our orders ('ours' or 'ours:...'), got {order!r}")
+    scale = 1.0 / n
+    states = [MicrobatchState(i) for i in range(n)]
+    reduce = chunk.grad_reduce
+    if reduce is not None and chunk.deferred_dw is not None:
+        raise ValueError("train_step: grad reduce in the step is not supported with deferred dW")
+    in_step = reduce is not None and (order == "ours" or order.startswith("ours:"))
+    states[-1].last = in_step
+
+    def after() -> None:
+        if on_run is not None:
+            on_run()
+
+    try:
+        if order == "sequential":
+            for i in range(n):
+                chunk.run((states[i], microbatches[i]), None, order, lifetime)
+                after()
+                chunk.run(None, states[i], order, lifetime, scale)
+                after()
+        elif paired_ends and n >= 2:
+            run_two(chunk, "F", [(states[0], microbatches[0]), (states[1], microbatches[1])], order, lifetime)
+            after()
+            for i in range(n - 2):
+                chunk.run((states[i + 2], microbatches[i + 2]), states[i], order, lifetime, scale)
+                after()
+            run_two(chunk, "B", [states[n - 2], states[n - 1]], order, lifetime, scale)
+            after()
+        else:
+            chunk.run((states[0], microbatches[0]), None, order, lifetime)
+            after()
+            for i in range(n - 1):
+                chunk.run((states[i + 1], microbatches[i + 1]), states[i], order, lifetime, scale)
+                after()
+            chunk.run(None, states[n - 1], order, lifetime, scale)
+            after()
+    except BaseException:
+        if reduce is not None:
+            reduce.abandon()
+        # A step cut short gives its host buffers back (page-outs never paged in), so the next
+        # step finds the pool whole; the original error is what the caller sees.
+        if chunk.pages.pool is not None:
+            try:
+                chunk.pages.pool.drain()
+            finally:
+                chunk.pages.pool.reclaim()
+        raise
+    if chunk.pages.pool is not None:  # page-outs still holding device storage: the step ends here
+        chunk.pages.pool.drain()
+    if reduce is not None:
+        if not in_step:  # a baseline's step: every gradient at once, after the step
+            reduce.launch([p for node in chunk.nodes for p in node.params])
+        reduce.finish()
+    for s in states:
+        if s.saved:
+            raise RuntimeError(f"microbatch {s.index}: backward left state behind for {sorted(s.saved)[:5]}")
+    return [s.loss for s in states]
