@@ -36,6 +36,7 @@ from .arms import (
     default_arms,
     markdown_table,
     same_grads,
+    with_markdown_table,
 )
 from .capture import _capture, _capture_start, _large_pool_reserved, eager_step_growth, eager_step_pool, pool_segments
 from .cli import _free_port, main, parser
@@ -86,5 +87,6 @@ __all__ = [
     "simulate_memory",
     "top_kernels",
     "union",
+    "with_markdown_table",
     "worker",
 ]

@@ -46,10 +46,8 @@ class ArmSpec:
     notes: str = ""
 
     def options(self) -> list[str]:
-        """The options that differ from a plain scheduled arm, as the README's table names them."""
-        opts = [] if self.lifetime == "scheduled" else [f"lifetime={self.lifetime}"]
-        opts += [k for k in ("captured", "paged", "paired_ends", "reduce_after", "needs_costs") if getattr(self, k)]
-        return opts
+        """The options this arm turns on, by field name (the README table's column)."""
+        return [k for k in ("captured", "paged", "paired_ends", "reduce_after", "needs_costs") if getattr(self, k)]
 
 
 # Defaults first, in the order the table prints them (the default `--arms` keeps this order).
@@ -146,16 +144,23 @@ def arms_help() -> str:
 
 def markdown_table() -> str:
     """The README's arm table (markdown), one row per arm in table order."""
-
-    def cell(s: ArmSpec) -> str:
-        notes = [n for n in (s.notes, "" if s.default else "not in the default list") if n]
-        return s.summary + (f" ({'; '.join(notes)})" if notes else "")
-
-    rows = ["| arm | what runs | order | options |", "|---|---|---|---|"]
+    rows = ["| arm | what runs | order | lifetime | options | default |", "|---|---|---|---|---|---|"]
     for s in ARM_TABLE:
+        what = s.summary + (f" ({s.notes})" if s.notes else "")
         opts = ", ".join(f"`{o}`" for o in s.options())
-        rows.append(f"| `{s.name}` | {cell(s)} | `{s.order}` | {opts} |")
+        rows.append(f"| `{s.name}` | {what} | `{s.order}` | `{s.lifetime}` | {opts} | {'yes' if s.default else ''} |")
     return "\n".join(rows) + "\n"
+
+
+def with_markdown_table(readme: str) -> str:
+    """`readme` with its arm table (the lines from `| arm | what runs |` to the first line not
+    starting with `|`) replaced by `markdown_table()`."""
+    lines = readme.splitlines(keepends=True)
+    start = next((i for i, l in enumerate(lines) if l.startswith("| arm | what runs |")), None)
+    if start is None:
+        raise ValueError("no arm table (a line starting '| arm | what runs |') in the README")
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return "".join(lines[:start]) + markdown_table() + "".join(lines[end:])
 
 
 class Arm:
