@@ -19,7 +19,7 @@ def _arms(*names: str):
     from sched_lifetime import ep
     from sched_lifetime.models import CONFIGS
     from sched_lifetime.models import moe as moe_mod
-    from sched_lifetime.train import Arm
+    from sched_lifetime.train.arms import Arm
 
     torch.use_deterministic_algorithms(True)
     try:
@@ -34,7 +34,8 @@ def _arms(*names: str):
 
 
 def _captured_and_eager():
-    from sched_lifetime.train import eager_step_pool, same_grads
+    from sched_lifetime.train.arms import same_grads
+    from sched_lifetime.train.capture import eager_step_pool
 
     with _arms("ours", "ours+graph", "ours+graph+record") as (eager, *captured):
         graphs = {g.name: g for g in captured}
@@ -84,7 +85,7 @@ def test_page_nodes_captured_in_the_whole_step_replay_bit_exact_with_no_pinned_a
     three replays bit-exact against the same paging run eagerly; the pinned host allocator
     grows no block after the warm-up (the host pool is allocated at calibration); every host
     buffer is back on the freelist after each step."""
-    from sched_lifetime.train import same_grads
+    from sched_lifetime.train.arms import same_grads
 
     with _arms("ours", "ours+graph") as (eager, graph):
         plans = [a.chunk.enable_paging(a.model.batch(0, 0), budget=0.5) for a in (eager, graph)]

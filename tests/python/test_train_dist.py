@@ -1,6 +1,7 @@
 """The embedded MoE model trained with EP over 2 gloo processes (CPU, in CI): every arm
-bit-exact against sequential F then B over several optimizer steps, and a rank-identical
-check that fails on every rank, naming the rank, instead of hanging."""
+bit-exact against sequential F then B over several optimizer steps, the main job's loop end to
+end (`sched_lifetime.train.loop` through its command line), and a rank-identical check that
+fails on every rank, naming the rank, instead of hanging."""
 
 import json
 import os
@@ -32,7 +33,7 @@ def _parity_worker(rank: int, port: int, out: str, config: str, capacity: float)
     _init(rank, port)
     from sched_lifetime import ep
     from sched_lifetime.models import CONFIGS
-    from sched_lifetime.train import ARMS, Arm, same_grads
+    from sched_lifetime.train.arms import ARMS, Arm, same_grads
 
     base = CONFIGS[config] if config in CONFIGS else replace(
         # A made-up shape: odd sizes, 6 experts top-3 (3 per rank), no shared expert, 2 dense layers.
@@ -139,25 +140,25 @@ def test_a_digest_mismatch_raises_on_both_ranks_naming_the_rank(tmp_path):
         assert r["seconds"] < 10, r
 
 
-def test_allocator_timeline_and_plot_from_a_snapshot(tmp_path):
-    """The GPU memory plot's parsing, on a synthetic allocator history: allocations, a free
-    that waits (record_stream) and one that completes at once."""
-    import sys
+def test_main_job_loop_over_two_gloo_ranks_prints_the_table_and_writes_its_files(tmp_path, capfd):
+    """`python -m sched_lifetime train` in small: both ranks run every arm (warm-up, timed
+    steps, parity over the ranks, node times, the simulated memory on CPU); rank 0 prints the
+    table and writes train.json, durations.json and the simulated memory plot."""
+    from sched_lifetime.train.cli import main
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "torch_ops"))
-    from sched_lifetime.train import allocator_timeline, plot_allocator
-
-    ev = [
-        {"action": "segment_alloc", "size": 1 << 30, "time_us": 5},
-        {"action": "alloc", "size": 100, "time_us": 10},
-        {"action": "alloc", "size": 50, "time_us": 20},
-        {"action": "free_requested", "size": 100, "time_us": 30},
-        {"action": "free_requested", "size": 50, "time_us": 35},
-        {"action": "free_completed", "size": 50, "time_us": 35},
-        {"action": "free_completed", "size": 100, "time_us": 90},
-    ]
-    tl = allocator_timeline({"device_traces": [ev]}, torch.device("cuda", 0))
-    assert [(round(t * 1e3), a, p) for t, a, p in tl] == [(0, 100, 0), (10, 150, 0), (20, 50, 100), (25, 0, 150), (25, 0, 100), (80, 0, 0)]
-    out = tmp_path / "m.png"
-    plot_allocator({"ours": tl, "ours+record": tl}, str(out))
-    assert out.stat().st_size > 1000
+    out = tmp_path / "out"
+    arms = "sequential,ours,ours+ends"
+    assert main(["--cpu", "--steps", "1", "--microbatches", "2", "--arms", arms, "--quiet", "--out", str(out)]) == 0
+    printed = capfd.readouterr().out
+    assert "MEASURED (CPU, EP=2, config tiny, 2 microbatches, 1 timed steps)" in printed, printed
+    assert "SIMULATED (Rust model, not measured)" in printed, printed
+    with open(out / "train.json") as f:
+        res = json.load(f)
+    assert res["world"] == 2 and list(res["rows"]) == arms.split(","), res
+    assert all(r["parity"] for r in res["rows"].values()), res["rows"]
+    for a in arms.split(","):
+        assert any(line.split()[:2] == [a, "equal"] for line in printed.splitlines()), (a, printed)
+    with open(out / "durations.json") as f:
+        durations = json.load(f)
+    assert durations and all(v >= 0 for v in durations.values()), durations
+    assert (out / "memory_over_time_simulated.png").stat().st_size > 1000

@@ -1,0 +1,107 @@
+"""The main job's figures (`sched_lifetime.train.figures`) on synthetic inputs: exposed
+communication and page-copy time from profiler kernel intervals, the allocator's timeline and
+its plot, and the printed table."""
+
+import argparse
+from types import SimpleNamespace
+
+import torch
+
+from sched_lifetime.train.figures import (
+    allocator_timeline,
+    exposed_comm_us,
+    exposed_page_us,
+    format_table,
+    plot_allocator,
+    top_kernels,
+    union,
+)
+
+
+def _event(name: str, start: float, end: float, cuda: bool = True, annotation: bool = False) -> SimpleNamespace:
+    dev = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    return SimpleNamespace(name=name, device_type=dev, is_user_annotation=annotation, time_range=SimpleNamespace(start=start, end=end))
+
+
+class _Profile:
+    def __init__(self, events: list) -> None:
+        self._events = events
+
+    def events(self) -> list:
+        return self._events
+
+
+def test_union_merges_overlapping_and_touching_intervals():
+    assert union([(5, 7), (0, 2), (1, 3), (3, 4), (9, 10)]) == [[0, 4], [5, 7], [9, 10]]
+    assert union([]) == []
+
+
+def test_exposed_comm_is_nccl_time_no_compute_kernel_covers():
+    prof = _Profile([
+        _event("ncclDevKernel_AllToAll", 0, 100),  # 0-100, with compute on 20-50 and 40-60: 60 exposed
+        _event("ncclDevKernel_AllToAll", 90, 120),  # overlaps the first: the union is 0-120
+        _event("gemm", 20, 50),
+        _event("gemm", 40, 60),
+        _event("elementwise", 110, 130),  # covers 110-120
+        _event("nccl:all_to_all", 0, 120, annotation=True),  # a user range on the GPU timeline: not a kernel
+        _event("ncclKernel_cpu_side", 0, 1000, cuda=False),  # a CPU event: ignored
+    ])
+    exposed, total = exposed_comm_us(prof)
+    assert (exposed, total) == (120 - 40 - 10, 120)
+
+
+def test_exposed_page_copy_is_not_covered_by_nccl_kernels():
+    prof = _Profile([
+        _event("Memcpy DtoH (Device -> Pinned)", 0, 50),
+        _event("Memcpy HtoD (Pinned -> Device)", 100, 150),
+        _event("Memcpy DtoD (Device -> Device)", 0, 500),  # not a page copy: compute-like, covers all
+        _event("ncclDevKernel_AllToAll", 0, 200),
+    ])
+    assert exposed_page_us(prof) == (0, 100)
+    prof = _Profile([_event("Memcpy DtoH (Device -> Pinned)", 0, 50), _event("ncclDevKernel_AllToAll", 0, 200), _event("gemm", 0, 10)])
+    assert exposed_page_us(prof) == (40, 50)  # an all-to-all alone leaves the copy exposed
+
+
+def test_top_kernels_sums_by_name_in_ms():
+    prof = _Profile([_event("gemm", 0, 3000), _event("gemm", 5000, 6000), _event("softmax", 0, 500), _event("range", 0, 9000, annotation=True)])
+    assert top_kernels(prof, 1) == [("gemm", 4.0)]
+    assert top_kernels(prof) == [("gemm", 4.0), ("softmax", 0.5)]
+
+
+def test_allocator_timeline_and_plot_from_a_snapshot(tmp_path):
+    """The GPU memory plot's parsing, on a synthetic allocator history: allocations, a free
+    that waits (record_stream) and one that completes at once."""
+    ev = [
+        {"action": "segment_alloc", "size": 1 << 30, "time_us": 5},
+        {"action": "alloc", "size": 100, "time_us": 10},
+        {"action": "alloc", "size": 50, "time_us": 20},
+        {"action": "free_requested", "size": 100, "time_us": 30},
+        {"action": "free_requested", "size": 50, "time_us": 35},
+        {"action": "free_completed", "size": 50, "time_us": 35},
+        {"action": "free_completed", "size": 100, "time_us": 90},
+    ]
+    tl = allocator_timeline({"device_traces": [ev]}, torch.device("cuda", 0))
+    assert [(round(t * 1e3), a, p) for t, a, p in tl] == [(0, 100, 0), (10, 150, 0), (20, 50, 100), (25, 0, 150), (25, 0, 100), (80, 0, 0)]
+    assert allocator_timeline({"device_traces": [ev]}, torch.device("cuda", 1)) == []  # no history for that device
+    out = tmp_path / "m.png"
+    plot_allocator({"ours": tl, "ours+record": tl}, str(out))
+    assert out.stat().st_size > 1000
+
+
+def test_format_table_on_cpu_rows():
+    args = argparse.Namespace(nccl_channels=0, config="tiny", microbatches=4, steps=3)
+    cfg = SimpleNamespace()
+    rows = {
+        "sequential": {"parity": True, "step_ms": 20.0},
+        "ours": {"parity": True, "step_ms": 10.0},
+        "ours+record": {"parity": False, "step_ms": 16.0},
+        "ours+graph": {"parity": False, "step_ms": float("nan"), "failed": "RuntimeError: boom"},
+    }
+    lines = format_table(rows, cfg, args, use_cuda=False, world=2).splitlines()
+    assert lines[0] == "MEASURED (CPU, EP=2, config tiny, 4 microbatches, 3 timed steps)"
+    assert lines[1].split() == ["arm", "parity", "step", "ms", "vs", "seq", "exposed", "comm", "ms", "comm", "ms", "max", "alloc", "MiB", "max", "resv", "MiB", "pending", "MiB"]
+    assert lines[2].split()[:4] == ["sequential", "equal", "20.00", "1.000"] and "(GPU only)" in lines[2]
+    assert lines[3].split()[:4] == ["ours", "equal", "10.00", "2.000"]
+    assert lines[4].split()[:4] == ["ours+record", "DIFFER", "16.00", "1.250"]
+    assert lines[5] == "ours+graph     FAILED: RuntimeError: boom"
+    assert lines[6].startswith("CPU: step times are host times")

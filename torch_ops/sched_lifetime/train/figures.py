@@ -1,0 +1,210 @@
+"""What the main job measures and shows: profiler intervals (exposed communication and page
+copies, top kernels), the allocator's timeline and its plot, the simulated memory on CPU, and
+the printed table."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Optional
+
+import torch
+
+
+def _is_kernel(e: Any) -> bool:
+    """A GPU kernel or copy of a profile, not a user annotation (record_function ranges, such
+    as the executor's node labels or c10d's `nccl:*`, also appear on the GPU timeline)."""
+    return e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+
+
+def _is_nccl(e: Any) -> bool:
+    return "nccl" in e.name.lower()
+
+
+def _is_page_copy(e: Any) -> bool:
+    """A device<->host copy (the pager's page-outs and page-ins run on pinned host memory)."""
+    n = e.name
+    return n.startswith("Memcpy") and ("DtoH" in n or "HtoD" in n)
+
+
+def exposed_comm_us(prof: Any) -> tuple[float, float]:
+    """(exposed, total) NCCL kernel time in us from a profiler's CUDA kernel events."""
+    return _exposed_us(prof, _is_nccl, lambda e: False)
+
+
+def exposed_page_us(prof: Any) -> tuple[float, float]:
+    """(exposed, total) device<->host copy time in us: copy time with no compute kernel running
+    (NCCL kernels are not compute here: a page copy under an all-to-all alone is exposed)."""
+    return _exposed_us(prof, _is_page_copy, _is_nccl)
+
+
+def union(iv: list) -> list:
+    """The union of (start, end) intervals: disjoint [start, end] lists, sorted."""
+    out: list = []
+    for s, t in sorted(iv):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], t)
+        else:
+            out.append([s, t])
+    return out
+
+
+def _exposed_us(prof: Any, pick: Any, ignore: Any) -> tuple[float, float]:
+    """(exposed, total) time in us of the kernels `pick` selects: their union, less what the
+    union of the other kernels (all but `pick` and `ignore`) covers."""
+    comm, comp = [], []
+    for e in prof.events():
+        if not _is_kernel(e) or (ignore(e) and not pick(e)):
+            continue
+        start = e.time_range.start
+        end = e.time_range.end
+        (comm if pick(e) else comp).append((start, end))
+
+    cu, pu = union(comm), union(comp)
+    total = sum(t - s for s, t in cu)
+    covered, j = 0.0, 0
+    for s, t in cu:
+        while j < len(pu) and pu[j][1] <= s:
+            j += 1
+        k = j
+        while k < len(pu) and pu[k][0] < t:
+            covered += max(0.0, min(t, pu[k][1]) - max(s, pu[k][0]))
+            k += 1
+    return total - covered, total
+
+
+def top_kernels(prof: Any, n: int = 8) -> list:
+    """The `n` kernels with the most GPU time in a profile: [(name, ms)]."""
+    agg: dict[str, float] = {}
+    for e in prof.events():
+        if _is_kernel(e):
+            agg[e.name[:70]] = agg.get(e.name[:70], 0.0) + (e.time_range.end - e.time_range.start) / 1e3
+    return sorted(agg.items(), key=lambda kv: -kv[1])[:n]
+
+
+def allocator_timeline(snapshot: dict, device: torch.device) -> list:
+    """(time ms, allocated bytes, freed-but-pending bytes) after each allocator event of one
+    step, from the caching allocator's history (`free_requested` .. `free_completed` is the
+    time a block waits for the streams that used it: record_stream's pending frees)."""
+    traces = snapshot.get("device_traces", [])
+    events = traces[device.index or 0] if len(traces) > (device.index or 0) else []
+    alloc = pend = 0
+    out = []
+    t0 = None
+    for i, e in enumerate(events):
+        act, size = e.get("action"), int(e.get("size", 0))
+        if act == "alloc":
+            alloc += size
+        elif act == "free_requested":
+            alloc -= size
+            pend += size
+        elif act == "free_completed":
+            pend -= size
+        else:
+            continue
+        t = e.get("time_us", i)
+        t0 = t if t0 is None else t0
+        out.append(((t - t0) / 1e3, alloc, pend))
+    return out
+
+
+def plot_allocator(histories: dict, path: str) -> None:
+    """Allocated and pending-free bytes over one step, one panel per arm (measured)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(histories), figsize=(5 * len(histories), 3.5), sharey=True, squeeze=False)
+    for ax, (arm, tl) in zip(axes[0], histories.items()):
+        t = [p[0] for p in tl]
+        base = min((p[1] for p in tl), default=0)
+        ax.step(t, [(p[1] - base) / (1 << 30) for p in tl], where="post", label="allocated (above step start)")
+        ax.step(t, [p[2] / (1 << 30) for p in tl], where="post", label="freed, pending (record_stream)")
+        ax.set_title(arm)
+        ax.set_xlabel("ms in the step")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("GiB")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("MEASURED: caching allocator history, one training step per arm")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def simulate_memory(arms: dict, microbatches: int, step: int, plot: Optional[str] = None) -> Optional[str]:
+    """CPU: what the Rust model predicts for one multiplexed F+B run of `ours` on a GPU, with
+    each value's bytes as measured here: record_stream vs the lifetime manager (SIMULATED)."""
+    from .. import executor as ex_mod
+    from ..schedule import lower
+    from ..sim import simulate
+
+    arm = arms.get("ours")
+    if arm is None or microbatches < 2:
+        return None
+    arm.chunk.timing = True
+    ex = arm.chunk.executor(True, True, arm.order, arm.lifetime)
+    ex.value_bytes = {}
+    arm.step(step, microbatches)  # every rank: it issues collectives
+    arm.chunk.timing = False
+    graph = ex_mod.sized_graph(arm.chunk.graph(True, True), ex.value_bytes)
+    ex.value_bytes = None
+    program = lower(graph, arm.chunk.order_schedule(True, True, arm.order)["order"])
+    names = {n["name"] for n in program["nodes"]}
+    durations = {k: v for k, v in arm.chunk.node_times_us().items() if k in names}
+    res = {p: simulate(program, p, durations=durations, trace=plot is not None) for p in ("record_stream", "scheduled")}
+    if plot is not None:
+        from ..sim import plot_memory
+
+        try:
+            plot_memory(res, plot, title="one F(i+1)+B(i) run of ours, SIMULATED with this run's sizes and node times")
+        except Exception as e:  # matplotlib missing, etc.: say so, lose nothing else
+            print(f"memory plot skipped: {type(e).__name__}: {e}")
+    mib = float(1 << 20)
+    rs, sc = res["record_stream"], res["scheduled"]
+    return (
+        "\nSIMULATED (Rust model, not measured), one F(i+1)+B(i) run of ours with this run's tensor sizes and node times:"
+        f"\n  max reserved {rs['reserved_peak']['bytes'] / mib:.2f} MiB record_stream vs {sc['reserved_peak']['bytes'] / mib:.2f} MiB scheduled;"
+        f" pending-free peak {rs['pending_free_peak']['bytes'] / mib:.2f} vs {sc['pending_free_peak']['bytes'] / mib:.2f} MiB;"
+        f" hazards {len(rs['hazards'])} / {len(sc['hazards'])}"
+    )
+
+
+def format_table(rows: dict, cfg: Any, args: argparse.Namespace, use_cuda: bool, world: int) -> str:
+    """The main job's table: one line per arm (parity, step time, comm, memory), then notes."""
+    mib = float(1 << 20)
+    nccl = f", NCCL channels {args.nccl_channels}" if args.nccl_channels else ""
+    where = f"{'CUDA' if use_cuda else 'CPU'}, EP={world}, config {args.config}, {args.microbatches} microbatches, {args.steps} timed steps{nccl}"
+    lines = [f"MEASURED ({where})", f"{'arm':<13}{'parity':>8}{'step ms':>10}{'vs seq':>8}{'exposed comm ms':>17}{'comm ms':>9}{'max alloc MiB':>15}{'max resv MiB':>14}{'pending MiB':>13}"]
+    base = rows.get("sequential", next(iter(rows.values())))["step_ms"]
+    for a, r in rows.items():
+        if "failed" in r:
+            lines.append(f"{a:<13}  FAILED: {r['failed']}")
+            continue
+        mem = (
+            f"{r['max_allocated'] / mib:>15.0f}{r['max_reserved'] / mib:>14.0f}{r['pending_free_peak'] / mib:>13.0f}"
+            if "max_allocated" in r
+            else f"{'(GPU only)':>15}{'':>14}{'':>13}"
+        )
+        comm = f"{r['exposed_comm_us'] / 1e3:>17.2f}{r['comm_us'] / 1e3:>9.2f}" if "comm_us" in r else f"{'(GPU only)':>17}{'':>9}"
+        lines.append(f"{a:<13}{'equal' if r['parity'] else 'DIFFER':>8}{r['step_ms']:>10.2f}{base / r['step_ms']:>8.3f}{comm}{mem}")
+    for a, r in rows.items():
+        if "page_us" in r:
+            lines.append(
+                f"{a}: page copies {r['page_us'] / 1e3:.2f} ms in one step, {r['exposed_page_us'] / 1e3:.2f} ms of it with no compute kernel running"
+            )
+        if "graph_pool" in r:
+            eager = rows.get("ours", {}).get("max_reserved")
+            ratio = f" ({r['graph_pool'] / eager:.3f} of ours' eager max reserved)" if eager else ""
+            lines.append(f"{a}: whole step captured in one CUDA graph, graph pool {r['graph_pool'] / mib:.0f} MiB{ratio}")
+    if use_cuda:
+        from ..models import moe as moe_mod
+
+        lines.append(f"attention backend (probed deterministic): {moe_mod.SDPA_BACKENDS or 'torch default'}")
+        if "ours" in rows and "top_kernels_ms" in rows["ours"]:
+            lines.append("ours, top kernels in one step: " + "; ".join(f"{k} {v:.1f} ms" for k, v in rows["ours"]["top_kernels_ms"]))
+    if not use_cuda:
+        lines.append("CPU: step times are host times of real numerics; stream overlap, exposed comm and allocator figures need a GPU.")
+    elif world == 1:
+        lines.append("One GPU: EP=1, the all-to-all is a local copy; overlap of NCCL traffic needs 2 GPUs (torchrun --standalone --nproc-per-node 2 -m sched_lifetime train).")
+    return "\n".join(lines)
+

@@ -1,0 +1,234 @@
+"""The main job's loop: each rank builds every arm, runs a warm-up and interleaved timed steps,
+checks parity against the first arm, then measures each arm alone (memory, profiler) and
+returns the table and its figures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import replace
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .arms import Arm, same_grads
+from .figures import (
+    allocator_timeline,
+    exposed_comm_us,
+    exposed_page_us,
+    format_table,
+    plot_allocator,
+    simulate_memory,
+    top_kernels,
+)
+
+
+def worker(rank: int, world: int, args: argparse.Namespace, port: Optional[int]) -> None:
+    """One rank of the main job: device and process group set up, `run`, rank 0 prints."""
+    use_cuda = torch.cuda.is_available() and not args.cpu
+    if port is not None:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(port)
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
+    if use_cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        # Arms must compare bit-exact: deterministic kernels, and an attention backend whose
+        # backward is (probed, not assumed).
+        torch.use_deterministic_algorithms(True)
+        from ..models import moe as moe_mod
+
+        moe_mod.deterministic_sdpa(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16)
+    if world > 1 or "RANK" in os.environ:
+        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=torch.device("cuda", torch.cuda.current_device()) if use_cuda else None)
+    try:
+        out = run(args, use_cuda)
+        if (not dist.is_initialized() or dist.get_rank() == 0) and out is not None:
+            print(out["table"])
+            if args.out:
+                with open(os.path.join(args.out, "train.json"), "w") as f:
+                    json.dump(out["json"], f, indent=1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace, use_cuda: bool) -> dict:
+    """Every arm of `args.arms` on this rank, side by side; rank 0 gets {"table", "json"}."""
+    from .. import ep as ep_mod
+    from ..models import CONFIGS
+
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    cfg = CONFIGS[args.config]
+    if args.layers:
+        cfg = replace(cfg, layers=args.layers)
+    group = ep_mod.new_ep_group() if dist.is_initialized() else None
+    transport = ep_mod.AllToAll(group)
+    rank0 = transport.rank == 0
+    arms = build_arms(args, cfg, transport, device, rank0)
+    first = next(iter(arms.values()))
+    # Every rank must issue the same collectives in the same order.
+    ep_mod.check_rank_identical("schedule (graph, order, budgets) and model config", ep_mod.digest(_schedules(arms), cfg.as_dict()), group)
+
+    def sync() -> None:
+        if use_cuda:
+            torch.cuda.synchronize()
+
+    grads_ok, failed = _warm_up(arms, first, args.microbatches, sync)
+    _timed_steps(arms, first, grads_ok, args, sync, rank0)
+    parity = _parity(arms, first, grads_ok, device)
+    rows: dict[str, dict] = {a: {"parity": parity[a], "step_ms": statistics.median(arm.times)} for a, arm in arms.items()}
+    histories = _measure_alone(arms, rows, args, sync, device, rank0) if use_cuda else {}
+    for a, why in failed.items():
+        rows[a] = {"parity": False, "step_ms": float("nan"), "failed": why}
+    if histories:
+        try:
+            plot_allocator(histories, os.path.join(args.out, "memory_over_time.png"))
+        except Exception as e:  # a plot never costs the run
+            print(f"memory plot skipped: {type(e).__name__}: {e}")
+    _node_times(arms, args, rank0)
+    plot = os.path.join(args.out, "memory_over_time_simulated.png") if args.out and rank0 else None
+    simulated = simulate_memory(arms, args.microbatches, args.steps + 4, plot) if not use_cuda else None
+    return {"table": format_table(rows, cfg, args, use_cuda, transport.world) + (simulated or ""), "json": {"config": cfg.as_dict(), "world": transport.world, "rows": rows}} if rank0 else None
+
+
+def build_arms(args: argparse.Namespace, cfg: Any, transport: Any, device: torch.device, rank0: bool) -> dict[str, Arm]:
+    """The arms of `args.arms`, same weights, with `--costs` and the paged arms' page plans."""
+    names = [a for a in args.arms.split(",") if a]
+    arms = {a: Arm(a, cfg, transport, device, args.lr) for a in names}
+    if args.costs:
+        with open(args.costs) as f:
+            costs = {str(k): float(v) for k, v in json.load(f).items()}
+        for arm in arms.values():
+            arm.chunk.costs = costs
+    for a, arm in arms.items():
+        if not arm.spec.paged:
+            continue
+        # Calibration runs a forward (with EP, its collectives): every rank, same order.
+        how = {"nodes": args.page_nodes.split(",")} if args.page_nodes else {"budget": args.page_budget}
+        plan = arm.chunk.enable_paging(arm.model.batch(0, 0), prefetch=args.page_prefetch or None, release=args.page_release or None, **how)
+        if rank0 and args.progress:
+            print(f"{a}: paging {len(plan['page'])} nodes, {plan['bytes_paged'] / 2**20:.0f} of {plan['bytes_live'] / 2**20:.0f} MiB saved per microbatch: {plan['page']}", flush=True)
+    return arms
+
+
+def _schedules(arms: dict[str, Arm]) -> dict:
+    """Every arm's schedule tables (and the paired ends' two-forward / two-backward ones)."""
+    from .. import nodes as nodes_mod
+
+    tables: dict = {a: arm.chunk.order_schedule(True, True, arm.order) for a, arm in arms.items()}
+    for a, arm in arms.items():
+        if arm.spec.paired_ends:
+            tables[a + ":ends"] = [nodes_mod.two_schedule(arm.chunk, phase, arm.order) for phase in ("F", "B")]
+    return tables
+
+
+def _warm_up(arms: dict[str, Arm], first: Arm, microbatches: int, sync: Callable[[], None]) -> tuple[dict[str, bool], dict[str, str]]:
+    """Step 0 on every arm (not timed), then the captured arms' capture step. Returns the
+    gradient parity so far and the arms dropped (a capture failure drops the arm, not the run)."""
+    for arm in arms.values():
+        arm.step(0, microbatches)
+    sync()
+    grads_ok = {a: same_grads(arm, first) for a, arm in arms.items()}
+    failed: dict[str, str] = {}
+    for a, arm in list(arms.items()):
+        if arm.captured:
+            try:
+                arm.step(1, microbatches)  # captures, then replays
+                arm.losses.pop()
+                arm.model.load_state_dict(first.model.state_dict())  # back in step with the others
+            except Exception as e:
+                failed[a] = f"{type(e).__name__}: {e}"[:300]
+                del arms[a]
+    return grads_ok, failed
+
+
+def _timed_steps(arms: dict[str, Arm], first: Arm, grads_ok: dict[str, bool], args: argparse.Namespace, sync: Callable[[], None], rank0: bool) -> None:
+    """`args.steps` rounds, every arm one step per round (interleaved), each timed alone;
+    gradients are compared with the first arm's after every round."""
+    for step in range(1, args.steps + 1):
+        for a, arm in arms.items():
+            sync()
+            t0 = time.perf_counter()
+            arm.step(step, args.microbatches)
+            sync()
+            arm.times.append((time.perf_counter() - t0) * 1e3)
+            if rank0 and args.progress:
+                print(f"step {step} {a:<12} loss {arm.losses[-1].sum().item():.5f}  {arm.times[-1]:.2f} ms", flush=True)
+        for a, arm in arms.items():
+            grads_ok[a] = grads_ok[a] and same_grads(arm, first)
+
+
+def _parity(arms: dict[str, Arm], ref: Arm, grads_ok: dict[str, bool], device: torch.device) -> dict[str, bool]:
+    """Parity against `ref` on every rank together: losses, every gradient, every updated weight."""
+    parity: dict[str, bool] = {}
+    for a, arm in arms.items():
+        ok = all(torch.equal(x, y) for x, y in zip(arm.losses, ref.losses)) and grads_ok[a]
+        ok &= all(torch.equal(p, q) for p, q in zip(arm.model.parameters(), ref.model.parameters()))
+        parity[a] = ok
+    if dist.is_initialized():
+        flags = torch.tensor([int(parity[a]) for a in arms], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        parity = {a: bool(f) for a, f in zip(arms, flags.tolist())}
+    return parity
+
+
+def _measure_alone(arms: dict[str, Arm], rows: dict, args: argparse.Namespace, sync: Callable[[], None], device: torch.device, rank0: bool) -> dict[str, list]:
+    """GPU: one more step per arm, measured alone, for memory (allocator peaks, pending frees,
+    the allocator's history on rank 0 with `--out`), then one profiled for exposed
+    communication (and page copies). Fills `rows`; returns the allocator histories."""
+    from ..ab import _pending_free_bytes
+
+    histories: dict[str, list] = {}
+    for a, arm in arms.items():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        pend = [0]
+
+        def sample(p: list = pend) -> None:
+            p[0] = max(p[0], _pending_free_bytes())
+
+        record = bool(args.out and rank0)
+        if record:
+            torch.cuda.memory._record_memory_history(max_entries=500_000)
+        arm.step(args.steps + 1, args.microbatches, on_run=sample)
+        sync()
+        if record:
+            try:
+                histories[a] = allocator_timeline(torch.cuda.memory._snapshot(), device)
+            finally:
+                torch.cuda.memory._record_memory_history(enabled=None)
+        rows[a].update(max_allocated=torch.cuda.max_memory_allocated(), max_reserved=torch.cuda.max_memory_reserved(), pending_free_peak=pend[0])
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            arm.step(args.steps + 2, args.microbatches)
+            sync()
+        exp, tot = exposed_comm_us(prof)
+        rows[a].update(exposed_comm_us=exp, comm_us=tot, top_kernels_ms=top_kernels(prof))
+        if arm.spec.paged:
+            pexp, ptot = exposed_page_us(prof)
+            rows[a].update(exposed_page_us=pexp, page_us=ptot, page_stats=dict(arm.chunk.page_stats))
+        if args.out and rank0 and (a == "ours" or arm.spec.paged):
+            prof.export_chrome_trace(os.path.join(args.out, f"trace_{a.replace('+', '_')}.json"))
+        if arm.captured:
+            rows[a]["graph_pool"] = arm.graph_pool
+    return histories
+
+
+def _node_times(arms: dict[str, Arm], args: argparse.Namespace, rank0: bool) -> None:
+    """With `--out`: per-node times, measured one node at a time (the sequential order), by
+    graph node name, written to durations.json: the `durations` of
+    `sl.simulate(sl.lower(graph, order))`, so predictions use them."""
+    seq = arms.get("sequential")
+    if not args.out or seq is None:
+        return
+    seq.chunk.timing = True  # every rank runs the step: it issues collectives
+    seq.step(args.steps + 3, args.microbatches)
+    seq.chunk.timing = False
+    if rank0:
+        with open(os.path.join(args.out, "durations.json"), "w") as f:
+            json.dump({k: round(v, 2) for k, v in seq.chunk.node_times_us().items()}, f, indent=1)
