@@ -1,0 +1,153 @@
+"""The eager pager (`paging/pager.py`) on CPU (in CI; CPU tensors stand in, no stream is needed): Rust's
+choice from the calibrated live prefix, bit-exact gradients with paging on vs off, bytes out ==
+bytes in every step, a changed step refused, a step cut short giving its buffers back; a timed
+plan on the GPU."""
+
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+
+import sched_lifetime as sl
+from sched_lifetime.models import CONFIGS, MoEModel
+
+
+# A made-up shape: dense first layers, no shared expert, 6 experts top-3, odd sizes, tokens
+# dropped at capacity 0.75.
+ODD = replace(
+    CONFIGS["tiny"], vocab=97, hidden=48, heads=3, layers=4, dense_layers=2, experts=6, topk=3,
+    expert_ffn=40, shared_ffn=0, dense_ffn=72, seq=12, batch=3, capacity_factor=0.75,
+)
+
+
+def grads(m: MoEModel) -> dict:
+    return {k: p.grad.clone() for k, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize(
+    "budget,prefetch,shape", [(0.5, 0, "tiny"), (1.0, 0, "tiny"), ({"bytes": 1 << 14}, 0, "tiny"), (1.0, 4, "tiny"), (1.0, 4, "odd")]
+)
+def test_paging_on_vs_off_is_bit_exact_over_steps(budget, prefetch, shape, device):
+    cfg = ODD if shape == "odd" else replace(CONFIGS["tiny"], capacity_factor=1.0)
+    ref, paged = MoEModel(cfg, device=device), MoEModel(cfg, device=device)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.05)
+    opt_p = torch.optim.SGD(paged.parameters(), lr=0.05)
+    # Untimed: the budget alone chooses (the tiny model's forward hides almost no copy; the
+    # timed plan has its own test below).
+    pager = sl.Pager(budget, min_distance=0, min_bytes=1024, prefetch=prefetch, timed=False, measure_waits=True)
+    for step in range(3):
+        for m, opt in ((ref, opt_r), (paged, opt_p)):
+            opt.zero_grad()
+        ref(**ref.batch(step, 0)).backward()
+        with pager.step():
+            paged(**paged.batch(step, 0)).backward()
+        g_r, g_p = grads(ref), grads(paged)
+        assert all(torch.equal(g_r[k], g_p[k]) for k in g_r), step
+        opt_r.step()
+        opt_p.step()
+    s = pager.stats()
+    assert s["steps"] == 3 and s["bytes_out"] == s["bytes_in"] > 0
+    assert pager.plan["bytes_paged"] >= pager.plan["target"] or pager.plan["short"]
+    assert s["bytes_out"] == 2 * pager.plan["bytes_paged"]  # two paged steps after calibration
+    assert (s["max_prefetched"] > 0) == (prefetch > 0)
+    assert pager.pool.in_use() == 0
+    per = pager.per_step()
+    assert [p["step"] for p in per] == [2, 3]  # the paged steps
+    for p in per:
+        assert p["bytes_out"] == p["bytes_in"] == pager.plan["bytes_paged"]
+        # Every paged tensor's buffer is taken before the first one comes back (all saves
+        # precede the backward), so the host peak is all of them.
+        assert p["host_bytes_peak"] == pager.pool.bytes
+        if device == "cpu":  # synchronous copies: nothing held, no events to time
+            assert p["out_in_flight_peak"] == 0 and p["page_in_wait_us"] is None
+        else:
+            assert p["out_in_flight_peak"] >= 1 and p["page_in_wait_us"] >= 0.0
+    assert pager.explain().startswith(f"paging {len(pager.plan['page'])} tensors")
+
+
+@pytest.mark.cuda
+def test_a_timed_plan_releases_paged_storage_under_the_forward_and_stays_bit_exact():
+    """A forward long enough to hide its copies (weight-bound matmuls of a few rows, each
+    saving a small input, and a sleep per layer), with the host well ahead of the GPU: the
+    calibration's timeline lets the plan release every page-out during the forward at a
+    planned save, so the memory held at the forward -> backward boundary drops by the paged
+    bytes; an untimed plan (release when the host finds a copy done, or past a drain distance
+    above the count of copies) finds none done and holds them all to the boundary: the
+    control. Gradients bit-exact against no paging."""
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    # Frozen weights: the step's peak is the forward's end (with weight gradients it would be
+    # the backward's, which no page-out lowers, and the plan would rightly page nothing).
+    layers = [torch.nn.Linear(8192, 8192, bias=False, device=dev, dtype=torch.bfloat16).requires_grad_(False) for _ in range(12)]
+    x0 = torch.randn(32, 8192, device=dev, dtype=torch.bfloat16)
+
+    def step(ctx):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        with ctx:
+            torch.cuda._sleep(10_000_000)  # ~5 ms: the host runs ahead, no copy is found done
+            x = x0g = x0.clone().requires_grad_(True)
+            for l in layers:
+                torch.cuda._sleep(200_000)  # ~0.1 ms of compute per layer to hide a copy under
+                x = torch.nn.functional.gelu(l(x))
+            held = torch.cuda.memory_allocated() - base
+            x.float().square().sum().backward()
+        torch.cuda.synchronize()
+        return held, [x0g.grad.clone()]
+
+    import contextlib
+
+    step(contextlib.nullcontext())  # warm (the first matmul allocates its workspace)
+    held_off, ref = step(contextlib.nullcontext())
+    timed = sl.Pager(1.0, min_distance=0, min_bytes=1, slack=1.5)
+    untimed = sl.Pager(1.0, min_distance=0, min_bytes=1, timed=False, drain_distance=1000, prefetch=2)
+    step(timed.step())  # calibrates: the memory timeline
+    assert timed.plan is None
+    step(timed.step())  # calibrates: the time line, then plans
+    step(untimed.step())  # calibrates
+    step(untimed.step())  # warm: a first paged step is slow on the host, the GPU catches up
+    t = timed.plan["timing"]
+    assert len(t["save_us"]) > 12 and t["d2h_bytes_per_us"] > 1e3  # > 1 GB/s: a real link
+    assert len(timed.plan["release_at"]) == len(timed.plan["launch_at"]) == len(timed.plan["page"]) > 0
+    assert timed.plan["bytes_paged"] >= 32 * 8192 * 2, timed.explain()  # at least one gelu input
+    start, end = re.search(r"^peak (\d+) -> (\d+) bytes", timed.explain(), re.M).groups()
+    assert int(end) < int(start), timed.explain()  # the plan lowers the peak it measured
+    for _ in range(2):
+        held_t, g_t = step(timed.step())
+        held_u, g_u = step(untimed.step())
+        assert all(torch.equal(a, b) for a, b in zip(ref, g_t)) and all(torch.equal(a, b) for a, b in zip(ref, g_u))
+        assert held_t <= held_off - timed.plan["bytes_paged"], (held_off, held_t, timed.plan["bytes_paged"])
+        assert held_u >= held_off  # the control: nothing released before the boundary
+    s = timed.stats()
+    assert s["steps"] == 4 and s["bytes_out"] == s["bytes_in"] == 2 * timed.plan["bytes_paged"]
+    per = timed.per_step()
+    assert len(per) == 2 and all(p["host_bytes_peak"] > 0 and p["out_in_flight_peak"] >= 1 for p in per)
+    assert all(p["page_in_wait_us"] is None for p in per)  # not measured unless asked
+
+
+def test_a_step_that_saves_different_tensors_is_refused():
+    pager = sl.Pager(1.0, min_distance=0, min_bytes=1)
+    w = torch.randn(8, 8, requires_grad=True)
+    with pager.step():
+        (torch.tanh(torch.randn(4, 8) @ w)).sum().backward()
+    with pytest.raises(RuntimeError, match="saved tensor #"):
+        with pager.step():
+            (torch.tanh(torch.randn(5, 8) @ w)).sum().backward()
+
+
+def test_a_step_cut_short_gives_its_buffers_back():
+    pager = sl.Pager(1.0, min_distance=0, min_bytes=1)
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+    with pager.step():
+        (torch.tanh(x @ w)).sum().backward()
+    with pytest.raises(RuntimeError, match="boom"):
+        with pager.step():
+            torch.tanh(x @ w).sum()  # paged out, never paged in
+            raise RuntimeError("boom")
+    assert pager.pool.in_use() == 0
+    with pager.step():
+        (torch.tanh(x @ w)).sum().backward()
+    assert w.grad is not None

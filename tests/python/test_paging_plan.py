@@ -1,0 +1,46 @@
+"""Rust's paging plan from Python (`paging/plan.py`): the choice is reproducible, the furthest use
+goes first, a timed plan places releases and page-ins, and bad budgets and settings are refused."""
+
+import pytest
+
+import sched_lifetime as sl
+
+
+def test_the_choice_is_reproducible_and_the_furthest_use_goes_first():
+    prefix = [
+        {"name": "#0", "bytes": 100, "saved_at": 0, "used_at": 5},
+        {"name": "#1", "bytes": 300, "saved_at": 1, "used_at": 1},
+        {"name": "#2", "bytes": 100, "saved_at": 2, "used_at": 3},
+    ]
+    a = sl.page_plan(prefix, {"bytes": 150}, min_distance=1)
+    assert a["page"] == ["#0", "#2"] and a["bytes_paged"] == 200
+    assert sl.page_plan(list(reversed(prefix)), {"bytes": 150}, 1)["page"] == a["page"]
+    assert sl.page_plan(prefix, 0.5, 2)["page"] == ["#0", "#2"]  # #1 is read too soon
+    with pytest.raises(ValueError, match="0..=1"):
+        sl.page_plan(prefix, 1.5)
+    with pytest.raises(ValueError, match="budget must be"):
+        sl.Pager("half")
+    with pytest.raises(ValueError, match="prefetch must be"):
+        sl.Pager(0.5, prefetch=-1)
+    with pytest.raises(ValueError, match="slack must be"):
+        sl.Pager(0.5, slack=0.9)
+
+
+def test_a_timed_plan_through_the_op_places_releases_and_page_ins():
+    """The measured timeline through the Python entry: #0's copy (100 bytes at 10 bytes/us)
+    ends at 10 us, the save at 10 us releases it; #2's ends at 30 (save 3); #1 is read too soon.
+    Page-ins as late as the link allows: #2 (used at unpack 3, 30 us) copies 20-30 (queued at
+    unpack 2), #0 (unpack 5, 50 us) 40-50 (unpack 4). A bad timeline is a ValueError."""
+    prefix = [
+        {"name": "#0", "bytes": 100, "saved_at": 0, "used_at": 5},
+        {"name": "#1", "bytes": 300, "saved_at": 1, "used_at": 0},
+        {"name": "#2", "bytes": 100, "saved_at": 2, "used_at": 3},
+    ]
+    timing = {"save_us": [0, 10, 20, 30, 40], "unpack_us": [0, 10, 20, 30, 40, 50], "d2h_bytes_per_us": 10, "h2d_bytes_per_us": 10, "slack": 1}
+    p = sl.page_plan(prefix, 1.0, 1, timing)
+    assert (p["page"], p["release_at"], p["launch_at"]) == (["#0", "#2"], [1, 3], [4, 2])
+    assert sl.page_plan(prefix, 1.0, 1)["release_at"] == []  # untimed: nothing placed
+    with pytest.raises(ValueError, match="slack must be >= 1"):
+        sl.page_plan(prefix, 1.0, 1, dict(timing, slack=0.5))
+    with pytest.raises(ValueError, match="timing is not valid"):
+        sl.page_plan(prefix, 1.0, 1, dict(timing, extra=1))

@@ -1,0 +1,280 @@
+"""The eager pager: saved activations paged to host memory and back through `saved_tensors_hooks`.
+
+Wiring only: what to page is Rust's choice (`page_plan`).
+
+`Pager` wraps a plain module's forward and backward:
+
+    pager = sl.Pager(budget={"fraction": 0.5})
+    for batch in data:
+        with pager.step():
+            loss = model(batch); loss.backward()
+
+The first step calibrates: it records the live prefix (every tensor autograd saves, its bytes,
+its save order and the backward order of its first use) and asks Rust (`page_plan`) what to
+page. Host buffers are then allocated once (pinned on CUDA), never during a step. Later steps
+copy the chosen tensors to their host buffer when autograd saves them and back when the
+backward unpacks them; the rest stay on the device. On CUDA the copies run on the page stream
+(`SideStreams`), the device storage of a paged-out tensor is released through the lifetime
+manager (owner: the compute stream, retired on the page stream with `drop_reference`), and the
+host buffers come from a `HostPool` whose freelist is updated in page-stream order: a buffer is
+given back right after the page-in that reads it is queued, so the next page-out into it is
+queued behind that read on the same stream (no host sync). On CPU the copies are plain.
+
+A step whose saved tensors differ from the calibration (count, shape or dtype) raises: no
+silent fallback. `stats()` gives bytes out and in (equal every step) and the host bytes held;
+`per_step()` per step: bytes out and in, host bytes in use at once, page-outs in flight at once,
+and (`measure_waits=True`) the time the compute stream waited on page-ins.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+
+from .calibrate import Calibration
+from .paged import Paged, restorable
+from .plan import Budget, _budget_text, explain_plan, page_plan
+from .pool import HostPool, wait_us
+
+
+def _check_settings(budget: Budget, drain_distance: int, prefetch: int, slack: float) -> None:
+    """A `Pager`'s settings checked at construction: an error names the setting and its range."""
+    _budget_text(budget)  # validate now
+    if drain_distance < 0:
+        raise ValueError(f"drain_distance must be >= 0, got {drain_distance}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be an int >= 0 (backward unpacks ahead), got {prefetch!r}")
+    if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not slack >= 1:
+        raise ValueError(f"slack must be a number >= 1, got {slack!r}")
+
+
+class Pager:
+    """Pages saved activations out to host memory and back (see the module docstring)."""
+
+    def __init__(
+        self,
+        budget: Budget,
+        min_distance: int = 1,
+        min_bytes: int = 1 << 16,
+        drain_distance: int = 16,
+        prefetch: int = 64,
+        timed: bool = True,
+        slack: float = 1.25,
+        measure_waits: bool = False,
+    ) -> None:
+        """`timed` (CUDA): calibration takes two steps, the first measuring the memory timeline
+        (the most memory allocated between saves and unpacks: it resets the peak memory
+        statistic at each), the second the time line (an event at every save and unpack; the
+        hooks do nothing else there, so the host keeps its usual lead) and the link's rates;
+        then Rust pages only what hides under the
+        forward and lowers the step's peak, releasing each page-out where its copy is done and
+        queueing each page-in as late as the link allows (`slack`: copies planned that many
+        times slower than measured); the budget caps it. `measure_waits` (CUDA): time the
+        compute stream's waits on page-ins with events (`per_step()`). Untimed (and
+        on CPU): the budget alone chooses, a page-out is released when found done or once more
+        than `drain_distance` copies are in flight, and page-ins are queued `prefetch` unpacks
+        ahead."""
+        _check_settings(budget, drain_distance, prefetch, slack)
+        self.prefetch = prefetch
+        self._calib = Calibration(bool(timed), float(slack))
+        self._launch_at: dict[int, int] = {}
+        self._release_at: list[int] = []  # save index of each release, ascending
+        self._released0 = 0
+        self._next_release = 0
+        self._handles: dict[int, Paged] = {}
+        self._ready: dict[int, tuple] = {}
+        self._in_order: list[int] = []
+        self._next_in = 0
+        self.budget = budget
+        self.drain_distance = drain_distance
+        self.pool: Optional[HostPool] = None
+        self.min_distance = min_distance
+        self.min_bytes = min_bytes
+        self.plan: Optional[dict] = None
+        self.calibration: Optional[dict] = None
+        self._page: set[int] = set()
+        self._index = 0
+        self._unpacks = 0
+        self._stats = {"steps": 0, "bytes_out": 0, "bytes_in": 0, "host_bytes": 0, "max_prefetched": 0}
+        self._shapes: list = []
+        self._step_start = (0, 0)
+        self._paging_step = False
+        self.measure_waits = bool(measure_waits)
+        self._per_step: list[dict] = []
+
+    @property
+    def timed(self) -> bool:
+        """Whether calibration measures the memory and time lines on CUDA (set at construction)."""
+        return self._calib.timed
+
+    @property
+    def slack(self) -> float:
+        """How many times slower than measured a timed plan takes the copies (set at construction)."""
+        return self._calib.slack
+
+    # -- hooks -------------------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        i = self._index
+        self._index += 1
+        pool = self.pool
+        if pool is not None and not self._release_at:
+            pool.release_done()  # untimed: every save is a chance to free what the link has copied
+        if self.plan is None:  # calibrating: record, keep
+            self._calib.save(i, t)
+            return ("keep", i, t)
+        shapes = self._shapes
+        if i >= len(shapes) or t.shape != shapes[i][0] or t.dtype != shapes[i][1]:
+            raise RuntimeError(
+                f"paging: saved tensor #{i} is {tuple(t.shape)} {t.dtype}, calibration saw "
+                f"{shapes[i] if i < len(shapes) else 'nothing'}; make a new Pager for a new shape"
+            )
+        if i not in self._page or not restorable(t):
+            packed: Any = ("keep", i, t)
+        else:
+            p = pool.page_out(t)
+            self._handles[i] = p
+            self._stats["bytes_out"] += p.nbytes
+            packed = ("paged", i)
+        if self._release_at and i >= self._next_release:  # the plan's release points up to this save
+            rel = self._release_at
+            k = bisect.bisect_right(rel, i)
+            pool.release_until(self._released0 + k)
+            self._next_release = rel[k] if k < len(rel) else 1 << 62
+        return packed
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        kind, i = packed[0], packed[1]
+        if self.plan is None:
+            self._calib.unpack(i, self._unpacks)
+            self._unpacks += 1
+            return packed[2]
+        u = self._unpacks
+        self._unpacks += 1
+        pool = self.pool
+        if pool is not None:
+            pool.release_done()
+        # Prefetch: page-ins of the tensors read within `prefetch` unpacks from now are queued
+        # now, so the copy runs under the backward's compute; the wait stays at the use.
+        order = self._in_order
+        while self._next_in < len(order) and self._launch_at[order[self._next_in]] <= u:
+            self._launch_in(order[self._next_in])
+            self._next_in += 1
+        if kind == "keep":
+            return packed[2]
+        if i not in self._ready:
+            if i not in self._handles:
+                raise RuntimeError(f"paging: saved tensor #{i} unpacked twice (retain_graph is not supported with paging)")
+            self._launch_in(i)
+        out, ev = self._ready.pop(i)
+        pool.page_wait(ev)
+        pool.recycle(ev)
+        return out
+
+    def _launch_in(self, i: int) -> None:
+        p = self._handles.pop(i, None)
+        if p is None:  # not paged out this step (yet): the use pages it in
+            return
+        self._ready[i] = self.pool.page_in_launch(p)
+        self._stats["bytes_in"] += p.nbytes
+        self._stats["max_prefetched"] = max(self._stats["max_prefetched"], len(self._ready) - 1)
+
+    # -- steps -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator["Pager"]:
+        """One forward + backward with the hooks on; the first one calibrates (the first two
+        when timed on CUDA)."""
+        self.begin()
+        ok = False
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield self
+            ok = True
+        finally:
+            self.end(ok)
+
+    def begin(self) -> None:
+        """Start a step (what `step()` does before the forward; the compile path's paging calls
+        it at a forward's first save)."""
+        self._index = 0
+        self._unpacks = 0
+        self._next_in = 0
+        self._handles.clear()
+        self._ready.clear()
+        self._released0 = self.pool.released if self.pool is not None else 0
+        if self.plan is None:
+            self._calib.start()  # timed: the first memory interval starts with the step
+        self._next_release = self._release_at[0] if self._release_at else 0
+        self._step_start = (self._stats["bytes_out"], self._stats["bytes_in"])
+        self._paging_step = self.plan is not None  # calibrated: this step pages
+
+    def end(self, ok: bool = True) -> None:
+        """End a step after its backward (`ok`: it ran to the end): calibration moves on,
+        bytes out must equal bytes in; every page-out's storage released, every buffer back."""
+        try:
+            if not ok:
+                return
+            if self.plan is None and self._calib.finish_step():  # else the next step measures the timeline
+                self._calibrate()
+            out0, in0 = self._step_start
+            moved_out, moved_in = self._stats["bytes_out"] - out0, self._stats["bytes_in"] - in0
+            if moved_out != moved_in:
+                raise RuntimeError(f"paging: {moved_out} bytes paged out but {moved_in} paged in this step (a saved tensor never unpacked?)")
+            self._stats["steps"] += 1
+            if self._paging_step and self.pool is not None:
+                self._per_step.append({"step": self._stats["steps"], "bytes_out": moved_out, "bytes_in": moved_in, **self.pool.take_figures()})
+        finally:
+            if self.pool is not None:
+                self.pool.drain()
+                self.pool.reclaim()  # a step cut short (an exception) leaves nothing taken
+
+    def _calibrate(self) -> None:
+        cal = self._calib
+        timing = cal.timing() if self.timed else None
+        prefix = cal.prefix(self.min_bytes)
+        #: What the plan was made from (Rust's inputs), to print or to plan again with.
+        self.calibration = {"prefix": prefix, "budget": self.budget, "min_distance": self.min_distance, "timing": timing}
+        self.plan = page_plan(prefix, self.budget, self.min_distance, timing)
+        self.plan["timing"] = timing
+        paged = [int(n[1:]) for n in self.plan["page"]]
+        self._page = set(paged)
+        self._launch_at, self._in_order = cal.launches(paged, None if timing is None else self.plan["launch_at"], self.prefetch)
+        self._release_at = list(self.plan["release_at"]) if timing is not None else []
+        self._shapes = [(c["shape"], c["dtype"]) for c in cal.saved]
+        page = sorted(self._page)
+        if page:
+            sizes, dev = cal.host_buffers(page)
+            # A timed plan places every release; the count-based drain is only a backstop.
+            drain = len(page) if timing is not None else self.drain_distance
+            self.pool = HostPool(sizes, dev, drain)
+            self.pool.measure_waits = self.measure_waits and dev.type == "cuda"
+            self.pool.take_figures()  # figures start with the first paged step
+            self._stats["host_bytes"] = self.pool.bytes
+        cal.saved = []
+
+    def per_step(self) -> list[dict]:
+        """One entry per step since calibration: bytes out and in (equal), `host_bytes_peak`
+        (host bytes in use at once), `out_in_flight_peak` (page-outs holding device storage at
+        once) and, with `measure_waits` on CUDA, `page_in_wait_us` (compute-stream time
+        stalled on page-ins; reading it synchronizes on that step's last wait, so call this
+        outside the training loop), else None."""
+        out = []
+        for st in self._per_step:
+            st = dict(st)
+            waits = st.pop("page_in_waits")
+            st["page_in_wait_us"] = None if waits is None else wait_us(waits)
+            out.append(st)
+        return out
+
+    def stats(self) -> dict[str, int]:
+        """Bytes paged out and in (equal after every step), host bytes held, steps, and the most
+        page-ins queued ahead of their use at once (prefetch)."""
+        return dict(self._stats)
+
+    def explain(self) -> str:
+        """What calibration chose, one line per saved tensor."""
+        return "not calibrated yet" if self.plan is None else explain_plan(self.plan)

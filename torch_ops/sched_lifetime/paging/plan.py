@@ -1,0 +1,58 @@
+"""Rust's paging plan: the budget, the measured timing it is made with, and its explanation.
+
+`page_plan` hands Rust a live prefix (every saved tensor's bytes, save order and first backward
+use), a budget and, when measured, the step's timeline and the link's rates (`link_rates`); Rust
+answers with the tensors to page and, timed, where each page-out is released and each page-in
+launched. `explain_plan` prints the answer.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional, Union
+
+import torch
+
+from .._ops import ops
+
+Budget = Union[dict, float, int]
+
+
+def _budget_text(budget: Budget) -> str:
+    if isinstance(budget, dict):
+        return json.dumps(budget)
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ValueError(f"paging budget must be bytes (int), a fraction (float) or a dict, got {budget!r}")
+    return json.dumps({"bytes": budget} if isinstance(budget, int) else {"fraction": budget})
+
+
+def page_plan(prefix: list[dict], budget: Budget, min_distance: int = 1, timing: Optional[dict] = None) -> dict:
+    """Rust's choice for a live prefix (`[{"name", "bytes", "saved_at", "used_at"}]`); with a
+    measured `timing` (`{"save_us", "unpack_us", "d2h_bytes_per_us", "h2d_bytes_per_us",
+    "slack"}`) only what hides, with release and page-in points (`release_at`, `launch_at`)."""
+    return json.loads(ops.page_plan(json.dumps(prefix), _budget_text(budget), int(min_distance), "" if timing is None else json.dumps(timing)))
+
+
+def explain_plan(plan: dict) -> str:
+    """A plan from `page_plan` as text: a head line, then Rust's line per candidate."""
+    head = f"paging {len(plan['page'])} tensors, {plan['bytes_paged']} of {plan['bytes_live']} bytes (target {plan['target']})"
+    return "\n".join([head + (" SHORT of target" if plan["short"] else "")] + plan["explain"])
+
+
+def link_rates(dev: torch.device, mib: int = 64, reps: int = 2) -> tuple[float, float]:
+    """Measured device -> pinned host and pinned host -> device copy rates (bytes per us) of one
+    `mib` MiB buffer, `reps` copies each after a warm-up, timed with CUDA events."""
+    torch.cuda.synchronize(dev)
+    n = mib << 20
+    d, h = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    rates = []
+    for dst, src in ((h, d), (d, h)):
+        dst.copy_(src, non_blocking=True)  # warm
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        rates.append(reps * n / (a.elapsed_time(b) * 1e3))
+    return rates[0], rates[1]

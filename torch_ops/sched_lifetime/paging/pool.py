@@ -1,0 +1,212 @@
+"""The pinned host pool: page copies between device tensors and host buffers on the page stream (`HostPool`).
+
+`HostPool` is built from three parts, each with its own state: `HostSlots` (the buffers and
+their FIFO freelist), `PageStreams` (the page stream and the host-cost caches of a copy) and
+`Releases` (page-outs whose device storage is still held, built on `PageStreams`). This module
+queues the copies themselves: one tensor (`page_out`, `page_in_launch`), or a node's saved
+tensors as one group laid out by `group_plan` (`page_out_group`, `page_in_group`), and the
+compute stream's wait on a page-in (`page_wait`, timed with `measure_waits`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .groups import _contiguous, group_plan
+from .paged import Paged, _check_restorable
+from .release import Releases
+from .slots import HostSlots
+
+
+def wait_us(marks: list[tuple]) -> float:
+    """Compute-stream time (us) between each (before, after) event pair of `take_figures`'
+    `page_in_waits`; synchronizes on the last one."""
+    if marks:
+        marks[-1][1].synchronize()
+    return sum(b.elapsed_time(a) for b, a in marks) * 1e3
+
+
+class HostPool(HostSlots, Releases):
+    """Host buffers allocated once (pinned when they serve a GPU), handed out from a freelist per
+    byte size. Page copies take a buffer for a page-out and give it back right after queueing the
+    page-in that reads it; both copies run on the page stream, and the freelist is FIFO, so a
+    buffer is rewritten only by a copy queued on the page stream after the copy that last read
+    it: the stream's order is the freelist's order, with no host synchronisation. A step never
+    allocates host memory: an empty freelist is an error (the pool was sized at calibration).
+    """
+
+    def __init__(self, sizes: list[int], device: Any = "cpu", drain_distance: int = 16) -> None:
+        if drain_distance < 0:
+            raise ValueError(f"drain_distance must be >= 0, got {drain_distance}")
+        device = torch.device(device)
+        HostSlots.__init__(self, sizes, pin=device.type == "cuda")
+        Releases.__init__(self, device, drain_distance)
+        # Per-step figures (`take_figures`; the others are `HostSlots`' and `Releases`'): when
+        # `measure_waits`, (before, after) timing events around each compute-stream wait on a
+        # page-in.
+        self.measure_waits = False
+        self._wait_marks: list[tuple] = []
+
+    def page_out(self, t: torch.Tensor, owner: Any = None) -> Paged:
+        """Copy `t` into a free host buffer (on the page stream after the compute stream's work
+        so far). On CUDA the device storage is kept alive by a lifetime manager until the copy
+        is done: at a later save, unpack or page-out whose host-side check finds the copy
+        finished (`release_done`), or, with more than `drain_distance` copies in flight, at
+        once, the compute stream waits on the copy's event and the reference is dropped (rule
+        1, no record_stream, no host sync; the event query makes this path eager-only, as
+        saved_tensors_hooks are). `owner`: the stream `t` was produced on (default: the current
+        stream; a page node running on the page stream passes the compute stream)."""
+        _check_restorable(t)
+        nbytes = t.numel() * t.element_size()
+        slot = self.take(nbytes)
+        buf = self.view(slot, tuple(t.shape), t.dtype, t.stride())
+        if t.is_cuda:
+            comp, page = owner if owner is not None else self.current_stream(), self.page_stream
+            self._after(page, comp)
+            self._hold([t], self._copy_on(page, buf, t.detach()), comp, page)
+        else:
+            buf.copy_(t.detach())
+            self.page_outs += 1
+        return Paged(slot, tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, nbytes)
+
+    def page_in(self, p: Paged) -> torch.Tensor:
+        """The tensor back on its device, allocated on the compute (consumer) stream; the
+        compute stream waits for the copy (`page_in_launch` + `page_wait`)."""
+        out, ev = self.page_in_launch(p)
+        self.page_wait(ev)
+        return out
+
+    def page_in_launch(self, p: Paged, alloc_stream: Any = None) -> tuple:
+        """Queue the copy back (on the page stream after the compute stream's work so far) into
+        a tensor with the paged-out one's shape and strides, allocated on the compute stream;
+        returns it with the event to wait on before
+        reading it (None on CPU). The buffer goes back to the freelist at once: the next
+        page-out that takes it is queued behind this copy on the page stream. `alloc_stream`:
+        the consumer's stream (default: the current stream)."""
+        buf = self.view_of(p)
+        ev = None
+        if p.device.type == "cuda":
+            comp, page = alloc_stream if alloc_stream is not None else self.current_stream(), self.page_stream
+            prev = self._on(comp)
+            try:
+                out = torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=p.device)
+            finally:
+                self._back(prev)
+            self._after(page, comp)
+            ev = self._copy_on(page, out, buf)
+        else:
+            out = torch.empty_strided(p.shape, p.stride, dtype=p.dtype).copy_(buf)
+        self.give(p.slot)
+        if p.requires_grad and out.is_leaf:
+            out.requires_grad_(True)
+        return out, ev
+
+    def page_out_group(self, ts: Sequence[torch.Tensor], owner: Any = None, ordered: bool = False) -> list[Paged]:
+        """`page_out` of a node's saved tensors into one buffer laid out by `group_plan` (the
+        pool was sized with it), with one copy-done event and one lifetime manager for them
+        all (the host cost of one page-out, not one per tensor). `ordered`: the caller has
+        already made the page stream wait for the work that produced `ts` (the executor's sync
+        edge from the producing node), so the page stream does not also wait for everything
+        queued on `owner` since."""
+        for t in ts:
+            _check_restorable(t)
+        plan = group_plan(ts)
+        slot = self.take(plan.nbytes)
+        buf = self._bufs[slot]
+        cuda = bool(ts) and ts[0].is_cuda
+        comp = page = None
+        if cuda:
+            comp, page = owner if owner is not None else self.current_stream(), self.page_stream
+            if not ordered:
+                self._after(page, comp)
+        with self._switched(page):
+            for kind, i, start, n, off in plan.segments:
+                t = ts[i].detach()
+                if kind == "span":
+                    src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), start, (n,), (1,))
+                    buf[off : off + n].copy_(src, non_blocking=cuda)
+                else:
+                    self.view(slot, tuple(t.shape), t.dtype, t.stride(), off).copy_(t, non_blocking=cuda)
+        if cuda:
+            done = self._event()
+            done.record(page)
+            self._hold(ts, done, comp, page)
+        else:
+            self.page_outs += 1
+        return [
+            Paged(slot, tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, t.numel() * t.element_size(), off, packed)
+            for t, (off, packed) in zip(ts, plan.places)
+        ]
+
+    def page_in_group(self, ps: Sequence[Paged], alloc_stream: Any = None) -> tuple:
+        """`page_in_launch` of a `page_out_group`'s tensors: one device block allocated on the
+        compute stream (the consumer's), one host->device copy of the whole buffer; each tensor
+        comes back on the block's storage with its strides (views of one storage alias again),
+        a packed one scattered into its own tensor on the page stream. Returns the tensors and
+        the event to wait on (None on CPU). The buffer goes back to the freelist at once (the
+        next page-out into it queues behind this copy)."""
+        if not ps:
+            return [], None
+        slot = ps[0].slot
+        if any(p.slot != slot for p in ps):
+            raise ValueError("page_in_group: the tensors were not paged out as one group")
+        dev = ps[0].device
+        cuda = dev.type == "cuda"
+        host = self._bufs[slot]
+        comp = page = None
+        if cuda:
+            comp, page = alloc_stream if alloc_stream is not None else self.current_stream(), self.page_stream
+        with self._switched(comp):
+            block = torch.empty(host.numel(), dtype=torch.uint8, device=dev)
+            storage = block.untyped_storage()
+
+            def on_block(p: Paged, stride: tuple) -> torch.Tensor:
+                return torch.empty(0, dtype=p.dtype, device=dev).set_(storage, p.offset // p.dtype.itemsize, p.shape, stride)
+
+            outs = [torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=dev) if p.packed else on_block(p, p.stride) for p in ps]
+        ev = None
+        if cuda:
+            self._after(page, comp)
+        with self._switched(page):
+            block.copy_(host, non_blocking=cuda)
+            for o, p in zip(outs, ps):
+                if p.packed:
+                    o.copy_(on_block(p, _contiguous(p.shape)))
+        if cuda:
+            ev = self._event()
+            ev.record(page)
+        self.give(slot)
+        outs = [o.detach().requires_grad_(True) if p.requires_grad else o for o, p in zip(outs, ps)]
+        return outs, ev
+
+    def page_wait(self, ev: Any) -> None:
+        """The compute stream waits for a page-in (no host sync). With `measure_waits`, timing
+        events recorded on the compute stream just before and just after the wait measure how
+        long it stalled there (`take_figures` reads them)."""
+        if ev is not None:
+            comp = self.current_stream()
+            if self.measure_waits:
+                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                before.record(comp)
+                comp.wait_event(ev)
+                after.record(comp)
+                self._wait_marks.append((before, after))
+            else:
+                comp.wait_event(ev)
+
+    def take_figures(self) -> dict[str, Any]:
+        """The figures since the last call, and reset them: `host_bytes_peak` (host bytes taken
+        at once), `out_in_flight_peak` (page-outs holding device storage at once) and
+        `page_in_waits`: with `measure_waits`, the (before, after) event pairs around each
+        compute-stream wait on a page-in, unread (no host sync here; `wait_us` reads them),
+        else None."""
+        out = {
+            "host_bytes_peak": self.peak_taken_bytes,
+            "out_in_flight_peak": self.peak_out_in_flight,
+            "page_in_waits": self._wait_marks if self.measure_waits else None,
+        }
+        self._wait_marks = []
+        self.peak_taken_bytes, self.peak_out_in_flight = self._taken_bytes, len(self._retiring)
+        return out

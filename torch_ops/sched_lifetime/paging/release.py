@@ -1,0 +1,97 @@
+"""When a page-out's device storage is released: after its copy, in page-stream order (`Releases`).
+
+A page-out's device storage must outlive its copy to the host, which runs on the page stream.
+Instead of `record_stream`, a `LifetimeManager` holds it (owner: the stream that produced it,
+retired on the page stream with `drop_reference`) until a release point: a host-side check
+that finds the copy done, a calibrated plan's release point, a page-in that the page stream ran
+after it, or too many copies in flight. There the owner stream waits on the copy's event (free
+when it is done: no host sync) and the reference is dropped (DESIGN.md §2, rule 1).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from ..lifetime import LifetimeManager
+from .streams import PageStreams
+
+
+class Releases(PageStreams):
+    """Page-outs whose device storage is still held, oldest first, numbered in the order they
+    were queued on the page stream (`page_outs`, `mark`), and the ways to release them; a
+    released page-out's copy-done event becomes a spare (`PageStreams._event`)."""
+
+    def __init__(self, device: Any = "cpu", drain_distance: int = 16) -> None:
+        PageStreams.__init__(self, device)
+        # Page-outs whose device storage is still held: (manager, copy-done event, owner stream,
+        # page-out number), in page-stream order.
+        self._retiring: list[tuple[LifetimeManager, Any, Any, int]] = []
+        self.page_outs = 0  # page-outs queued so far (numbers them; `mark` reads it)
+        self.drain_distance = drain_distance
+        self.released = 0  # page-outs whose device storage was released, in all
+        self.forced_drains = 0  # releases forced by `drain_distance` (the compute stream may stall)
+        self.peak_out_in_flight = 0  # a per-step figure: page-outs holding device storage at once
+
+    def _hold(self, ts: Sequence[torch.Tensor], done: Any, comp: Any, page: Any) -> None:
+        """A page-out queued (its copies end at `done` on `page`): a lifetime manager holds the
+        device storage of `ts` (owner `comp`, each storage once: a node may save two views of
+        one tensor) until its release. Then what the link has already copied is released (the
+        compute stream's wait on a finished copy costs nothing), oldest first; only past
+        `drain_distance` page-outs holding storage does the compute stream wait on one at once
+        (the copies fall behind the forward)."""
+        held = list({t.untyped_storage().data_ptr(): t for t in ts}.values())
+        m = LifetimeManager("page_out")
+        m.bind(held, comp)
+        m.retire(held, page, "drop_reference")
+        self._retiring.append((m, done, comp, self.page_outs))
+        self.page_outs += 1
+        self.peak_out_in_flight = max(self.peak_out_in_flight, len(self._retiring))
+        while len(self._retiring) > self.drain_distance:
+            self.forced_drains += 1
+            self._drain_one()
+        self.release_done()
+
+    def _drain_one(self) -> None:
+        m, done, owner, _ = self._retiring.pop(0)  # the owner stream waits on the copy, then releases
+        m.acquire(owner)
+        m.finalize()
+        m.close()
+        self._spare.append(done)  # the acquire's wait on the copy is queued
+        self.released += 1
+
+    def release_until(self, n: int) -> None:
+        """Release the oldest page-outs until `n` have been released in all (a calibrated
+        plan's release points: there the copy is done by the measured timeline, so the compute
+        stream's wait costs nothing)."""
+        while self.released < n and self._retiring:
+            self._drain_one()
+
+    def release_done(self) -> None:
+        """Release the device storage of every page-out whose copy has finished, oldest first
+        (the compute stream's wait on a finished copy costs nothing). Cheap: call it often.
+        Under CUDA graph capture it does nothing (an event query is not allowed there; the
+        capture-safe release points are `release_queued_before` and `drain`)."""
+        if self._retiring and torch.cuda.is_current_stream_capturing():
+            return
+        while self._retiring and self._retiring[0][1].query():
+            self._drain_one()
+
+    def mark(self) -> int:
+        """The page-outs queued on the page stream so far: taken when a page-in is queued, every
+        page-out numbered below it runs before that page-in on the page stream."""
+        return self.page_outs
+
+    def release_queued_before(self, mark: int) -> None:
+        """Release every page-out numbered below `mark` (a page-in's `mark`), once the compute
+        stream has waited for that page-in: the page stream ran them before it, so the wait
+        each release queues finds its copy done. No query, no host sync: capture-safe."""
+        while self._retiring and self._retiring[0][3] < mark:
+            self._drain_one()
+
+    def drain(self) -> None:
+        """Release every page-out's device storage still held (the compute stream waits on the
+        copies first)."""
+        while self._retiring:
+            self._drain_one()

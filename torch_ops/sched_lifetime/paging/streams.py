@@ -1,0 +1,98 @@
+"""The page stream, reached cheaply: stream switches, stream-order waits and copy-done events (`PageStreams`).
+
+Every page copy of a pool is queued on one page stream (`SideStreams.page`). What a copy needs
+around it (the current stream, a switch onto the page stream and back, a wait for the compute
+stream's work so far, an event recorded after it) is cached here: through `torch.cuda`'s
+Python API a page copy costs tens of microseconds of host time. CUDA only; on CPU the pool
+copies without any of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from ..executor import SideStreams
+
+
+class PageStreams:
+    """The page stream of `device` and the host-cost caches of the copies queued on it: the
+    last current stream seen (by its raw id), one re-recorded event for stream-order waits
+    (`_after`) and spare copy-done events (`_event`, `recycle`)."""
+
+    def __init__(self, device: Any = "cpu") -> None:
+        self.device = torch.device(device)
+        self._mark: Any = None  # the event `_after` re-records (made at its first use)
+        self._page: Any = None
+        self._cur: tuple = (None, None)
+        self._spare: list = []
+
+    @property
+    def page_stream(self) -> Any:
+        """The stream every page copy of this pool runs on (None on CPU)."""
+        if self._page is None and self.device.type == "cuda":
+            self._page = SideStreams.of(self.device).page
+        return self._page
+
+    def current_stream(self) -> Any:
+        """`torch.cuda.current_stream(device)`, without building a new Stream when it has not
+        changed since the last call."""
+        raw = torch._C._cuda_getCurrentStream(self.device.index if self.device.index is not None else torch.cuda.current_device())
+        if self._cur[0] != raw:
+            self._cur = (raw, torch.cuda.Stream(stream_id=raw[0], device_index=raw[1], device_type=raw[2]))
+        return self._cur[1]
+
+    def _on(self, stream: Any) -> tuple:
+        """Make `stream` current (the stream context's switch without its lookups); returns
+        the raw id of the stream it replaces, for `_back`."""
+        prev = torch._C._cuda_getCurrentStream(stream.device_index)
+        torch._C._cuda_setStream(stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type)
+        return prev
+
+    @contextlib.contextmanager
+    def _switched(self, stream: Any) -> Iterator[None]:
+        """`stream` current inside (`_on` / `_back`); nothing to switch when None (CPU)."""
+        if stream is None:
+            yield
+            return
+        prev = self._on(stream)
+        try:
+            yield
+        finally:
+            self._back(prev)
+
+    @staticmethod
+    def _back(prev: tuple) -> None:
+        torch._C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+
+    def _copy_on(self, page: Any, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        """`dst.copy_(src)` queued on `page`; returns the event recorded after it."""
+        prev = self._on(page)
+        try:
+            dst.copy_(src, non_blocking=True)
+        finally:
+            self._back(prev)
+        ev = self._event()
+        ev.record(page)
+        return ev
+
+    def _event(self) -> Any:
+        """A copy-done event: a spare one (its last record was waited on) or a new one."""
+        return self._spare.pop() if self._spare else torch.cuda.Event()
+
+    def recycle(self, ev: Any) -> None:
+        """Give back a copy-done event once its wait is queued (a later record does not change
+        what an earlier wait waits for)."""
+        if ev is not None:
+            self._spare.append(ev)
+
+    def _after(self, page: Any, comp: Any) -> None:
+        """`page` waits for the work queued on `comp` so far (`Stream.wait_stream` without its
+        new event per call: one event, re-recorded; a wait takes the record it sees)."""
+        ev = self._mark
+        if ev is None:
+            ev = self._mark = torch.cuda.Event()
+        ev.record(comp)
+        page.wait_event(ev)
