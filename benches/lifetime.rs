@@ -13,6 +13,7 @@ fn keys(n: usize) -> Vec<TensorKey> {
             tensor: 0x7f00_0000_0000 + i * 0x1a0,
             storage: 0x7e00_0000_0000 + i * 0x90,
             nbytes: 1 << 20,
+            covers_storage: true,
             device: Device { device_type: 1, index: 0 },
         })
         .collect()

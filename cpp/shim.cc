@@ -154,6 +154,19 @@ class JsonKernel final : public c10::OperatorKernel {
 
 size_t list_len(const TensorList& list) { return list.tensors.size(); }
 
+// Bytes from the start of the storage to the end of the tensor's last element, when the tensor
+// starts at the storage's first byte; otherwise a value that never equals the storage size.
+static uint64_t storage_span(const at::Tensor& t) {
+  if (t.storage_offset() != 0) return ~uint64_t{0};
+  if (t.numel() == 0) return 0;
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.stride(d) < 0) return ~uint64_t{0};
+    last += (t.size(d) - 1) * t.stride(d);
+  }
+  return static_cast<uint64_t>(last + 1) * static_cast<uint64_t>(t.element_size());
+}
+
 TensorInfo list_info(const TensorList& list, size_t i) {
   const at::Tensor& t = list.tensors[i];
   TensorInfo info;
@@ -161,6 +174,7 @@ TensorInfo list_info(const TensorList& list, size_t i) {
   const bool has = t.has_storage();
   info.storage = has ? reinterpret_cast<uint64_t>(t.storage().unsafeGetStorageImpl()) : 0;
   info.nbytes = has ? static_cast<uint64_t>(t.storage().nbytes()) : 0;
+  info.covers_storage = !has || storage_span(t) == info.nbytes;
   info.device_type = static_cast<int8_t>(t.device().type());
   info.device_index = static_cast<int8_t>(t.device().index());
   return info;

@@ -115,6 +115,9 @@ pub struct TensorKey {
     pub storage: u64,
     /// Storage size in bytes.
     pub nbytes: u64,
+    /// The tensor spans its whole storage (not a view of part of it): only then may a retire
+    /// empty the storage (`EmptyStorage` on a part would empty the base tensor's bytes too).
+    pub covers_storage: bool,
     /// The tensor's device.
     pub device: Device,
 }

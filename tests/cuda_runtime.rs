@@ -47,7 +47,7 @@ fn iteration(g: &mut Gpu, bufs: (u64, u64, u64, u64), protect: bool) -> (bool, V
     let (buf, out, big_src, big_dst) = bufs;
     let log: Arc<Mutex<Vec<Action>>> = Arc::default();
     let mut m: Manager<Release, sched_lifetime::cuda::CudaEvent> = Manager::new("cuda poison");
-    let key = TensorKey { tensor: buf, storage: buf, nbytes: N as u64, device: Device { device_type: 1, index: 0 } };
+    let key = TensorKey { tensor: buf, storage: buf, nbytes: N as u64, covers_storage: true, device: Device { device_type: 1, index: 0 } };
     // SAFETY: all pointers are live allocations of at least the sizes used; streams are ours.
     unsafe {
         result::memset_d8_async(buf, 1, N, g.a).unwrap();
@@ -131,7 +131,7 @@ fn record_stream_fallback_defers_release_until_the_consumer_is_done() {
     let (buf, out, big_src, big_dst) = alloc(&g);
     let log: Arc<Mutex<Vec<Action>>> = Arc::default();
     let mut m: Manager<Release, sched_lifetime::cuda::CudaEvent> = Manager::new("fallback");
-    let key = TensorKey { tensor: buf, storage: buf, nbytes: N as u64, device: Device { device_type: 1, index: 0 } };
+    let key = TensorKey { tensor: buf, storage: buf, nbytes: N as u64, covers_storage: true, device: Device { device_type: 1, index: 0 } };
     // SAFETY: as above.
     unsafe {
         result::memcpy_dtod_async(big_dst, big_src, BIG, g.b).unwrap();

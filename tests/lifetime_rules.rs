@@ -8,7 +8,7 @@ const B: StreamId = StreamId::cuda(0, 2); // consumer (comm)
 const C: StreamId = StreamId::cuda(0, 3);
 
 fn t(id: u64) -> TensorKey {
-    TensorKey { tensor: id, storage: 1000 + id, nbytes: 64 * id, device: Device { device_type: 1, index: 0 } }
+    TensorKey { tensor: id, storage: 1000 + id, nbytes: 64 * id, covers_storage: true, device: Device { device_type: 1, index: 0 } }
 }
 
 fn mgr() -> (Manager<u64, u32>, RecordingRuntime) {
@@ -113,6 +113,31 @@ fn rule3_actions_reach_the_runtime_unchanged() {
     assert_eq!(released, vec![(1, Action::EmptyStorage), (2, Action::DropReference), (3, Action::Preserve)]);
     let s = m.stats();
     assert_eq!((s.retired_empty_storage, s.retired_drop_reference, s.retired_preserve), (1, 1, 1));
+}
+
+/// Rule 3's `EmptyStorage` is for a tensor that spans its storage: on a view of part of one it
+/// would empty its base's bytes too. Refused in every retire entry before any change, naming
+/// the fix; `DropReference` and `Preserve` of the same view, and `EmptyStorage` of the whole
+/// tensor, are accepted.
+#[test]
+fn rule3_empty_storage_of_a_partial_view_is_refused_before_any_change() {
+    let (mut m, mut rt) = mgr();
+    let part = TensorKey { covers_storage: false, ..t(1) };
+    bind(&mut m, &[part], A);
+    let before = m.stats();
+    let e = retire(&mut m, &mut rt, &[part], B, Action::EmptyStorage).unwrap_err();
+    assert!(e.is_value_error() && e.to_string().contains("view of part of its storage") && e.to_string().contains("drop_reference"), "{e}");
+    let e = m.retire_owned(&mut rt, &[t(2), part], A, B, Action::EmptyStorage, |i| [2, 1][i]).unwrap_err();
+    assert!(e.to_string().contains("tensor 1 is a view"), "{e}");
+    let e = m.release_after(&mut rt, &[part], A, A, Action::EmptyStorage, |_| 1).unwrap_err();
+    assert!(e.to_string().contains("view of part"), "{e}");
+    assert_eq!(m.stats(), before);
+    assert!(rt.ops.is_empty(), "{:?}", rt.ops);
+    retire(&mut m, &mut rt, &[part], B, Action::DropReference).unwrap();
+    m.retire_owned(&mut rt, &[t(3)], A, B, Action::EmptyStorage, |_| 3).unwrap();
+    m.acquire(&mut rt, A).unwrap();
+    let released: Vec<_> = rt.ops.iter().filter_map(|o| if let Op::Release(p, a) = o { Some((*p, *a)) } else { None }).collect();
+    assert_eq!(released, vec![(1, Action::DropReference), (3, Action::EmptyStorage)]);
 }
 
 #[test]

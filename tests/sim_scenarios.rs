@@ -93,6 +93,22 @@ fn bad_input_is_an_error_naming_the_item() {
     assert!(sched_lifetime::scenarios::by_name("nope").is_err());
 }
 
+/// A size typed into a scenario name is checked before anything is allocated for it: one past
+/// the limit is an input error naming the limit (it used to abort the process on a failed
+/// allocation, `chain:100000000000`); the limit itself is accepted where it is cheap to build.
+#[test]
+fn scenario_sizes_past_the_limit_are_errors_not_aborts() {
+    use sched_lifetime::scenarios::{by_name, MAX_CHAIN, MAX_LAYERS};
+    for name in ["chain:100000000000".to_string(), format!("chain:{}", MAX_CHAIN + 1), format!("moe_chunk:{}:1.0", MAX_LAYERS + 1)] {
+        let e = by_name(&name).unwrap_err();
+        assert!(e.is_value_error(), "{name}: {e}");
+        assert!(e.to_string().contains("largest supported"), "{name}: {e}");
+    }
+    assert!(by_name("chain:18446744073709551616").is_err()); // past usize: a parse error
+    assert!(by_name("chain:1000").is_ok());
+    assert!(by_name("moe_chunk:2:1.0").is_ok());
+}
+
 /// Two sources of one phase with a control edge from one to the other (`run_two`'s backward
 /// pair: the second microbatch's weight-gradient accumulation after the first's). The edge
 /// becomes a token the producer's plan binds; the simulator retires it in that plan, as the

@@ -19,6 +19,8 @@ pub(crate) mod ffi {
         tensor: u64,
         storage: u64,
         nbytes: u64,
+        /// The tensor's elements span its whole storage (offset 0, nothing before or after).
+        covers_storage: bool,
         device_type: i8,
         device_index: i8,
     }

@@ -27,6 +27,7 @@ fn tensor_key(i: TensorInfo) -> TensorKey {
         tensor: i.tensor,
         storage: i.storage,
         nbytes: i.nbytes,
+        covers_storage: i.covers_storage,
         device: Device { device_type: i.device_type, index: i.device_index },
     }
 }

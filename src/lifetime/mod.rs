@@ -187,6 +187,21 @@ impl<P, E> Manager<P, E> {
         Ok(())
     }
 
+    /// Rule 3's `EmptyStorage` frees the storage, so it applies only to a tensor that spans its
+    /// whole storage: on a view of part of one it would empty the base tensor's bytes as well (a
+    /// later read of the base reads freed memory). Such a view is refused, naming the fix.
+    fn check_action(&self, verb: &str, i: usize, t: &TensorKey, action: Action) -> Result<()> {
+        if action == Action::EmptyStorage && !t.covers_storage {
+            return Err(Error::InvalidInput(format!(
+                "plan '{}': {verb}: tensor {i} is a view of part of its storage ({} bytes); action \
+                 'empty_storage' would empty the whole storage, under its base tensor too: retire \
+                 the base tensor, or this view with action='drop_reference'",
+                self.name, t.nbytes
+            )));
+        }
+        Ok(())
+    }
+
     /// The tensor is on the stream's device.
     fn check_device(&self, verb: &str, role: &str, i: usize, t: &TensorKey, stream: StreamId) -> Result<()> {
         if t.device != stream.device {
@@ -268,6 +283,7 @@ impl<P, E> Manager<P, E> {
         let mut cross = false;
         for (i, t) in tensors.iter().enumerate() {
             self.check_tensor("retire", "consumer", i, t, consumer)?;
+            self.check_action("retire", i, t, action)?;
             if let Some(b) = self.bindings.get(&t.tensor) {
                 cross |= !same_queue(b.owner, consumer);
             }
@@ -312,6 +328,7 @@ impl<P, E> Manager<P, E> {
         // go through `bind` and `retire`, which would repeat every check and map update).
         for (i, t) in tensors.iter().enumerate() {
             self.check_tensor("retire", "consumer", i, t, consumer)?;
+            self.check_action("retire", i, t, action)?;
         }
         for (i, t) in tensors.iter().enumerate() {
             self.check_device("bind", "owner", i, t, owner)?;

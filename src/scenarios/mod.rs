@@ -53,11 +53,28 @@ pub fn by_name(name: &str) -> Result<Scenario> {
         None if name == "megatron_hero" => program(megatron_hero(16)),
         None if name == "lagging_pipeline" => program(lagging_pipeline(16, 64, 1000.0, 5)),
         Some(("random", s)) => s.parse().map(random_program).map_err(|_| bad()).and_then(program),
-        Some(("chain", n)) => n.parse().map(chain).map_err(|_| bad()).and_then(program),
+        Some(("chain", n)) => {
+            let n: usize = n.parse().map_err(|_| bad())?;
+            program(chain(within(name, "chain length", n, MAX_CHAIN)?))
+        }
         Some(("moe_chunk", _)) => moe_chunk(name).map(Scenario::Graph),
         Some(("family", _)) => family_member(name).map(Scenario::Graph),
         _ => Err(bad()),
     }
+}
+
+/// The largest sizes a scenario name may ask for: a size the user types is checked before
+/// anything is allocated for it, so a typo is an error and never an aborted process (a failed
+/// allocation aborts in Rust).
+pub const MAX_CHAIN: usize = 1_000_000;
+/// See [`MAX_CHAIN`]: layers of a generated MoE chunk.
+pub const MAX_LAYERS: usize = 4096;
+
+fn within(name: &str, what: &str, n: usize, max: usize) -> Result<usize> {
+    if n > max {
+        return Err(Error::InvalidInput(format!("scenario '{name}': {what} {n} is above the largest supported, {max}")));
+    }
+    Ok(n)
 }
 
 /// `moe_chunk:LAYERS:RATIO`: the graph table and, for the baselines (Megatron's order,
@@ -67,6 +84,7 @@ fn moe_chunk(name: &str) -> Result<GraphScenario> {
     let bad = || Error::InvalidInput(format!("'{name}': expected moe_chunk:LAYERS:RATIO, e.g. moe_chunk:4:1.0"));
     let mut parts = name.split(':').skip(1);
     let layers: usize = parts.next().and_then(|x| x.parse().ok()).filter(|&l| l > 0).ok_or_else(bad)?;
+    let layers = within(name, "layer count", layers, MAX_LAYERS)?;
     let ratio: f64 = parts.next().and_then(|x| x.parse().ok()).filter(|r: &f64| r.is_finite() && *r > 0.0).ok_or_else(bad)?;
     let shape = moe::Shape::moe(layers, ratio);
     let spec = moe::chunk(shape);

@@ -463,6 +463,7 @@ impl SimOptions {
 
 fn key(v: u32, bytes: u64) -> TensorKey {
     TensorKey {
+        covers_storage: true,
         tensor: u64::from(v) + 1,
         storage: u64::from(v) + 1,
         nbytes: bytes,

@@ -266,3 +266,23 @@ def test_release_after_is_retire_owned_then_acquire_in_one_call():
     assert m.stats() == before  # a refused call changes nothing
     m.finalize()
 
+
+
+def test_rule3_empty_storage_of_a_partial_view_is_refused_and_the_base_stays_readable():
+    """Retiring a view of part of a storage with the default action (empty_storage) used to
+    empty the base's storage too (a later read of the base crashed). Refused, naming the fix;
+    the view and a whole-storage view may still be retired."""
+    s = sl.current_stream(torch.device("cpu"))
+    base = torch.arange(16.0)
+    part = base[4:8]
+    with sl.LifetimeManager("view") as m:
+        with pytest.raises(ValueError, match="view of part of its storage.*drop_reference"):
+            m.retire(part, s, owner_stream=s)
+        with pytest.raises(ValueError, match="view of part of its storage"):
+            m.retire(base[::2])  # the op path, a strided view
+        assert torch.equal(base, torch.arange(16.0))  # nothing emptied
+        m.retire(part, s, action="drop_reference", owner_stream=s)
+        whole = base.view(4, 4).t()  # spans the whole storage: allowed
+        m.retire(whole, s, owner_stream=s)
+        assert base.untyped_storage().nbytes() == 0
+        m.finalize()
