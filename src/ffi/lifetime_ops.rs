@@ -1,34 +1,33 @@
 //! The lifetime manager's ops (typed: `Tensor[]` and `Stream` arguments, so they trace and
 //! capture): create, bind, retire, retire_owned, passthrough, acquire, finalize, stats, destroy.
 
-use super::bridge::ffi::{self, StreamKey, TensorList};
 use super::registry::enter;
-use super::runtime::{keys, Payload, TorchRuntime};
+use super::runtime::{anchor, keys, take, StreamKey, TensorList, TorchRuntime};
 use crate::lifetime::Manager;
 use crate::runtime::Action;
 
 type Ret<T> = std::result::Result<T, String>;
 
 pub(super) fn sl_create(name: &str) -> Ret<u64> {
-    let _ = ffi::registration_anchor();
+    anchor();
     enter(|reg| Ok(reg.insert(Manager::new(name))))
 }
 
 pub(super) fn sl_bind(mgr: u64, tensors: &TensorList, owner: StreamKey) -> Ret<()> {
-    enter(|reg| reg.get(mgr)?.bind(&keys(tensors), owner.into(), |i| Payload::new(ffi::list_take(tensors, i))))
+    enter(|reg| reg.get(mgr)?.bind(&keys(tensors), owner.into(), |i| take(tensors, i)))
 }
 
 pub(super) fn sl_retire(mgr: u64, tensors: &TensorList, consumer: StreamKey, action: i64) -> Ret<()> {
     enter(|reg| {
         let action = Action::from_code(action)?;
-        reg.get(mgr)?.retire(&mut TorchRuntime, &keys(tensors), consumer.into(), action, |i| Payload::new(ffi::list_take(tensors, i)))
+        reg.get(mgr)?.retire(&mut TorchRuntime, &keys(tensors), consumer.into(), action, |i| take(tensors, i))
     })
 }
 
 pub(super) fn sl_retire_owned(mgr: u64, tensors: &TensorList, owner: StreamKey, consumer: StreamKey, action: i64) -> Ret<()> {
     enter(|reg| {
         let action = Action::from_code(action)?;
-        reg.get(mgr)?.retire_owned(&mut TorchRuntime, &keys(tensors), owner.into(), consumer.into(), action, |i| Payload::new(ffi::list_take(tensors, i)))
+        reg.get(mgr)?.retire_owned(&mut TorchRuntime, &keys(tensors), owner.into(), consumer.into(), action, |i| take(tensors, i))
     })
 }
 
@@ -37,7 +36,7 @@ pub(super) fn sl_retire_owned(mgr: u64, tensors: &TensorList, owner: StreamKey, 
 pub(super) fn sl_release(mgr: u64, tensors: &TensorList, owner: StreamKey, consumer: StreamKey, action: i64) -> Ret<i64> {
     enter(|reg| {
         let action = Action::from_code(action)?;
-        let take = |i| Payload::new(ffi::list_take(tensors, i));
+        let take = |i| take(tensors, i);
         reg.get(mgr)?.release_after(&mut TorchRuntime, &keys(tensors), owner.into(), consumer.into(), action, take).map(|n| n as i64)
     })
 }

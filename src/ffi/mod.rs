@@ -6,6 +6,12 @@
 //! from that table, so adding one touches one Rust function and one row); `direct` exports the
 //! Python module that runs bind / retire / acquire without the torch.ops round trip.
 
+//!
+//! Imports point down: the entry points (`lifetime_ops`, `json_ops`) -> `registry` ->
+//! `runtime` -> `bridge`'s raw declarations. The one edge back up is cxx's own: the bridge's
+//! `extern "Rust"` block is resolved in the bridge's scope, so `bridge.rs` names the entry
+//! points it declares (two `use` lines, nothing else); no entry point imports the bridge.
+
 mod bridge;
 mod direct;
 mod json_ops;

@@ -3,7 +3,8 @@
 
 use cxx::UniquePtr;
 
-use super::bridge::ffi::{self, StreamKey, TensorInfo, TensorList};
+use super::bridge::ffi::{self, TensorInfo};
+pub(super) use super::bridge::ffi::{StreamKey, TensorList};
 use crate::error::{Error, Result};
 use crate::runtime::{Action, Device, Runtime, StreamId, TensorKey};
 
@@ -36,6 +37,16 @@ fn tensor_key(i: TensorInfo) -> TensorKey {
 /// hot path retires one or a few at a time).
 pub(super) fn keys(list: &TensorList) -> smallvec::SmallVec<[TensorKey; 8]> {
     (0..ffi::list_len(list)).map(|i| tensor_key(ffi::list_info(list, i))).collect()
+}
+
+/// A new reference to tensor `i` of an op's `Tensor[]` argument, as the manager holds it.
+pub(super) fn take(list: &TensorList, i: usize) -> Payload {
+    Payload::new(ffi::list_take(list, i))
+}
+
+/// Keeps the shim's TORCH_LIBRARY registration object linked (see build.rs).
+pub(super) fn anchor() {
+    let _ = ffi::registration_anchor();
 }
 
 fn shim_err(e: cxx::Exception) -> Error {
