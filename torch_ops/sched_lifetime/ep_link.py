@@ -152,7 +152,7 @@ class HostLinkAllToAll:
             fits = [d for d in range(2, num_experts + 1) if num_experts % d == 0]
             raise ValueError(
                 f"emulated EP link: k={k} does not divide the model's {num_experts} experts "
-                f"(each emulated rank owns a block of experts); pick k in {fits}"
+                f"(each emulated rank owns a block of experts); pick k in {fits or 'none: one expert has no EP'}"
             )
 
     # -- the Transport protocol ----------------------------------------------------------
@@ -182,6 +182,7 @@ class HostLinkAllToAll:
         return LinkBytes(self._d2h, self._h2d, self._local, self._messages)
 
     def reset_moved(self) -> None:
+        """Start counting `moved` from zero (a bench does it after its warm-up)."""
         self._d2h = self._h2d = self._local = self._messages = 0
 
     # -- the move ------------------------------------------------------------------------
