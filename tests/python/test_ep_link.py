@@ -272,13 +272,13 @@ def test_cuda_messages_in_flight_on_two_side_streams_are_bit_exact(ring):
     streams = [torch.cuda.Stream(dev), torch.cuda.Stream(dev)]
     xs = [torch.randn(4096, 2048, device=dev) + i for i in range(6)]  # 32 MiB each
     torch.cuda.synchronize()
-    outs = []
+    main, outs = torch.cuda.current_stream(dev), []
     for rep in range(3):
         for i, x in enumerate(xs):
             s = streams[i % 2]
-            s.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(s):
-                outs.append(link.all_to_all(x, x.shape[0], None, None, alloc_stream=torch.cuda.current_stream(dev)))
+            s.wait_stream(main)
+            with torch.cuda.stream(s):  # the output allocated on the consumer (main) stream
+                outs.append(link.all_to_all(x, x.shape[0], None, None, alloc_stream=main))
         if rep == 0:
             allocated = link.allocations
     torch.cuda.synchronize()
