@@ -5,7 +5,10 @@ all-to-all of a token buffer with split sizes. `AllToAll` (the default) is
 `torch.distributed.all_to_all_single` in an EP process group (NCCL with high-priority streams
 on GPU, gloo on CPU). A HybridEP/DeepEP buffer can be handed in instead by implementing
 `all_to_all` with the same meaning; it runs on the caller's current stream, which the
-executor sets to the EP stream.
+executor sets to the EP stream. `HostLinkAllToAll` (in `ep_link.py`) is the emulated EP link:
+one process on one GPU standing for rank 0 of an EP group of `k` ranks, all experts local, the
+rows that would cross the network moved device -> pinned host -> device (bit-exact with the
+local `AllToAll()`), so EP overlap can be measured on one GPU.
 
 The output buffer is allocated on the stream that will consume it (the compute stream the
 caller passes), before the side stream starts writing it: the value is then the compute
@@ -26,7 +29,9 @@ from typing import Any, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from .lifetime import current_stream
+from .ep_link import HostLinkAllToAll, LinkBytes, consumer_output
+
+__all__ = ["AllToAll", "FunctionalAllToAll", "HostLinkAllToAll", "LinkBytes", "Transport", "check_rank_identical", "digest", "new_ep_group"]
 
 
 class Transport(Protocol):
@@ -85,14 +90,7 @@ class AllToAll:
         in_splits: Optional[Sequence[int]],
         alloc_stream: Optional[torch.Stream] = None,
     ) -> torch.Tensor:
-        here = current_stream(x.device)
-        if alloc_stream is not None and alloc_stream != here and isinstance(alloc_stream, torch.cuda.Stream):
-            with torch.cuda.stream(alloc_stream):
-                out = x.new_empty((out_rows, *x.shape[1:]))
-            # The side stream writes it only after the consumer stream handed it over.
-            here.wait_stream(alloc_stream)
-        else:
-            out = x.new_empty((out_rows, *x.shape[1:]))
+        out = consumer_output(x, out_rows, alloc_stream)
         if self.world == 1:
             out.copy_(x)
             return out

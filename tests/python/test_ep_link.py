@@ -1,0 +1,321 @@
+"""The emulated EP link (`HostLinkAllToAll`, issue 28): EP of k ranks on one device, the rows
+of the other ranks' experts moved through host buffers. It is a pure data movement: the model
+on it gives the local `AllToAll()`'s loss and gradients bit for bit (plain backward and the
+node path, both dispatch modes, uneven and empty experts), and the bytes that cross are the
+other emulated ranks' rows. Bad settings are errors naming the value. GPU tests (marker
+`cuda`) run it on side streams with messages in flight and inside a captured step."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from sched_lifetime import ep_link
+from sched_lifetime.ep import AllToAll, HostLinkAllToAll
+from sched_lifetime.models import CONFIGS, MoEModel
+from sched_lifetime.nodes import train_step
+
+#: Odd sizes beside the tiny config: 6 experts top-3 (k = 3 and 6 shard them), two dense
+#: layers first, uneven batch and sequence.
+ODD = replace(
+    CONFIGS["tiny"], vocab=97, hidden=48, heads=3, layers=4, dense_layers=2, experts=6, topk=3,
+    expert_ffn=40, shared_ffn=0, dense_ffn=72, seq=12, batch=3,
+)
+
+
+def _grads(m: MoEModel) -> dict:
+    return {k: p.grad for k, p in m.named_parameters()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _dead_experts(m: MoEModel, dead: set) -> None:
+    """Route no token to the experts in `dead`: the router gets a bias of -1e4 on them (their
+    softmax weight is exactly 0, so top-k never picks them while enough experts are live)."""
+    for layer in m.layers:
+        if layer.dense:
+            continue
+        old = layer.router
+        new = nn.Linear(old.in_features, old.out_features, bias=True, dtype=old.weight.dtype)
+        with torch.no_grad():
+            new.weight.copy_(old.weight)
+            new.bias.copy_(torch.tensor([-1e4 if e in dead else 0.0 for e in range(old.out_features)]))
+        layer.router = new
+
+
+def _plain_step(m: MoEModel, n: int = 2) -> list:
+    losses = []
+    for i in range(n):
+        loss = m(**m.batch(0, i)) / n
+        loss.backward()
+        losses.append(loss.detach())
+    return losses
+
+
+@pytest.mark.parametrize("capacity", [None, 1.0, 0.75], ids=["counted", "capacity", "dropping"])
+@pytest.mark.parametrize("cfg,k", [(CONFIGS["tiny"], 2), (CONFIGS["tiny"], 4), (ODD, 3), (ODD, 6)], ids=["tiny-k2", "tiny-k4", "odd-k3", "odd-k6"])
+def test_plain_forward_backward_bit_exact_against_local(cfg, k, capacity):
+    """Loss and every gradient of the plain forward + backward equal the local transport's,
+    and the forward and backward all-to-alls crossed the link."""
+    cfg = replace(cfg, capacity_factor=capacity)
+    ref, link = MoEModel(cfg), HostLinkAllToAll(k, device="cpu")
+    m = MoEModel(cfg, link)
+    assert torch.equal(torch.stack(_plain_step(ref)), torch.stack(_plain_step(m)))
+    assert _same(_grads(ref), _grads(m))
+    moved = link.moved()
+    moe_layers = cfg.layers - cfg.dense_layers
+    assert moved.messages == 2 * 4 * moe_layers  # 2 microbatches x (dispatch, combine) x (F, B)
+    assert moved.d2h == moved.h2d > 0 and moved.local > 0
+
+
+@pytest.mark.parametrize("capacity", [None, 1.0], ids=["counted", "capacity"])
+@pytest.mark.parametrize("order", ["ours", "sequential"])
+def test_node_path_bit_exact_against_local(order, capacity):
+    """The scheduled node path (dispatch/combine as comm nodes, their transposes in backward)
+    on the link equals the same path on the local transport: losses and every gradient."""
+    cfg = replace(CONFIGS["tiny"], capacity_factor=capacity)
+    ref, link = MoEModel(cfg), HostLinkAllToAll(2, device="cpu")
+    m = MoEModel(cfg, link)
+    lr = train_step(ref.chunk(), [ref.batch(0, i) for i in range(3)], order)
+    lm = train_step(m.chunk(), [m.batch(0, i) for i in range(3)], order)
+    assert all(torch.equal(a, b) for a, b in zip(lr, lm))
+    assert _same(_grads(ref), _grads(m))
+    assert link.moved().messages == 3 * 4 * cfg.layers and link.moved().d2h > 0
+
+
+@pytest.mark.parametrize("capacity", [None, 1.0], ids=["counted", "capacity"])
+@pytest.mark.parametrize(
+    "k,dead", [(2, {2, 3}), (2, {0, 1}), (2, {1, 3}), (4, {0, 2}), (4, {1, 2})],
+    ids=["k2-remote-empty", "k2-local-empty", "k2-mixed", "k4-0,2", "k4-1,2"],
+)
+def test_empty_experts_bit_exact_and_only_other_ranks_rows_cross(k, dead, capacity):
+    """Routing that leaves experts without tokens (zero-size splits) stays bit-exact. With
+    counted routing, the rows that cross are exactly the other emulated ranks' experts': none
+    when ranks 1.. own only empty experts, all when rank 0 does (an even row split, or any
+    split not by expert blocks, fails one of the two)."""
+    cfg = replace(CONFIGS["tiny"], capacity_factor=capacity)
+    ref, link = MoEModel(cfg), HostLinkAllToAll(k, device="cpu")
+    m = MoEModel(cfg, link)
+    _dead_experts(ref, dead)
+    _dead_experts(m, dead)
+    assert torch.equal(torch.stack(_plain_step(ref)), torch.stack(_plain_step(m)))
+    assert _same(_grads(ref), _grads(m))
+    got = ref.layers[0].pre(ref.embed(ref.batch(0, 0)["tokens"].reshape(-1)))[-1].counts
+    assert all(got[e] == 0 for e in dead) and got.sum() > 0  # the routing really left them empty
+    moved, per = link.moved(), cfg.experts // k
+    rank0 = set(range(per))
+    if capacity is None and set(range(per, cfg.experts)) <= dead:
+        assert moved.d2h == 0 and moved.local > 0, moved
+    elif capacity is None and rank0 <= dead:
+        assert moved.local == 0 and moved.d2h > 0, moved
+    else:
+        assert moved.d2h > 0 and moved.local > 0, moved
+
+
+def _direct_cases():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(15, 8, generator=g)
+    return [
+        ("uneven", 4, x, [5, 0, 3, 7], 5),
+        ("rank0-empty", 4, x, [0, 9, 0, 6], 0),
+        ("others-empty", 4, x, [15, 0, 0, 0], 15),
+        ("one-split", 4, x, [15], 3),  # a world-of-one caller: even row split
+        ("equal-none", 4, x, None, 3),  # 15 // 4 rows stay
+        ("empty", 2, x[:0], [0, 0], 0),
+        ("empty-none", 2, x[:0], None, 0),
+        ("bf16", 3, torch.randn(10, 6, generator=g).to(torch.bfloat16), [4, 4, 2], 4),
+        ("int64-1d", 2, torch.randint(-(2**62), 2**62, (9,), generator=g), [2, 7], 2),
+        ("strided", 2, torch.randn(8, 12, generator=g).t(), [3, 9], 3),
+    ]
+
+
+@pytest.mark.parametrize("name,k,x,splits,keep", _direct_cases(), ids=[c[0] for c in _direct_cases()])
+def test_direct_all_to_all_equals_local_with_uneven_and_zero_splits(name, k, x, splits, keep):
+    """A direct call returns the local all-to-all's tensor (compared bit for bit, bf16 as
+    int16), a new tensor, and moves exactly the rows after emulated rank 0's through the host."""
+    link = HostLinkAllToAll(k, device="cpu")
+    want = AllToAll(local=True).all_to_all(x, x.shape[0], splits, splits)
+    got = link.all_to_all(x, x.shape[0], splits, splits)
+    as_bits = (lambda t: t.view(torch.int16)) if x.dtype == torch.bfloat16 else (lambda t: t)
+    assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(as_bits(got), as_bits(want))
+    assert got.data_ptr() != x.data_ptr() or x.numel() == 0
+    row = x[0].numel() * x.element_size() if x.shape[0] else 0
+    assert link.moved() == ep_link.LinkBytes((x.shape[0] - keep) * row, (x.shape[0] - keep) * row, keep * row, 1)
+
+
+def test_autograd_through_the_link_equals_local_and_the_gradient_crosses_too():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(12, 4, generator=g)
+    w = torch.randn(12, 4, generator=g)
+    grads = []
+    for t in (AllToAll(local=True), HostLinkAllToAll(3, device="cpu")):
+        xi = x.clone().requires_grad_(True)
+        ((t.all_to_all(xi, 12, [4, 2, 6], [4, 2, 6]) * w).square().sum()).backward()
+        grads.append(xi.grad)
+    assert torch.equal(grads[0], grads[1])
+    assert t.moved().messages == 2 and t.moved().d2h == 2 * 8 * 4 * 4  # forward and backward, 8 rows each
+
+
+def test_exchange_counts_is_a_clone():
+    c = torch.tensor([3, 0, 5, 1])
+    got = HostLinkAllToAll(2, device="cpu").exchange_counts(c)
+    assert torch.equal(got, c) and got.data_ptr() != c.data_ptr()
+
+
+def test_host_buffers_allocated_once_and_reused():
+    """After the first step no host buffer is allocated (fixed-capacity messages repeat)."""
+    cfg = replace(CONFIGS["tiny"], capacity_factor=1.0)
+    link = HostLinkAllToAll(2, device="cpu", ring=3)
+    m = MoEModel(cfg, link)
+    train_step(m.chunk(), [m.batch(0, i) for i in range(2)], "ours")
+    first = (link.allocations, link.host_bytes)
+    assert first == (3, 3 * link.capacity) and link.capacity > 0
+    for step in (1, 2):
+        train_step(m.chunk(), [m.batch(step, i) for i in range(2)], "ours")
+    assert (link.allocations, link.host_bytes) == first
+
+
+def test_no_host_allocation_under_capture(monkeypatch):
+    """Under CUDA graph capture a message bigger than the host buffers is an error asking for
+    an eager step first (capture simulated on CPU: the capture check is patched to say yes)."""
+    x = torch.randn(64, 1024)
+    link = HostLinkAllToAll(2, device="cpu")
+    monkeypatch.setattr(ep_link, "_capturing", lambda dev: True)
+    with pytest.raises(RuntimeError, match="run one eager step first"):
+        link.all_to_all(x, 64, None, None)
+    assert link.allocations == 0
+    monkeypatch.setattr(ep_link, "_capturing", lambda dev: False)
+    link.all_to_all(x, 64, None, None)  # the eager step allocates
+    allocated = link.allocations
+    monkeypatch.setattr(ep_link, "_capturing", lambda dev: True)
+    assert torch.equal(link.all_to_all(x, 64, None, None), x)  # fits: no allocation
+    assert link.allocations == allocated
+    big = torch.randn(64, 64 * 1024)
+    with pytest.raises(RuntimeError, match=r"a 8388608-byte message during CUDA graph capture.*run one eager step first"):
+        link.all_to_all(big, 64, None, None)
+    assert link.allocations == allocated
+
+
+@pytest.mark.parametrize("k", [1, 0, -2, 2.0, "8", True, None])
+def test_bad_k_is_an_error_naming_it(k):
+    with pytest.raises(ValueError, match=rf"k={k!r} .*integer >= 2"):
+        HostLinkAllToAll(k, device="cpu")
+
+
+def test_k_not_dividing_the_experts_is_an_error_naming_both():
+    with pytest.raises(ValueError, match=r"k=8 does not divide the model's 4 experts.*pick k in \[2, 4\]"):
+        MoEModel(CONFIGS["tiny"], HostLinkAllToAll(device="cpu"))  # default k = 8
+    with pytest.raises(ValueError, match=r"k=4 does not divide the model's 6 experts.*\[2, 3, 6\]"):
+        HostLinkAllToAll(4, device="cpu").check(6)
+    with pytest.raises(ValueError, match=r"k=3 does not divide the model's 4 experts"):
+        HostLinkAllToAll(3, device="cpu", num_experts=4)
+    HostLinkAllToAll(3, device="cpu").check(6)
+    MoEModel(replace(CONFIGS["tiny"], experts=8), HostLinkAllToAll(device="cpu"))
+
+
+def test_host_link_on_cuda_without_a_gpu_is_an_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device='cuda' asks for the host link.*no CUDA GPU is available.*device='cpu'"):
+        HostLinkAllToAll(4, device="cuda")
+    with pytest.raises(ValueError, match=r"device='cuda:1'"):
+        HostLinkAllToAll(4, device="cuda:1")
+    assert HostLinkAllToAll(4).device == torch.device("cpu")  # the default falls back to host copies
+    with pytest.raises(ValueError, match=r"device='meta'"):
+        HostLinkAllToAll(4, device="meta")
+    with pytest.raises(ValueError, match=r"ring=0"):
+        HostLinkAllToAll(4, device="cpu", ring=0)
+
+
+def test_bad_calls_are_errors_naming_the_value():
+    link, x = HostLinkAllToAll(4, device="cpu"), torch.zeros(10, 2)
+    with pytest.raises(ValueError, match=r"in_splits=\[5, 5\] must be 4 .* or 1"):
+        link.all_to_all(x, 10, [5, 5], [5, 5])
+    with pytest.raises(ValueError, match=r"in_splits=\[5, 5, 1, 0\] .*summing to the input's 10 rows"):
+        link.all_to_all(x, 10, [5, 5, 1, 0], [5, 5, 1, 0])
+    with pytest.raises(ValueError, match=r"in_splits=\[12, -2, 0, 0\]"):
+        link.all_to_all(x, 10, [12, -2, 0, 0], [12, -2, 0, 0])
+    with pytest.raises(ValueError, match=r"out_splits=\[4, 6, 0, 0\] differ from in_splits=\[5, 5, 0, 0\]"):
+        link.all_to_all(x, 10, [4, 6, 0, 0], [5, 5, 0, 0])
+    with pytest.raises(ValueError, match=r"out_splits=None differ"):
+        link.all_to_all(x, 10, None, [5, 5, 0, 0])
+    with pytest.raises(ValueError, match=r"out_rows=9 but the input has 10 rows"):
+        link.all_to_all(x, 9, None, None)
+    with pytest.raises(ValueError, match=r"got a tensor on meta"):
+        link.all_to_all(torch.zeros(10, 2, device="meta"), 10, None, None)
+
+
+@pytest.mark.parametrize("spec,k", [("host", 8), ("host:2", 2), ("host:16", 16)])
+def test_from_spec(spec, k):
+    assert HostLinkAllToAll.from_spec(spec, device="cpu").emulated_ranks == k
+
+
+@pytest.mark.parametrize("spec,msg", [("host:1", r"k=1 "), ("host:x", r"K='x' is not an integer"), ("nccl", r"unknown kind 'nccl'")])
+def test_from_spec_errors_name_the_setting(spec, msg):
+    with pytest.raises(ValueError, match=msg):
+        HostLinkAllToAll.from_spec(spec, device="cpu")
+
+
+# -- GPU ------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("ring", [1, 2])
+def test_cuda_messages_in_flight_on_two_side_streams_are_bit_exact(ring):
+    """Several 32 MiB messages queued at once, alternating between two side streams, so a host
+    buffer is rewritten from one stream while the other's host -> device copy may still read
+    it: without the wait on the buffer's event the outputs mix. Pinned, allocated once."""
+    dev = torch.device("cuda")
+    link = HostLinkAllToAll(8, device=dev, ring=ring)
+    streams = [torch.cuda.Stream(dev), torch.cuda.Stream(dev)]
+    xs = [torch.randn(4096, 2048, device=dev) + i for i in range(6)]  # 32 MiB each
+    torch.cuda.synchronize()
+    main, outs = torch.cuda.current_stream(dev), []
+    for rep in range(3):
+        for i, x in enumerate(xs):
+            s = streams[i % 2]
+            s.wait_stream(main)
+            with torch.cuda.stream(s):  # the output allocated on the consumer (main) stream
+                outs.append(link.all_to_all(x, x.shape[0], None, None, alloc_stream=main))
+        if rep == 0:
+            allocated = link.allocations
+    torch.cuda.synchronize()
+    want = [AllToAll(local=True).all_to_all(x, x.shape[0], None, None) for x in xs] * 3
+    assert all(torch.equal(a, b) for a, b in zip(outs, want))
+    assert link.allocations == allocated == ring
+    assert all(s.buf.is_pinned() for s in link._slots)
+    assert link.moved().d2h == 18 * (4096 - 4096 // 8) * 2048 * 4
+
+
+@pytest.mark.cuda
+def test_cuda_captured_step_on_the_link_bit_exact_against_local_with_no_allocation_after_the_first_step():
+    """The main job's arms on the GPU: `ours` (the EP stream) and `ours+graph` (the whole step
+    captured, then replayed) on the link, against `ours` on the local transport; the link's
+    pinned buffers are allocated in the first (eager) step only."""
+    from sched_lifetime.models import moe as moe_mod
+    from sched_lifetime.train import Arm, same_grads
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        dev = torch.device("cuda", torch.cuda.current_device())
+        moe_mod.deterministic_sdpa(dev, torch.float32)
+        cfg = replace(CONFIGS["tiny"], capacity_factor=1.0, hidden=512, heads=8, expert_ffn=1024, shared_ffn=512, seq=256, batch=8)
+        links = [HostLinkAllToAll(4, device=dev), HostLinkAllToAll(4, device=dev)]
+        ref = Arm("ours", cfg, AllToAll(local=True), dev, 0.05)
+        arms = [Arm("ours", cfg, links[0], dev, 0.05), Arm("ours+graph", cfg, links[1], dev, 0.05)]
+        for step in range(4):
+            ref.step(step, 3)
+            for a in arms:
+                a.step(step, 3)  # the graph arm: step 0 eager, step 1 captures, then replays
+                assert same_grads(a, ref) and torch.equal(a.losses[-1], ref.losses[-1]), (a.name, step)
+            if step == 0:
+                allocated = [link.allocations for link in links]
+        torch.cuda.synchronize()
+        assert arms[1].graph is not None
+        assert [link.allocations for link in links] == allocated and all(n > 0 for n in allocated)
+        assert all(link.moved().d2h > 0 for link in links)
+    finally:
+        torch.use_deterministic_algorithms(False)
+        moe_mod.SDPA_BACKENDS = None
