@@ -158,13 +158,19 @@ class HostPool(HostSlots, Releases):
         comp = page = None
         if cuda:
             comp, page = alloc_stream if alloc_stream is not None else self.current_stream(), self.page_stream
-        with self._switched(comp):
+        # When every tensor comes back packed, no output keeps the block alive: it is freed when
+        # this call returns, while the page stream may still copy into and out of it. Allocated
+        # on the page stream, it goes back to the page stream's pool, where later work queues
+        # behind these copies; otherwise the outputs are views of it and keep it until consumed.
+        scratch = all(p.packed for p in ps)
+        with self._switched(page if scratch else comp):
             block = torch.empty(host.numel(), dtype=torch.uint8, device=dev)
-            storage = block.untyped_storage()
+        storage = block.untyped_storage()
 
-            def on_block(p: Paged, stride: tuple) -> torch.Tensor:
-                return torch.empty(0, dtype=p.dtype, device=dev).set_(storage, p.offset // p.dtype.itemsize, p.shape, stride)
+        def on_block(p: Paged, stride: tuple) -> torch.Tensor:
+            return torch.empty(0, dtype=p.dtype, device=dev).set_(storage, p.offset // p.dtype.itemsize, p.shape, stride)
 
+        with self._switched(comp):
             outs = [torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=dev) if p.packed else on_block(p, p.stride) for p in ps]
         ev = None
         if cuda:
