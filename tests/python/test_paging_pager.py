@@ -116,14 +116,18 @@ def test_a_timed_plan_releases_paged_storage_under_the_forward_and_stays_bit_exa
     assert len(t["save_us"]) > 12 and t["d2h_bytes_per_us"] > 1e3  # > 1 GB/s: a real link
     assert t["both_bytes_per_us"] > 1e3  # two-way (the default): both directions at once, measured
     assert len(timed.plan["release_at"]) == len(timed.plan["launch_at"]) == len(timed.plan["page"]) > 0
-    assert timed.plan["bytes_paged"] >= 32 * 8192 * 2, timed.explain()  # at least one gelu input
+    # Released under the forward (a two-way plan may also release a page-out in the backward,
+    # at point len(save_us) + unpack, where it lowers a backward peak: not counted here).
+    size = {c["name"]: c["bytes"] for c in timed.calibration["prefix"]}
+    under_fwd = sum(size[n] for n, r in zip(timed.plan["page"], timed.plan["release_at"]) if r < len(t["save_us"]))
+    assert under_fwd >= 32 * 8192 * 2, timed.explain()  # at least one gelu input
     start, end = re.search(r"^peak (\d+) -> (\d+) bytes", timed.explain(), re.M).groups()
     assert int(end) < int(start), timed.explain()  # the plan lowers the peak it measured
     for _ in range(2):
         held_t, g_t = step(timed.step())
         held_u, g_u = step(untimed.step())
         assert all(torch.equal(a, b) for a, b in zip(ref, g_t)) and all(torch.equal(a, b) for a, b in zip(ref, g_u))
-        assert held_t <= held_off - timed.plan["bytes_paged"], (held_off, held_t, timed.plan["bytes_paged"])
+        assert held_t <= held_off - under_fwd, (held_off, held_t, under_fwd)
         assert held_u >= held_off  # the control: nothing released before the boundary
     s = timed.stats()
     assert s["steps"] == 4 and s["bytes_out"] == s["bytes_in"] == 2 * timed.plan["bytes_paged"]
