@@ -90,8 +90,8 @@ def test_page_in_group_of_packed_tensors_keeps_its_block_off_the_compute_stream_
     ps = pool.page_out_group(ts)
     del ts
     torch.cuda.synchronize()
-    with torch.cuda.stream(pool.page_stream):
-        torch.cuda._sleep(200_000_000)  # hold the page stream back (~0.1 s)
+    with torch.cuda.stream(pool.page_in_stream):
+        torch.cuda._sleep(200_000_000)  # hold the page-in stream back (~0.1 s)
     back, ev = pool.page_in_group(ps)
     poison = torch.empty(pool._bufs[ps[0].slot].numel(), dtype=torch.uint8, device=dev)
     poison.fill_(0xFF)  # gets the block back if page_in_group freed it to the compute stream

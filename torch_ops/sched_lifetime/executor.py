@@ -2,7 +2,8 @@
 
 Given a graph table, per-node callables and the scheduler's result, `Executor.run` issues each
 node on the stream the schedule names (compute = the caller's current stream; one
-high-priority EP stream and one page stream per device, created once and reused), records and
+high-priority EP stream and two page streams per device, created once and reused: the page
+role's page-outs on one and its page-ins on the other, so the link runs both ways), records and
 waits the scheduled events (a pool made at construction, so nothing is created during CUDA
 graph capture), and calls the lifetime manager where the schedule put each retire and drain,
 one manager per plan (source), finalized at the end of the run. On CPU every role maps to the
@@ -33,7 +34,9 @@ _LIFETIME_MODES = ("scheduled", "record_stream", "none")
 
 
 class SideStreams:
-    """The high-priority EP and page streams of one device, created once and reused."""
+    """The high-priority EP and page streams of one device, created once and reused: `page` for
+    page-outs (device -> host), `page_in` for page-ins (host -> device), at the same priority,
+    so the link's two directions run at once."""
 
     _lock = threading.Lock()
     _by_device: dict[torch.device, "SideStreams"] = {}
@@ -44,8 +47,9 @@ class SideStreams:
             prio = min(lo, hi)  # the numerically lower value is the higher priority
             self.ep: torch.Stream = torch.cuda.Stream(device=device, priority=prio)
             self.page: torch.Stream = torch.cuda.Stream(device=device, priority=prio)
+            self.page_in: torch.Stream = torch.cuda.Stream(device=device, priority=prio)
         else:
-            self.ep = self.page = current_stream(device)
+            self.ep = self.page = self.page_in = current_stream(device)
 
     @classmethod
     def of(cls, device: torch.device) -> "SideStreams":
@@ -76,6 +80,10 @@ class Executor:
     `timing`: time every node on its stream (CUDA events made here, or host time on CPU);
     `node_times_us()` returns the last run's times, by node name, for the simulator's
     `durations`. Meaningful in a serial order (each node alone on the GPU).
+    `two_way_paging`: the page role's page-in nodes run on `SideStreams.page_in` and its
+    page-outs on `SideStreams.page` (False: both on the page stream). The schedule has one page
+    role and relies on no order between a page-out and a page-in node (they share no value);
+    what they share, host buffers, the pool keeps in order (`paging.SlotOrder`).
     """
 
     def __init__(
@@ -88,6 +96,7 @@ class Executor:
         single_stream: bool = False,
         keep: Iterable[str] = (),
         timing: bool = False,
+        two_way_paging: bool = True,
     ) -> None:
         if lifetime not in _LIFETIME_MODES:
             raise ValueError(f"lifetime must be one of {_LIFETIME_MODES}, got {lifetime!r}")
@@ -109,7 +118,10 @@ class Executor:
         self._order: list[str] = list(schedule["order"])
         if sorted(self._order) != sorted(nodes):
             raise ValueError("the schedule's order does not list exactly the graph's nodes")
-        self._role = {name: role for name, role in schedule["streams"]}
+        self.two_way_paging = bool(two_way_paging)
+        # The schedule's role per node, with the page role's page-ins on the page-in stream.
+        self._role = {name: self._stream_key(role, name) for name, role in schedule["streams"]}
+        self._side_roles = ("ep", "page") + (("page_in",) if "page_in" in self._role.values() else ())
         self._source = {name: n["source"] for name, n in nodes.items()}
         self._ins = {name: [_value_name(v) for v in n.get("inputs", [])] for name, n in nodes.items()}
         self._outs = {name: [_value_name(o) for o in n.get("outputs", [])] for name, n in nodes.items()}
@@ -146,14 +158,15 @@ class Executor:
         self._other_roles: dict[str, tuple[str, ...]] = {}
         for r in schedule["retires"]:
             v = r["value"]
-            self._other_roles[v] = tuple(sorted(reader_roles.get(v, set()) - {r["owner"]}))
+            self._other_roles[v] = tuple(sorted(reader_roles.get(v, set()) - {self._stream_key(r["owner"], self._producer[v])}))
             if v in self._keep and r["action"] in INFO["storage_emptying_actions"]:
                 raise ValueError(f"value '{v}' is kept, but the schedule empties its storage after '{r['last_consumer']}'")
             plan = self._source[self._producer[v]]
-            key = (plan, r["consumer_stream"], r["action"], self._role[self._producer[v]])
+            consumer = self._stream_key(r["consumer_stream"], r["last_consumer"])
+            key = (plan, consumer, r["action"], self._role[self._producer[v]])
             self._retire_after.setdefault(r["last_consumer"], {}).setdefault(key, []).append(v)
             if r["drain_before"] is not None:
-                entry = (plan, r["owner"])
+                entry = (plan, self._stream_key(r["owner"], self._producer[v]))
                 lst = self._drain_before.setdefault(r["drain_before"], [])
                 if entry not in lst:
                     lst.append(entry)
@@ -166,12 +179,19 @@ class Executor:
             self._timers = {n: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for n in nodes}
         self.last_stats: dict[str, dict[str, int]] = {}
 
+    def _stream_key(self, role: str, node: str) -> str:
+        """The stream a node of the schedule's `role` runs on: its role, but "page_in" for the
+        page role's page-in nodes (`two_way_paging`)."""
+        if role == "page" and self.two_way_paging and self._nodes[node]["kind"] == "page_in":
+            return "page_in"
+        return role
+
     def _streams(self) -> dict[str, torch.Stream]:
         comp = current_stream(self.device)
         if self.single_stream or self.device.type != "cuda":
-            return {"compute": comp, "ep": comp, "page": comp}
+            return {"compute": comp, "ep": comp, "page": comp, "page_in": comp}
         side = SideStreams.of(self.device)
-        return {"compute": comp, "ep": side.ep, "page": side.page}
+        return {"compute": comp, "ep": side.ep, "page": side.page, "page_in": side.page_in}
 
     def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """Issue every node once. Returns the values no node consumes, plus `keep`."""
@@ -182,7 +202,7 @@ class Executor:
             managers = {p: LifetimeManager(p) for p in self._plans}
         comp = streams["compute"]
         # Side streams start after what the caller queued on compute.
-        for role in ("ep", "page"):
+        for role in self._side_roles:
             if streams[role] is not comp:
                 streams[role].wait_stream(comp)
         # Under a profiler, each node is a labelled range (per-node GPU times for the simulator).
@@ -197,7 +217,7 @@ class Executor:
                 else:
                     self._issue(name, streams, env, managers)
             # Side streams rejoin compute: the caller's later work sees everything.
-            for role in ("ep", "page"):
+            for role in self._side_roles:
                 if streams[role] is not comp:
                     comp.wait_stream(streams[role])
             self.last_stats = {p: m.finalize() for p, m in managers.items()}

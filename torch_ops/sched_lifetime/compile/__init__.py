@@ -61,6 +61,7 @@ OPTIONS: dict[str, Any] = {
     "paging_min_bytes": 1 << 16,  # smaller saved values stay on the device
     "paging_timed": True,  # sl.Pager decides at run time after calibration (False: the static plan)
     "paging_slack": 1.25,  # timed: copies planned this many times slower than measured
+    "paging_two_way": True,  # page-ins on their own stream beside the page-outs (False: one page stream)
     "cudagraphs": False,  # capture each compiled graph in a CUDA graph (torch's cudagraph trees)
     # AOTAutograd's joint-graph partition: "min_cut" (what aot_eager uses) recomputes cheap ops
     # in the backward instead of saving their outputs (H200, embedded model: peak 6797 MiB as
@@ -81,7 +82,7 @@ def check_options(options: Optional[dict]) -> dict:
         if k not in OPTIONS:
             raise ValueError(f"sched_lifetime backend: unknown option {k!r}; valid options: {sorted(OPTIONS)}")
         opts[k] = v
-    for k in ("overlap", "explain", "paging", "cudagraphs", "paging_timed"):
+    for k in ("overlap", "explain", "paging", "cudagraphs", "paging_timed", "paging_two_way"):
         if not isinstance(opts[k], bool):
             raise ValueError(f"sched_lifetime backend: option {k!r} must be a bool, got {opts[k]!r}")
     if opts["partition"] not in ("default", "min_cut"):
@@ -117,7 +118,7 @@ def backend(gm: fx.GraphModule, example_inputs: list, options: Optional[dict] = 
     if opts["paging"]:
         pager = GraphPager(
             opts["paging_budget"], opts["paging_prefetch"], opts["paging_buffers"], opts["paging_min_bytes"],
-            timed=opts["paging_timed"], slack=opts["paging_slack"],
+            timed=opts["paging_timed"], slack=opts["paging_slack"], two_way=opts["paging_two_way"],
         )
         partition = pager.partition(partition)
 

@@ -37,6 +37,8 @@ class Chunk(ChunkGraph):
         self.deferred_dw: Optional[list[Callable[[], None]]] = None
         #: Paging's tensor side: the host pool, the calibration, the bytes moved.
         self.pages = PageHooks()
+        #: Page-ins on their own stream beside the page-outs (`enable_paging(two_way=)`).
+        self.page_two_way = True
         self._executors: dict[tuple, Executor] = {}
         #: The second microbatch's Chunk of a `run_two` pair (same nodes, own context).
         self._twin_chunk: Optional[Chunk] = None
@@ -83,6 +85,7 @@ class Chunk(ChunkGraph):
         min_distance: int = 1,
         prefetch: Optional[int] = 2,
         release: Optional[int] = 4,
+        two_way: bool = True,
     ) -> dict:
         """Page the saved activations of some compute nodes to pinned host memory through page
         nodes of the graph (`F.<node>.page_out` after the node, `B.<node>.page_in` before its
@@ -97,8 +100,10 @@ class Chunk(ChunkGraph):
         its page-out and releases its device storage (a control edge from the page-out's wait:
         the bytes leave the device under the forward, by a point the copy has had that many
         nodes of compute to finish in; None: released only when a host-side query finds the
-        copy done, or at the page-in). Returns the plan."""
-        return enable_paging(self, example, budget, nodes, in_flight, min_bytes, min_distance, prefetch, release)
+        copy done, or at the page-in). `two_way` (CUDA): page-in nodes run on the page-in
+        stream and page-outs on the page stream, so the link's two directions run at once
+        (False: both on the page stream, the baseline). Returns the plan."""
+        return enable_paging(self, example, budget, nodes, in_flight, min_bytes, min_distance, prefetch, release, two_way)
 
     # -- gradients ---------------------------------------------------------------------
 

@@ -98,10 +98,16 @@ class PageHooks:
                 self.pool.release_queued_before(mark)
 
     def release_paged_out(self, st: MicrobatchState, name: str) -> None:
-        """The compute stream has waited for `name`'s page-in (its sync edge), which the page
-        stream ran after every page-out queued before it: their device storage goes now, with
-        no query (the capture-safe release point; eager also frees on queries)."""
+        """The compute stream has waited for `name`'s page-in (its sync edge), which ran after
+        the page-outs its mark counts (on one page stream every one queued before it; two-way
+        those up to the one that wrote its buffer): their device storage goes now, with no
+        query (the capture-safe release point; eager also frees on queries)."""
         self.pool.release_queued_before(st.page_marks.pop(name))
+
+    def _stream(self) -> Any:
+        """The stream the executor runs the current page node on (None on CPU): the pool
+        copies there, so the node's recorded event covers its copy."""
+        return self.pool.current_stream() if self.pool.device.type == "cuda" else None
 
     def page_out_fn(self, ctx: _Ctx, name: str) -> Callable[..., Any]:
         """The callable of `F.<name>.page_out`: the forward microbatch's held activations of
@@ -116,7 +122,7 @@ class PageHooks:
                     f"saved {got} bytes, calibration saw {self.saved_bytes[name]}: the host pool is sized for the "
                     "calibrated shapes (counted EP dispatch changes them each microbatch: page with a fixed capacity_factor)"
                 )
-            st.paged[name] = self.pool.page_out_group(held, owner=ctx.compute, ordered=True)
+            st.paged[name] = self.pool.page_out_group(held, owner=ctx.compute, ordered=True, stream=self._stream())
             st.page_out_end[name] = self.pool.page_outs
             self.stats["bytes_out"] += sum(h.nbytes for h in st.paged[name])
             return ()
@@ -133,8 +139,8 @@ class PageHooks:
             if handles is None:
                 raise RuntimeError(f"node '{name}': page-in of microbatch {st.index}, which was never paged out")
             self.pool.release_done()  # page-outs whose copy is done give their device storage back
-            st.page_marks[name] = self.pool.mark()
-            st.paged_in[name] = self.pool.page_in_group(handles, alloc_stream=ctx.compute)[0]
+            st.page_marks[name] = self.pool.mark(handles[0].slot if handles else None)
+            st.paged_in[name] = self.pool.page_in_group(handles, alloc_stream=ctx.compute, stream=self._stream())[0]
             self.stats["bytes_in"] += sum(h.nbytes for h in handles)
             return (st.paged_in[name],)
 
@@ -151,9 +157,12 @@ def enable_paging(
     min_distance: int,
     prefetch: Optional[int],
     release: Optional[int],
+    two_way: bool = True,
 ) -> dict:
     """`Chunk.enable_paging`: check the settings, calibrate, choose the paged nodes, put their
     page nodes in the chunk's graph and size the host pool. Returns the plan."""
+    if not isinstance(two_way, bool):
+        raise ValueError(f"two_way must be a bool, got {two_way!r}")
     if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
         raise ValueError(f"in_flight must be an int >= 1, got {in_flight!r}")
     if (budget is None) == (nodes is None):
@@ -197,6 +206,8 @@ def enable_paging(
     pages.saved_bytes = {x: list(calib[x]) for x in chunk._paged}  # what each paged node saves
     chunk._rebuild()
     sizes = [layout[x] for x in sorted(chunk._paged)] * in_flight
-    pages.pool = HostPool(sizes, chunk.device) if sizes else None
+    chunk.page_two_way = two_way
+    chunk._executors.clear()  # the executors put page-ins on the page-in stream, or not
+    pages.pool = HostPool(sizes, chunk.device, two_way=two_way) if sizes else None
     pages.plan = dict(plan, host_bytes=sum(sizes))
     return pages.plan

@@ -37,7 +37,9 @@ def _executor(fchunk: Optional[Chunk], bchunk: Optional[Chunk], order: str, life
             calls.update(fchunk.callables(True, False, release_points=bchunk is not None))
         if bchunk is not None:
             calls.update(bchunk.callables(False, True))
-        ex = home._executors[key] = Executor(g, s, calls, device=home.device, lifetime=lifetime, timing=timing)
+        # Page-in nodes are the backward chunk's: its pool's setting puts them on a stream.
+        two_way = bchunk.page_two_way if bchunk is not None else True
+        ex = home._executors[key] = Executor(g, s, calls, device=home.device, lifetime=lifetime, timing=timing, two_way_paging=two_way)
     return ex
 
 
@@ -234,10 +236,7 @@ def train_step(
         # A step cut short gives its host buffers back (page-outs never paged in), so the next
         # step finds the pool whole; the original error is what the caller sees.
         if chunk.pages.pool is not None:
-            try:
-                chunk.pages.pool.drain()
-            finally:
-                chunk.pages.pool.reclaim()
+            chunk.pages.pool.abandon()  # the compute stream waits for the copies in flight first
         raise
     if chunk.pages.pool is not None:  # page-outs still holding device storage: the step ends here
         chunk.pages.pool.drain()

@@ -13,15 +13,19 @@ The first step calibrates: it records the live prefix (every tensor autograd sav
 its save order and the backward order of its first use) and asks Rust (`page_plan`) what to
 page. Host buffers are then allocated once (pinned on CUDA), never during a step. Later steps
 copy the chosen tensors to their host buffer when autograd saves them and back when the
-backward unpacks them; the rest stay on the device. On CUDA the copies run on the page stream
-(`SideStreams`), the device storage of a paged-out tensor is released through the lifetime
-manager (owner: the compute stream, retired on the page stream with `drop_reference`), and the
-host buffers come from a `HostPool` whose freelist is updated in page-stream order: a buffer is
-given back right after the page-in that reads it is queued, so the next page-out into it is
-queued behind that read on the same stream (no host sync). On CPU the copies are plain.
+backward unpacks them; the rest stay on the device. On CUDA page-outs run on the page stream
+and page-ins on the page-in stream (`SideStreams`; `two_way=False`: both on the page stream), so
+the backward's page-ins run beside page-outs still draining from the forward. The device
+storage of a paged-out tensor is released through the lifetime manager (owner: the compute
+stream, retired on the page stream with `drop_reference`), and the host buffers come from a
+`HostPool`: a buffer is given back right after the page-in that reads it is queued, and the
+next page-out into it waits for that read on the GPU (`SlotOrder`: an event per buffer, no host
+sync). On CPU the copies are plain.
 
 A step whose saved tensors differ from the calibration (count, shape or dtype) raises: no
-silent fallback. `stats()` gives bytes out and in (equal every step) and the host bytes held;
+silent fallback. A step that raises between page-outs and page-ins loses nothing: the compute
+stream waits for the copies in flight, every page-out's storage is released and every host
+buffer comes back (`HostPool.abandon`); the next step runs as usual. `stats()` gives bytes out and in (equal every step) and the host bytes held;
 `per_step()` per step: bytes out and in, host bytes in use at once, page-outs in flight at once,
 and (`measure_waits=True`) the time the compute stream waited on page-ins.
 """
@@ -64,6 +68,7 @@ class Pager:
         timed: bool = True,
         slack: float = 1.25,
         measure_waits: bool = False,
+        two_way: bool = True,
     ) -> None:
         """`timed` (CUDA): calibration takes two steps, the first measuring the memory timeline
         (the most memory allocated between saves and unpacks: it resets the peak memory
@@ -76,10 +81,13 @@ class Pager:
         compute stream's waits on page-ins with events (`per_step()`). Untimed (and
         on CPU): the budget alone chooses, a page-out is released when found done or once more
         than `drain_distance` copies are in flight, and page-ins are queued `prefetch` unpacks
-        ahead."""
+        ahead. `two_way` (CUDA): page-ins on their own stream, beside the page-outs (the
+        link's two directions at once; a timed plan is made with the two-way rate and may let
+        page-outs end in the backward); False: one page stream for both (the baseline)."""
         _check_settings(budget, drain_distance, prefetch, slack)
         self.prefetch = prefetch
-        self._calib = Calibration(bool(timed), float(slack))
+        self.two_way = bool(two_way)
+        self._calib = Calibration(bool(timed), float(slack), self.two_way)
         self._launch_at: dict[int, int] = {}
         self._release_at: list[int] = []  # save index of each release, ascending
         self._released0 = 0
@@ -229,8 +237,17 @@ class Pager:
                 self._per_step.append({"step": self._stats["steps"], "bytes_out": moved_out, "bytes_in": moved_in, **self.pool.take_figures()})
         finally:
             if self.pool is not None:
-                self.pool.drain()
-                self.pool.reclaim()  # a step cut short (an exception) leaves nothing taken
+                if ok:
+                    self.pool.drain()
+                    self.pool.reclaim()
+                else:  # cut short: copies in flight are waited for, nothing stays taken
+                    try:
+                        self.pool.abandon()  # before the unwaited page-ins' tensors are dropped
+                    finally:
+                        for _, ev in self._ready.values():
+                            self.pool.recycle(ev)
+                        self._ready.clear()
+                        self._handles.clear()
 
     def _calibrate(self) -> None:
         cal = self._calib
@@ -250,7 +267,7 @@ class Pager:
             sizes, dev = cal.host_buffers(page)
             # A timed plan places every release; the count-based drain is only a backstop.
             drain = len(page) if timing is not None else self.drain_distance
-            self.pool = HostPool(sizes, dev, drain)
+            self.pool = HostPool(sizes, dev, drain, two_way=self.two_way)
             self.pool.measure_waits = self.measure_waits and dev.type == "cuda"
             self.pool.take_figures()  # figures start with the first paged step
             self._stats["host_bytes"] = self.pool.bytes
