@@ -2,8 +2,11 @@
 of the other ranks' experts moved through host buffers. It is a pure data movement: the model
 on it gives the local `AllToAll()`'s loss and gradients bit for bit (plain backward and the
 node path, both dispatch modes, uneven and empty experts), and the bytes that cross are the
-other emulated ranks' rows. Bad settings are errors naming the value. GPU tests (marker
-`cuda`) run it on side streams with messages in flight and inside a captured step."""
+other emulated ranks' rows. The full-duplex chunk split moves the same bytes as the serial
+copies for any chunk count. Compiled (torch.compile with our backend, GraphStep) the link is
+a launch/wait pair the backend schedules, bit-exact too. Bad settings are errors naming the
+value. GPU tests (marker `cuda`) run it, duplex and serial, on side streams with messages in
+flight, inside a captured step, compiled, and under the profiler."""
 
 from dataclasses import replace
 
@@ -13,6 +16,7 @@ from torch import nn
 
 from sched_lifetime import ep_link
 from sched_lifetime.ep import AllToAll, HostLinkAllToAll
+from sched_lifetime.ep_link import chunk_rows
 from sched_lifetime.models import CONFIGS, MoEModel
 from sched_lifetime.nodes import train_step
 
@@ -143,7 +147,8 @@ def test_direct_all_to_all_equals_local_with_uneven_and_zero_splits(name, k, x, 
     assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(as_bits(got), as_bits(want))
     assert got.data_ptr() != x.data_ptr() or x.numel() == 0
     row = x[0].numel() * x.element_size() if x.shape[0] else 0
-    assert link.moved() == ep_link.LinkBytes((x.shape[0] - keep) * row, (x.shape[0] - keep) * row, keep * row, 1)
+    cross = x.shape[0] - keep
+    assert link.moved() == ep_link.LinkBytes(cross * row, cross * row, keep * row, 1, 1 if cross else 0)
 
 
 def test_autograd_through_the_link_equals_local_and_the_gradient_crosses_too():
@@ -256,6 +261,185 @@ def test_from_spec(spec, k):
 def test_from_spec_errors_name_the_setting(spec, msg):
     with pytest.raises(ValueError, match=msg):
         HostLinkAllToAll.from_spec(spec, device="cpu")
+
+
+# -- the full-duplex chunk split ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "rows,row_bytes,chunks,min_bytes,want",
+    [
+        (10, 4, 8, 0, [2, 2, 1, 1, 1, 1, 1, 1]),  # the first ones one row longer
+        (3, 4, 8, 0, [1, 1, 1]),  # more chunks than rows: one a row
+        (16, 4, 4, 0, [4, 4, 4, 4]),
+        (0, 4, 8, 0, []),  # nothing crosses: no chunk
+        (7, 4, 1, 0, [7]),
+        (100, 1024, 8, 1 << 20, [100]),  # 100 KiB: below the minimum chunk, one chunk
+        (64, 1 << 20, 8, 16 << 20, [16, 16, 16, 16]),  # 64 MiB in chunks of >= 16 MiB
+        (64, 1 << 20, 8, 1 << 20, [8] * 8),
+        (5, 0, 3, 1 << 20, [5]),  # rows of no bytes (a 0-wide tensor)
+    ],
+)
+def test_chunk_rows_splits_every_row_once_within_the_settings(rows, row_bytes, chunks, min_bytes, want):
+    got = chunk_rows(rows, row_bytes, chunks, min_bytes)
+    assert got == want and sum(got) == rows
+    assert len(got) <= max(chunks, 0) and all(n > 0 for n in got)
+    assert len(got) <= 1 or min(got) * row_bytes >= min_bytes
+
+
+def _split_cases():
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(13, 5, generator=g)
+    return [
+        ("uneven", 4, x, [2, 4, 0, 7]),
+        ("equal-none", 4, x, None),
+        ("rank0-all", 4, x, [13, 0, 0, 0]),  # nothing crosses
+        ("one-row-crosses", 2, x, [12, 1]),
+        ("zero-rows", 2, x[:0], [0, 0]),
+        ("bf16", 3, torch.randn(11, 3, generator=g).to(torch.bfloat16), [1, 6, 4]),
+    ]
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 7, 8, 64])
+@pytest.mark.parametrize("name,k,x,splits", _split_cases(), ids=[c[0] for c in _split_cases()])
+def test_duplex_chunks_move_the_bytes_of_the_serial_copies_for_any_chunk_count(name, k, x, splits, chunks):
+    """Duplex with any chunk count (more chunks than rows included, and messages with no row
+    crossing or no row at all) returns the serial copies' tensor bit for bit and moves the same
+    bytes each way, in as many device -> host copies as `chunk_rows` says."""
+    serial = HostLinkAllToAll(k, device="cpu", duplex=False)
+    duplex = HostLinkAllToAll(k, device="cpu", chunks=chunks, min_chunk_bytes=0)
+    want = serial.all_to_all(x, x.shape[0], splits, splits)
+    got = duplex.all_to_all(x, x.shape[0], splits, splits)
+    bits = (lambda t: t.view(torch.int16)) if x.dtype == torch.bfloat16 else (lambda t: t)
+    assert torch.equal(bits(got), bits(want)) and torch.equal(bits(got), bits(x))
+    a, b = serial.moved(), duplex.moved()
+    assert (a.d2h, a.h2d, a.local, a.messages) == (b.d2h, b.h2d, b.local, b.messages)
+    keep = splits[0] if splits else x.shape[0] // k
+    cross = x.shape[0] - keep
+    assert a.chunks == (1 if cross else 0)
+    assert b.chunks == len(chunk_rows(cross, x[0].numel() * x.element_size() if x.shape[0] else 0, chunks, 0)) == min(chunks, cross)
+
+
+@pytest.mark.parametrize("duplex,chunks", [(False, 8), (True, 1), (True, 3), (True, 50)])
+def test_model_on_duplex_and_serial_links_bit_exact_against_local(duplex, chunks):
+    """Plain forward + backward and the node path, on chunked and serial links: the local
+    transport's losses and gradients."""
+    cfg = replace(CONFIGS["tiny"], capacity_factor=None)
+    ref, link = MoEModel(cfg), HostLinkAllToAll(2, device="cpu", duplex=duplex, chunks=chunks, min_chunk_bytes=0)
+    m = MoEModel(cfg, link)
+    assert torch.equal(torch.stack(_plain_step(ref)), torch.stack(_plain_step(m)))
+    lr = train_step(ref.chunk(), [ref.batch(1, i) for i in range(2)], "ours")
+    lm = train_step(m.chunk(), [m.batch(1, i) for i in range(2)], "ours")
+    assert all(torch.equal(a, b) for a, b in zip(lr, lm)) and _same(_grads(ref), _grads(m))
+    moved = link.moved()
+    assert moved.chunks > moved.messages if duplex and chunks > 1 else moved.chunks <= moved.messages
+
+
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        ({"duplex": 1}, r"duplex=1"),
+        ({"chunks": 0}, r"chunks=0"),
+        ({"chunks": 2.5}, r"chunks=2.5"),
+        ({"min_chunk_bytes": -1}, r"min_chunk_bytes=-1"),
+        ({"min_chunk_bytes": True}, r"min_chunk_bytes=True"),
+    ],
+)
+def test_bad_duplex_settings_are_errors_naming_them(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        HostLinkAllToAll(4, device="cpu", **kw)
+
+
+def test_from_spec_passes_the_link_settings_and_describe_says_what_it_is():
+    link = HostLinkAllToAll.from_spec("host:4", device="cpu", duplex=False)
+    assert (link.emulated_ranks, link.duplex) == (4, False)
+    assert link.describe().startswith("emulated link: EP=4 over host memory") and "serial" in link.describe()
+    assert "full duplex, up to 6 chunks" in HostLinkAllToAll.from_spec("host", device="cpu", chunks=6).describe()
+
+
+# -- compiled graphs: the launch/wait ops -----------------------------------------------------
+
+
+def _compiled_steps(m: MoEModel, backend, steps: int = 2) -> tuple:
+    torch._dynamo.reset()
+    run = m if backend is None else torch.compile(m, backend=backend)
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    losses = []
+    for s in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = run(**m.batch(s, 0))
+        loss.backward()
+        losses.append(loss.detach())
+    return losses, [p.detach().clone() for p in m.parameters()]
+
+
+def test_compiled_model_on_the_link_bit_exact_against_eager_local_with_launch_wait_pairs():
+    """torch.compile(model, backend="sched_lifetime") with the link as transport: the forward
+    and backward graphs hold the link's launch/wait ops as comm launches and waits (the
+    backward's are the gradient's trip), losses and weights after SGD steps equal the eager
+    model on the local transport, and the link moved the crossing rows."""
+    import sched_lifetime  # noqa: F401  (registers the backend)
+    from sched_lifetime import compile as slc
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        cfg = replace(CONFIGS["tiny"], capacity_factor=1.0, layers=3, dense_layers=1)
+        want = _compiled_steps(MoEModel(cfg, AllToAll(), seed=0), None)
+        link = HostLinkAllToAll(2, device="cpu", chunks=3, min_chunk_bytes=0)
+        n0 = len(slc.history)
+        got = _compiled_steps(MoEModel(cfg, link, seed=0), "sched_lifetime")
+        graphs = slc.history[n0:]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(a, b) for a, b in zip(want[0], got[0])) and all(torch.equal(a, b) for a, b in zip(want[1], got[1]))
+    assert [h["phase"] for h in graphs] == ["fwd", "bwd"]
+    for h in graphs:
+        kinds = [n["kind"] for n in h["ir"]["nodes"]]
+        assert kinds.count("comm_launch") == kinds.count("comm_wait") == 4, (h["phase"], kinds)  # 2 MoE layers x dispatch + combine
+        assert any(n.target is torch.ops.sched_lifetime_link.all_to_all.default for n in h["module"].graph.nodes)
+    moved = link.moved()
+    assert moved.messages == 2 * 2 * 4 and moved.d2h > 0 and moved.chunks == 3 * moved.messages
+    assert not link._pending  # every launch waited
+
+
+def test_graph_step_on_the_link_bit_exact_against_eager_microbatch_by_microbatch():
+    """GraphStep (compiled forward/backward graphs, F(i+1) multiplexed with B(i)) on the link:
+    sequential, multiplexed and paired ends give eager's losses and gradients; the multiplexed
+    module has the link's launches of both sources."""
+    from sched_lifetime import compile as slc
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        cfg = replace(CONFIGS["tiny"], capacity_factor=1.0)
+        link = HostLinkAllToAll(2, device="cpu", chunks=2, min_chunk_bytes=0)
+        ref, m = MoEModel(cfg, AllToAll(), seed=0), MoEModel(cfg, link, seed=0)
+        gs = slc.GraphStep(m, tuple(m.batch(0, 0).values()))
+        for step, (mux, ends) in enumerate([(True, False), (False, False), (True, True)]):
+            mbs = [tuple(m.batch(step, k).values()) for k in range(3)]
+            losses = gs.step(mbs, multiplexed=mux, paired_ends=ends)
+            want = []
+            for mb in mbs:
+                loss = ref(*mb)
+                loss.backward()
+                want.append(loss.detach())
+            assert all(torch.equal(a, b) for a, b in zip(losses, want)), step
+            assert all(torch.equal(p.grad, q.grad) for p, q in zip(m.parameters(), ref.parameters())), step
+            for p in [*m.parameters(), *ref.parameters()]:
+                p.grad = None
+    finally:
+        torch.use_deterministic_algorithms(False)
+    nodes = gs.mux.sched_lifetime["ir"]["nodes"]
+    assert sum(n["kind"] == "comm_launch" for n in nodes) == 8 and {n["source"] for n in nodes} == {"F", "B"}
+    assert not link._pending
+
+
+def test_a_wait_without_its_launch_is_an_error():
+    link = HostLinkAllToAll(2, device="cpu")
+    x = torch.randn(4, 2)
+    token = torch.ops.sched_lifetime_link.all_to_all(x, 2, link._id)
+    assert torch.equal(torch.ops.sched_lifetime_link.wait_tensor(token, x, 2, link._id), x)
+    with pytest.raises(RuntimeError, match="not pending"):
+        torch.ops.sched_lifetime_link.wait_tensor(token, x, 2, link._id)
 
 
 # -- GPU ------------------------------------------------------------------------------------
