@@ -468,13 +468,15 @@ def test_a_wait_without_its_launch_is_an_error():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("duplex", [True, False], ids=["duplex", "serial"])
 @pytest.mark.parametrize("ring", [1, 2])
-def test_cuda_messages_in_flight_on_two_side_streams_are_bit_exact(ring):
+def test_cuda_messages_in_flight_on_two_side_streams_are_bit_exact(ring, duplex):
     """Several 32 MiB messages queued at once, alternating between two side streams, so a host
-    buffer is rewritten from one stream while the other's host -> device copy may still read
-    it: without the wait on the buffer's event the outputs mix. Pinned, allocated once."""
+    buffer is rewritten from one stream while the other's host -> device copy (on the helper
+    stream in duplex) may still read it: without the wait on the buffer's event the outputs
+    mix. Pinned, allocated once; duplex splits each message into 8 chunks."""
     dev = torch.device("cuda")
-    link = HostLinkAllToAll(8, device=dev, ring=ring)
+    link = HostLinkAllToAll(8, device=dev, ring=ring, duplex=duplex)
     streams = [torch.cuda.Stream(dev), torch.cuda.Stream(dev)]
     xs = [torch.randn(4096, 2048, device=dev) + i for i in range(6)]  # 32 MiB each
     torch.cuda.synchronize()
@@ -493,13 +495,16 @@ def test_cuda_messages_in_flight_on_two_side_streams_are_bit_exact(ring):
     assert link.allocations == allocated == ring
     assert all(s.buf.is_pinned() for s in link._slots)
     assert link.moved().d2h == 18 * (4096 - 4096 // 8) * 2048 * 4
+    assert link.moved().chunks == 18 * (8 if duplex else 1)
 
 
 @pytest.mark.cuda
-def test_cuda_captured_step_on_the_link_bit_exact_against_local_with_no_allocation_after_the_first_step():
+@pytest.mark.parametrize("duplex", [True, False], ids=["duplex", "serial"])
+def test_cuda_captured_step_on_the_link_bit_exact_against_local_with_no_allocation_after_the_first_step(duplex):
     """The main job's arms on the GPU: `ours` (the EP stream) and `ours+graph` (the whole step
-    captured, then replayed) on the link, against `ours` on the local transport; the link's
-    pinned buffers are allocated in the first (eager) step only."""
+    captured, then replayed: in duplex the helper stream forks from and joins the capture) on
+    the link, against `ours` on the local transport; the link's pinned buffers are allocated in
+    the first (eager) step only."""
     from sched_lifetime.models import moe as moe_mod
     from sched_lifetime.train import Arm, same_grads
 
@@ -508,7 +513,7 @@ def test_cuda_captured_step_on_the_link_bit_exact_against_local_with_no_allocati
         dev = torch.device("cuda", torch.cuda.current_device())
         moe_mod.deterministic_sdpa(dev, torch.float32)
         cfg = replace(CONFIGS["tiny"], capacity_factor=1.0, hidden=512, heads=8, expert_ffn=1024, shared_ffn=512, seq=256, batch=8)
-        links = [HostLinkAllToAll(4, device=dev), HostLinkAllToAll(4, device=dev)]
+        links = [HostLinkAllToAll(4, device=dev, duplex=duplex, min_chunk_bytes=1 << 16) for _ in range(2)]
         ref = Arm("ours", cfg, AllToAll(local=True), dev, 0.05)
         arms = [Arm("ours", cfg, links[0], dev, 0.05), Arm("ours+graph", cfg, links[1], dev, 0.05)]
         for step in range(4):
@@ -522,6 +527,77 @@ def test_cuda_captured_step_on_the_link_bit_exact_against_local_with_no_allocati
         assert arms[1].graph is not None
         assert [link.allocations for link in links] == allocated and all(n > 0 for n in allocated)
         assert all(link.moved().d2h > 0 for link in links)
+        assert all((link.moved().chunks > link.moved().messages) == duplex for link in links)
     finally:
         torch.use_deterministic_algorithms(False)
         moe_mod.SDPA_BACKENDS = None
+
+
+def _copy_intervals(prof) -> dict:
+    """Device <-> pinned host copy intervals of a profile, by direction."""
+    out: dict = {"DtoH": [], "HtoD": []}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith("Memcpy") and "Pinned" in e.name:
+            out["DtoH" if "DtoH" in e.name else "HtoD"].append((e.time_range.start, e.time_range.end, e.id))
+    return out
+
+
+@pytest.mark.cuda
+def test_cuda_duplex_sends_and_receives_at_once_and_the_profile_tells_link_copies_from_others():
+    """One 56 MiB crossing under the profiler: duplex runs 8 device -> host and 8 host -> device
+    copies with some of each direction at the same time (serial: never), and the main job's
+    figures count exactly the link's copies as the link's, not a page-like copy of another
+    stream (`link_copy_ids`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from sched_lifetime.train.figures import exposed_comm_us, link_copy_ids
+
+    dev = torch.device("cuda")
+    x = torch.randn(8 * 1024, 2048, device=dev)  # 64 MiB, 56 MiB cross
+    other_src, other_dst = torch.randn(1 << 20, device=dev), torch.empty(1 << 20, pin_memory=True)
+    side = torch.cuda.Stream(dev)
+    got = {}
+    for duplex in (True, False):
+        link = HostLinkAllToAll(8, device=dev, duplex=duplex)
+        link.all_to_all(x, x.shape[0], None, None)  # warm: buffers, events, streams
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            out = link.all_to_all(x, x.shape[0], None, None)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                other_dst.copy_(other_src, non_blocking=True)  # a page copy's stand-in
+            torch.cuda.synchronize()
+        assert torch.equal(out, x)
+        iv = _copy_intervals(prof)
+        assert len(iv["DtoH"]) == (9 if duplex else 2) and len(iv["HtoD"]) == (8 if duplex else 1), iv
+        ids = link_copy_ids(prof)
+        mine = {i for d in iv.values() for *_, i in d} - ids
+        assert len(mine) == 1 and len(ids & {i for d in iv.values() for *_, i in d}) == len(iv["DtoH"]) + len(iv["HtoD"]) - 1
+        overlap = any(min(a[1], b[1]) > max(a[0], b[0]) for a in iv["DtoH"] if a[2] in ids for b in iv["HtoD"])
+        got[duplex] = overlap
+        exposed, total = exposed_comm_us(prof, link, paged=True)
+        assert total > 0 and exposed <= total
+    assert got == {True: True, False: False}, got
+
+
+@pytest.mark.cuda
+def test_cuda_compiled_model_on_the_link_bit_exact_against_eager_local():
+    """torch.compile(backend="sched_lifetime") on the GPU with the link: the launch runs the
+    move on the link's send stream, the wait joins it; equal to eager on the local transport."""
+    import sched_lifetime  # noqa: F401
+    from sched_lifetime.models import moe as moe_mod
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        dev = torch.device("cuda", torch.cuda.current_device())
+        moe_mod.deterministic_sdpa(dev, torch.float32)
+        cfg = replace(CONFIGS["tiny"], capacity_factor=1.0, layers=3, dense_layers=1, hidden=256, expert_ffn=512, seq=128, batch=4)
+        want = _compiled_steps(MoEModel(cfg, AllToAll(), seed=0, device=dev), None, steps=3)
+        link = HostLinkAllToAll(2, device=dev, min_chunk_bytes=1 << 14)
+        got = _compiled_steps(MoEModel(cfg, link, seed=0, device=dev), "sched_lifetime", steps=3)
+        torch.cuda.synchronize()
+    finally:
+        torch.use_deterministic_algorithms(False)
+        moe_mod.SDPA_BACKENDS = None
+    assert all(torch.equal(a, b) for a, b in zip(want[0], got[0])) and all(torch.equal(a, b) for a, b in zip(want[1], got[1]))
+    assert link.moved().chunks > link.moved().messages > 0 and not link._pending
