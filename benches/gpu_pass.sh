@@ -12,9 +12,11 @@
 #   bash benches/gpu_pass.sh capture OUT  # one H200: whole-step graph pools, page nodes captured, min_cut, host overhead
 #   bash benches/gpu_pass.sh four OUT   # nvidia-h200-x4: DualPipeV as PP=2 x EP=2, handler vs none
 #   bash benches/gpu_pass.sh twopage OUT  # nvidia-h200-x2: EP + page nodes, ours vs ours+page at 3 budgets
+#   bash benches/gpu_pass.sh link OUT   # nvidia-h200: EP=8 on the emulated link (one GPU, issue 28): its rate,
+#                                       # the main job's arms with ours+page, GraphStep vs compiled, its cuda tests
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -76,11 +78,26 @@ twopage)
             --nccl-channels 4 --steps 3 --page-budget "$b" --page-prefetch 6 --quiet
     done
     ;;
+link)
+    # Everything here is EMULATED EP: one process, the (K-1)/K share of each all-to-all through
+    # pinned host memory on the copy engines (ep_link.py). About 6 minutes; at most 8.
+    export PYTHONUNBUFFERED=1
+    step link_cuda_tests 90 "$py" -m pytest -q -m cuda tests/python/test_ep_link.py -rs
+    step link_rate 60 "$py" benches/link_rate.py --k 8 --j 1,4,16,64 --reps 10
+    # The page arm's copies share PCIe with the link's: budget 0.2, prefetch 6 (twopage's middle).
+    step main_job_link 210 "$py" -m sched_lifetime train --ep-link host:8 --config h200 --steps 2 --microbatches 8 \
+        --arms sequential,b_then_f,ours,ours+ends,ours+record,ours+graph,ours+page \
+        --page-budget 0.2 --page-prefetch 6 --quiet --out /tmp/main_job_link
+    cp /tmp/main_job_link/train.json "$out/train_link.json" 2>/dev/null
+    cp /tmp/main_job_link/durations.json "$out/durations_link.json" 2>/dev/null
+    step compile_link 120 torchrun --standalone --nproc-per-node 1 benches/compile_ab.py --ep-link host:8 --config h200 \
+        --graph-step 4 --steps 3 --out "$out"
+    ;;
 four)
     step pipeline_ep2 500 torchrun --standalone --nproc-per-node 4 benches/pipeline_ab.py --config pp_h200 --ep 2 --out "$out"
     ;;
 *)
-    echo "unknown mode $mode: one, one2, two, two2, cuda2, explain, capture, four or twopage" >&2
+    echo "unknown mode $mode: one, one2, two, two2, cuda2, explain, capture, four, twopage or link" >&2
     exit 2
     ;;
 esac

@@ -8,7 +8,9 @@ on GPU, gloo on CPU). A HybridEP/DeepEP buffer can be handed in instead by imple
 executor sets to the EP stream. `HostLinkAllToAll` (in `ep_link.py`) is the emulated EP link:
 one process on one GPU standing for rank 0 of an EP group of `k` ranks, all experts local, the
 rows that would cross the network moved device -> pinned host -> device (bit-exact with the
-local `AllToAll()`), so EP overlap can be measured on one GPU.
+local `AllToAll()`; full duplex by default: chunk i comes back while chunk i+1 goes out), so EP
+overlap can be measured on one GPU; traced (torch.compile, GraphStep) it is a launch/wait op
+pair, as `FunctionalAllToAll` is.
 
 The output buffer is allocated on the stream that will consume it (the compute stream the
 caller passes), before the side stream starts writing it: the value is then the compute

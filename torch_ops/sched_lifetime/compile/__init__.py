@@ -9,7 +9,9 @@ two sources of one schedule), `graph_step` (training on compiled graphs).
 
 AOTAutograd gives a forward and a backward FX graph (no Inductor). Each graph becomes an IR
 table (`to_ir`): call nodes are compute nodes; functional collectives (`_c10d_functional.*`)
-are comm launches and their `wait_tensor` the matching wait; views and `getitem` are noops;
+are comm launches and their `wait_tensor` the matching wait, and so are the emulated EP link's
+ops (`sched_lifetime_link.*`: a model on `HostLinkAllToAll` traces to them, see `ep_link.py`,
+so compiled graphs and `GraphStep` run EP on one GPU); views and `getitem` are noops;
 ops that write an input give mutation edges; `node.meta["custom"]` (as
 `torch.fx.traceback.annotate` writes it) can name a node's source (`"sched_lifetime_source"`)
 and mark EP regions (`"ep": "dispatch" | "combine"` with a `"layer"`); RNG and other

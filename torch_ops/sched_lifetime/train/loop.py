@@ -42,7 +42,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: Optional[int])
         from ..models import moe as moe_mod
 
         moe_mod.deterministic_sdpa(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16)
-    if world > 1 or "RANK" in os.environ:
+    if world > 1 or ("RANK" in os.environ and _link_spec(args) is None):
         dist.init_process_group("nccl" if use_cuda else "gloo", device_id=torch.device("cuda", torch.cuda.current_device()) if use_cuda else None)
     try:
         out = run(args, use_cuda)
@@ -65,8 +65,13 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
     cfg = CONFIGS[args.config]
     if args.layers:
         cfg = replace(cfg, layers=args.layers)
-    group = ep_mod.new_ep_group() if dist.is_initialized() else None
-    transport = ep_mod.AllToAll(group)
+    spec = _link_spec(args)
+    if spec is not None:  # one process emulating EP=K over host memory (`ep_link`)
+        group = None
+        transport: Any = ep_mod.HostLinkAllToAll.from_spec(spec, device=device)
+    else:
+        group = ep_mod.new_ep_group() if dist.is_initialized() else None
+        transport = ep_mod.AllToAll(group)
     rank0 = transport.rank == 0
     arms = build_arms(args, cfg, transport, device, rank0)
     first = next(iter(arms.values()))
@@ -92,7 +97,15 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
     _node_times(arms, args, rank0)
     plot = os.path.join(args.out, "memory_over_time_simulated.png") if args.out and rank0 else None
     simulated = simulate_memory(arms, args.microbatches, args.steps + 4, plot) if not use_cuda else None
-    return {"table": format_table(rows, cfg, args, use_cuda, transport.world) + (simulated or ""), "json": {"config": cfg.as_dict(), "world": transport.world, "rows": rows}} if rank0 else None
+    link = transport.describe() if spec is not None else None
+    table = format_table(rows, cfg, args, use_cuda, transport.world, link) + (simulated or "")
+    return {"table": table, "json": {"config": cfg.as_dict(), "world": transport.world, "ep_link": spec or "nccl", "link": link, "rows": rows}} if rank0 else None
+
+
+def _link_spec(args: argparse.Namespace) -> Optional[str]:
+    """The emulated link's setting (`--ep-link host[:K]`), or None for the real EP group."""
+    spec = getattr(args, "ep_link", None)
+    return spec if spec not in (None, "nccl") else None
 
 
 def build_arms(args: argparse.Namespace, cfg: Any, transport: Any, device: torch.device, rank0: bool) -> dict[str, Arm]:
@@ -204,13 +217,18 @@ def _measure_alone(arms: dict[str, Arm], rows: dict, args: argparse.Namespace, s
         rows[a].update(max_allocated=torch.cuda.max_memory_allocated(), max_reserved=torch.cuda.max_memory_reserved(), pending_free_peak=pend[0])
         from torch.profiler import ProfilerActivity, profile
 
+        link = arm.model.transport if getattr(arm.model.transport, "emulated_ranks", None) else None
+        if link is not None:
+            link.reset_moved()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             arm.step(args.steps + 2, args.microbatches)
             sync()
-        exp, tot = exposed_comm_us(prof)
+        exp, tot = exposed_comm_us(prof, link, arm.spec.paged)
         rows[a].update(exposed_comm_us=exp, comm_us=tot, top_kernels_ms=top_kernels(prof))
+        if link is not None and not arm.captured:  # a replay runs no Python: nothing counted
+            rows[a]["link_bytes_each_way"] = link.moved().d2h
         if arm.spec.paged:
-            pexp, ptot = exposed_page_us(prof)
+            pexp, ptot = exposed_page_us(prof, link)
             rows[a].update(exposed_page_us=pexp, page_us=ptot, page_stats=dict(arm.chunk.page_stats))
         if args.out and rank0 and (a == "ours" or arm.spec.paged):
             prof.export_chrome_trace(os.path.join(args.out, f"trace_{a.replace('+', '_')}.json"))
