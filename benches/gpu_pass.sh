@@ -15,8 +15,8 @@
 #   bash benches/gpu_pass.sh link OUT   # nvidia-h200: EP=8 on the emulated link (one GPU, issue 28): its rate,
 #                                       # the main job's arms with ours+page, GraphStep vs compiled, its cuda tests
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|page2|page3 OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|page2|page3 OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -78,6 +78,24 @@ twopage)
             --nccl-channels 4 --steps 3 --page-budget "$b" --page-prefetch 6 --quiet
     done
     ;;
+page2)
+    # Two page streams (issue 32): the cuda paging tests (SlotOrder's poison test and its control,
+    # the packed page_in_group poison test), then the eager pager at 8192 tokens, one stream vs
+    # two, in one run with off and save_on_cpu. About 5 minutes.
+    step page2_tests 200 "$py" -m pytest -q -rs -m cuda tests/python/test_paging_pool.py tests/python/test_paging_pager.py \
+        tests/python/test_paging_slot_order.py tests/python/test_paging_plan.py tests/python/test_paging_groups.py
+    step paging_8k 170 "$py" benches/paging_ab.py --config h200 --steps 5 --arms off,1s-timed:1.0,timed:1.0,save_on_cpu \
+        --json "$out/paging_8k.json"
+    ;;
+page3)
+    # Two page streams at 65536 tokens and on page nodes; the compile path. About 8 minutes.
+    step paging_64k 220 "$py" benches/paging_ab.py --config h200 --set seq=65536,batch=1 --steps 3 \
+        --arms off,1s-timed:1.0,timed:1.0,save_on_cpu --json "$out/paging_64k.json"
+    step paging_nodes 200 "$py" benches/paging_nodes_ab.py --config h200 --microbatches 4 \
+        --arms off,1s-page:0.3:6:8,page:0.3:6:8 --json "$out/paging_nodes.json"
+    step compile_paging 120 "$py" benches/compile_paging_ab.py --config h200 --steps 3 \
+        --arms eager,compiled,1s-timed:1.0,timed:1.0 --json "$out/compile_paging.json"
+    ;;
 link)
     # Everything here is EMULATED EP: one process, the (K-1)/K share of each all-to-all through
     # pinned host memory on the copy engines (ep_link.py). About 6 minutes; at most 8.
@@ -97,7 +115,7 @@ four)
     step pipeline_ep2 500 torchrun --standalone --nproc-per-node 4 benches/pipeline_ab.py --config pp_h200 --ep 2 --out "$out"
     ;;
 *)
-    echo "unknown mode $mode: one, one2, two, two2, cuda2, explain, capture, four, twopage or link" >&2
+    echo "unknown mode $mode: one, one2, two, two2, cuda2, explain, capture, four, twopage, link, page2 or page3" >&2
     exit 2
     ;;
 esac
