@@ -105,7 +105,8 @@ def main() -> None:
                 chunks = moved.chunks // a.reps
             del out
         cross = (k - 1) * j << 20
-        d2h, h2d = (r / 1e3 for r in link_rates(dev, mib=(k - 1) * j, reps=5))  # GB/s
+        rates = link_rates(dev, mib=(k - 1) * j, reps=5)
+        d2h, h2d = rates.d2h / 1e3, rates.h2d / 1e3  # GB/s
         both = both_ways(dev, cross, 5)
         rate = {n: cross / t / 1e3 for n, t in us.items()}
         print(
