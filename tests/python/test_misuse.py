@@ -1,0 +1,49 @@
+"""What a user's mistakes meet (issue 30), on CPU, one process: no silent wrong result, no silent
+no-op, and an error that keeps its meaning. Each test fails when its guard is removed. The
+cross-rank cases (two gloo ranks) are in test_misuse_dist.py, the command line's in
+test_misuse_cli.py."""
+
+import traceback
+import warnings
+
+import pytest
+import torch
+
+import sched_lifetime as sl
+from test_schedule import moe_layer
+from test_executor import callables, inputs, weights
+
+
+# -- errors keep their meaning -----------------------------------------------------------
+
+
+class _TwoArgError(Exception):
+    """A user exception whose constructor does not take one message (rebuilding it as
+    `type(e)(msg)` is a TypeError)."""
+
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(code, detail)
+        self.code = code
+
+
+def test_a_node_exception_keeps_its_type_object_and_traceback_with_the_node_named():
+    graph, w = moe_layer(), weights()
+    f = callables(w)
+    raised = []
+
+    def bad(d):
+        e = _TwoArgError(7, "user detail")
+        raised.append(e)
+        raise e
+
+    f["F.mlp"] = bad
+    ex = sl.Executor(graph, sl.schedule(graph), f)
+    with pytest.raises(_TwoArgError) as info:
+        ex.run(inputs())
+    e = info.value
+    assert e is raised[0] and e.code == 7 and e.args == (7, "user detail")
+    assert any("in node 'F.mlp' (compute)" in n for n in getattr(e, "__notes__", []))
+    # The traceback still reaches the frame that raised (not a rebuilt exception's).
+    frames = [fr.name for fr in traceback.extract_tb(e.__traceback__)]
+    assert frames[-1] == "bad", frames
+    assert "in node 'F.mlp'" in "".join(traceback.format_exception(e))
