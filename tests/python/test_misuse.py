@@ -47,3 +47,26 @@ def test_a_node_exception_keeps_its_type_object_and_traceback_with_the_node_name
     frames = [fr.name for fr in traceback.extract_tb(e.__traceback__)]
     assert frames[-1] == "bad", frames
     assert "in node 'F.mlp'" in "".join(traceback.format_exception(e))
+
+
+def test_a_chunk_whose_loss_output_no_node_writes_is_refused_naming_it():
+    from sched_lifetime.nodes import Chunk, NodeDef
+
+    node = NodeDef("a", "compute", ["x"], ["y"], lambda x: x * 2, grad_inputs=["x"], grad_outputs=["y"])
+    with pytest.raises(ValueError, match=r"loss output 'loss' is written by no node \(their outputs: \['y'\]\)"):
+        Chunk([node], ["x"], "loss", torch.device("cpu"))
+    with pytest.raises(ValueError, match="loss output 'x' is written by no node"):  # an input is not an output
+        Chunk([node], ["x"], "x", torch.device("cpu"))
+    Chunk([node], ["x"], "y", torch.device("cpu"))  # the right name is accepted
+
+
+def test_a_node_stage_whose_nodes_never_write_its_output_is_refused_naming_it():
+    from sched_lifetime.pipelining import NodeStage, describe
+
+    layers = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    nodes = describe(list(layers), output="y")  # the stage's default output is "out"
+    with pytest.raises(ValueError, match=r"NodeStage: output 'out' is written by no node of Sequential \(their outputs: \['h1', 'y'\]\); pass output="):
+        NodeStage(layers, nodes=nodes)
+    stage = NodeStage(layers, nodes=nodes, output="y")
+    x = torch.randn(2, 4)
+    assert torch.equal(stage(x), layers(x))
