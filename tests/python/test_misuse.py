@@ -70,3 +70,63 @@ def test_a_node_stage_whose_nodes_never_write_its_output_is_refused_naming_it():
     stage = NodeStage(layers, nodes=nodes, output="y")
     x = torch.randn(2, 4)
     assert torch.equal(stage(x), layers(x))
+
+
+# -- silent wrong gradients ----------------------------------------------------------------
+
+
+def _sigmoid_loss(x, w, inplace, held):
+    y = torch.sigmoid(x @ w)  # sigmoid saves its output
+    if inplace:
+        y.mul_(2)  # what eager autograd refuses at the backward
+    held.append(y)
+    return y.sum() if inplace else (2 * y).sum()
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["kept", "paged"])
+def test_pager_keeps_autograds_inplace_check(paged):
+    """saved_tensors_hooks turn autograd's version check off: without the Pager's own, the
+    backward reads the changed tensor, every step, with no error."""
+    torch.manual_seed(0)
+    x, w = torch.randn(32, 64), torch.randn(64, 64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _sigmoid_loss(x, w, True, []).backward()  # eager
+    pager = sl.Pager(budget=1.0, min_bytes=0 if paged else 1 << 30, timed=False, min_distance=0)
+    # The calibration step keeps every saved tensor: checked too.
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: saved tensor #\d+ of this step \(\(32, 64\) torch.float32\) is at version 1; expected version 0"):
+        with pager.step():
+            _sigmoid_loss(x, w, True, []).backward()
+    with pager.step():  # calibrates
+        _sigmoid_loss(x, w, False, []).backward()
+    assert pager.plan["page"] == (["#0", "#1"] if paged else []), pager.explain()  # #1: the sigmoid's output
+    for _ in range(2):  # every later step, while the caller still holds the tensor
+        held = []
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            with pager.step():
+                _sigmoid_loss(x, w, True, held).backward()
+    w.grad = None
+    with pager.step():  # and the Pager still works
+        _sigmoid_loss(x, w, False, []).backward()
+    want = w.grad.clone()
+    w.grad = None
+    _sigmoid_loss(x, w, False, []).backward()
+    assert torch.equal(want, w.grad)
+
+
+def test_pager_paged_tensor_changed_then_dropped_gets_the_gradient_of_its_saved_value():
+    """Documented limit of the check: a paged tensor nothing holds any more cannot be looked at;
+    on CPU its host copy was taken at the save, so the backward reads the value autograd saved
+    (the gradient of the unchanged function, bit-exact), not the changed one."""
+    torch.manual_seed(0)
+    x, w = torch.randn(32, 64), torch.randn(64, 64, requires_grad=True)
+    pager = sl.Pager(budget=1.0, min_bytes=0, timed=False, min_distance=0)
+    with pager.step():
+        _sigmoid_loss(x, w, False, []).backward()
+    assert pager.plan["page"] == ["#0", "#1"], pager.explain()
+    w.grad = None
+    with pager.step():
+        _sigmoid_loss(x, w, True, []).backward()  # y dropped before the backward
+    got = w.grad.clone()
+    w.grad = None
+    _sigmoid_loss(x, w, False, []).backward()
+    assert torch.equal(got, w.grad)

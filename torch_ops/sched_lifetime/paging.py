@@ -19,7 +19,9 @@ given back right after the page-in that reads it is queued, so the next page-out
 queued behind that read on the same stream (no host sync). On CPU the copies are plain.
 
 A step whose saved tensors differ from the calibration (count, shape or dtype) raises: no
-silent fallback. `stats()` gives bytes out and in (equal every step) and the host bytes held;
+silent fallback. A saved tensor changed in place after its save raises at its unpack, as
+autograd's version check does in eager (saved_tensors_hooks turn that check off): every kept
+one, and a paged one while anything still holds it (else its host copy is the value saved). `stats()` gives bytes out and in (equal every step) and the host bytes held;
 `per_step()` per step: bytes out and in, host bytes in use at once, page-outs in flight at once,
 and (`measure_waits=True`) the time the compute stream waited on page-ins.
 """
@@ -31,6 +33,7 @@ import collections
 import contextlib
 import json
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -127,6 +130,19 @@ def wait_us(marks: list[tuple]) -> float:
     if marks:
         marks[-1][1].synchronize()
     return sum(b.elapsed_time(a) for b, a in marks) * 1e3
+
+
+def _check_version(packed: tuple) -> None:
+    """Raise as autograd does when a saved tensor was changed in place since its save. A kept
+    one is held; a paged one is checked while anything still holds it (its view family's base):
+    once nothing does, nothing can change it, and the backward reads its host copy."""
+    t = packed[2] if packed[0] == "keep" else packed[2]()
+    if t is not None and t._version != packed[3]:
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"saved tensor #{packed[1]} of this step ({tuple(t.shape)} {t.dtype}) is at version {t._version}; expected "
+            f"version {packed[3]} instead (autograd's check, kept under sl.Pager). Hint: clone the tensor before changing it in place."
+        )
 
 
 @dataclass(frozen=True)
@@ -693,13 +709,13 @@ class Pager:
                 if c is None or c["shape"] != tuple(t.shape) or c["dtype"] != t.dtype:
                     raise RuntimeError(f"paging: saved tensor #{i} is {tuple(t.shape)} {t.dtype}, the first calibration step saw {c and (c['shape'], c['dtype'])}")
                 self._events["save"].append(self._event_now())
-                return ("keep", i, t)
+                return ("keep", i, t, t._version)
             if self.timed and t.is_cuda:
                 self._peak("save", t.device)
             # Metadata only: a reference here would keep every activation alive through the
             # backward and distort the memory timeline.
             self._calib.append({"device": t.device, "bytes": t.numel() * t.element_size(), "shape": tuple(t.shape), "dtype": t.dtype, "weight": is_weight(t), "restorable": restorable(t)})
-            return ("keep", i, t)
+            return ("keep", i, t, t._version)
         shapes = self._shapes
         if i >= len(shapes) or t.shape != shapes[i][0] or t.dtype != shapes[i][1]:
             raise RuntimeError(
@@ -707,12 +723,12 @@ class Pager:
                 f"{shapes[i] if i < len(shapes) else 'nothing'}; make a new Pager for a new shape"
             )
         if i not in self._page or not restorable(t):
-            packed: Any = ("keep", i, t)
+            packed: Any = ("keep", i, t, t._version)
         else:
             p = pool.page_out(t)
             self._handles[i] = p
             self._stats["bytes_out"] += p.nbytes
-            packed = ("paged", i)
+            packed = ("paged", i, weakref.ref(t if t._base is None else t._base), t._version)
         if self._release_at and i >= self._next_release:  # the plan's release points up to this save
             rel = self._release_at
             k = bisect.bisect_right(rel, i)
@@ -722,6 +738,8 @@ class Pager:
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         kind, i = packed[0], packed[1]
+        if len(packed) > 3:  # autograd's version check, which saved_tensors_hooks turn off
+            _check_version(packed)
         if self.plan is None:
             if self._timing_pass:
                 self._events["unpack"].append(self._event_now())
