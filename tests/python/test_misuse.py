@@ -130,3 +130,45 @@ def test_pager_paged_tensor_changed_then_dropped_gets_the_gradient_of_its_saved_
     w.grad = None
     _sigmoid_loss(x, w, False, []).backward()
     assert torch.equal(got, w.grad)
+
+
+def _inplace_chunk(inplace):
+    from sched_lifetime.nodes import Chunk, NodeDef
+
+    torch.manual_seed(0)
+    W, V = torch.nn.Parameter(torch.randn(64, 8)), torch.nn.Parameter(torch.randn(8, 8))
+
+    def a(x):
+        y = torch.sigmoid(x @ W)  # saves x (8 KiB) and its output y (1 KiB)
+        if inplace:
+            y.mul_(2)
+        return y if inplace else 2 * y
+
+    def b(y):
+        return (y @ V).sum()
+
+    nodes = [
+        NodeDef("a", "compute", ["x"], ["y"], a, params=[W], grad_outputs=["y"]),
+        NodeDef("b", "compute", ["y"], ["loss"], b, params=[V], grad_inputs=["y"], grad_outputs=["loss"]),
+    ]
+    return Chunk(nodes, ["x"], "loss", torch.device("cpu")), W
+
+
+@pytest.mark.parametrize("min_bytes", [0, 4096], ids=["paged", "kept"])
+def test_paged_nodes_keep_autograds_inplace_check(min_bytes):
+    """A paged node's forward runs under saved_tensors_hooks (autograd's check off): an in-place
+    change of what it saved raises as it does for an unpaged node."""
+    from sched_lifetime.nodes import train_step
+
+    x = {"x": torch.randn(32, 64)}
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        train_step(_inplace_chunk(True)[0], [x])  # unpaged: autograd's own check
+    chunk, _ = _inplace_chunk(True)
+    plan = chunk.enable_paging(x, nodes=["a"], min_bytes=min_bytes)
+    assert plan["page"] == ["a"]
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: a \(32, 8\) torch.float32 tensor node 'a' saved is at version 1; expected version 0"):
+        train_step(chunk, [x])
+    ok, W = _inplace_chunk(False)
+    ok.enable_paging(x, nodes=["a"], min_bytes=min_bytes)
+    train_step(ok, [x])  # no false alarm
+    assert W.grad is not None and ok.page_stats["bytes_out"] == ok.page_stats["bytes_in"] > 0

@@ -23,6 +23,18 @@ if TYPE_CHECKING:
     from .chunk import Chunk
 
 
+def _check_version(node: str, t: Optional[torch.Tensor], version: int) -> None:
+    """Raise as autograd does when a saved tensor was changed in place since its save (`t`:
+    None when nothing holds a paged one any more; then nothing can change it and the backward
+    reads its host copy)."""
+    if t is not None and t._version != version:
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"a {tuple(t.shape)} {t.dtype} tensor node '{node}' saved is at version {t._version}; expected version "
+            f"{version} instead (autograd's check, kept on paged nodes). Hint: clone it before changing it in place."
+        )
+
+
 class PageHooks:
     """One chunk's paging state: the pool, the calibration and the bytes moved."""
 
@@ -64,21 +76,25 @@ class PageHooks:
         # state weakly.
         ref = weakref.ref(st) if st is not None else None
 
+        # Each packed tuple ends with the tensor's version and what to read it from: autograd's
+        # in-place check, which these hooks turn off, is done at the unpack (`_check_version`).
         def pack(t: torch.Tensor) -> Any:
             if not pageable(t):
-                return ("keep", t.detach())
+                return ("keep", t.detach(), t._version)
             if calib is not None:
                 calib.setdefault(name, []).append(t.numel() * t.element_size())
                 self.calib_saved.setdefault(name, []).append(t.detach())  # for the host layout
-                return ("keep", t.detach())
+                return ("keep", t.detach(), t._version)
             held = ref().paged.setdefault(name, [])
             held.append(t)
-            return ("paged", ref, name, len(held) - 1)
+            return ("paged", ref, name, len(held) - 1, weakref.ref(t if t._base is None else t._base), t._version)
 
         def unpack(packed: Any) -> torch.Tensor:
             if packed[0] == "keep":
+                _check_version(name, packed[1], packed[2])
                 return packed[1]
-            _, owner_ref, node, i = packed
+            _, owner_ref, node, i, held_ref, version = packed
+            _check_version(node, held_ref(), version)
             owner = owner_ref()
             if owner is None:
                 raise RuntimeError(f"node '{node}': saved activation #{i} unpacked after its microbatch's state was dropped")
