@@ -172,3 +172,60 @@ def test_paged_nodes_keep_autograds_inplace_check(min_bytes):
     ok.enable_paging(x, nodes=["a"], min_bytes=min_bytes)
     train_step(ok, [x])  # no false alarm
     assert W.grad is not None and ok.page_stats["bytes_out"] == ok.page_stats["bytes_in"] > 0
+
+
+def test_empty_storage_is_refused_for_a_tensor_autograd_saved_and_changes_nothing():
+    """Emptying a tensor the backward reads is a crash or garbage gradients with no error (the
+    backward reads freed memory); a tensor in an autograd graph that something else references
+    is refused, naming the fix, before any state changes. One nothing saved still empties."""
+    cpu = sl.current_stream(torch.device("cpu"))
+    w = torch.randn(1000, requires_grad=True)
+    m = sl.LifetimeManager("refuse")
+    out = torch.sigmoid(w)  # saved by sigmoid as its output (another tensor on its storage)
+    h = w * 2
+    prod = h * h  # saved by mul as its input (the same tensor, one more reference)
+    m.bind([out, h], cpu)
+    before = m.stats()
+    for call in (
+        lambda: m.retire(out, cpu, "empty_storage"),
+        lambda: m.retire([h], cpu),  # the default action empties
+        lambda: m.retire(x for x in [h]),  # any iterable
+        lambda: m.release_after([h], cpu, cpu),
+        lambda: sl.LifetimeManager("other").retire(h, cpu, owner_stream=cpu),  # bound in the call
+    ):
+        with pytest.raises(RuntimeError, match="requires grad and something else holds its data.*action='drop_reference'"):
+            call()
+        assert m.stats() == before
+    m.retire([out, h], cpu, "drop_reference")  # the fix: the memory goes when autograd lets go
+    assert m.finalize()["retired_drop_reference"] == 2
+    (out.sum() + prod.sum()).backward()
+    assert torch.allclose(w.grad, out * (1 - out) + 8 * w)
+    # Consumed by an op that saves nothing (a scalar mul): no false alarm, the storage goes.
+    g = w * 3
+    keep = g * 2.0
+    m2 = sl.LifetimeManager("fine")
+    m2.bind(g, cpu)
+    m2.retire(g, cpu, "empty_storage")
+    m2.finalize()
+    assert g.untyped_storage().nbytes() == 0 and keep.requires_grad
+
+
+def test_a_second_retire_is_the_counted_fallback_for_drop_reference_and_an_error_for_empty_storage():
+    """What the README says a second retire does: the binding is gone after the first, so a
+    second `drop_reference`/`preserve` retire is the unknown-owner fallback (rule 4), counted;
+    a second `empty_storage` finds the storage emptied and raises."""
+    cpu = sl.current_stream(torch.device("cpu"))
+    for action in ("drop_reference", "preserve"):
+        m = sl.LifetimeManager(action)
+        x = torch.ones(8)
+        m.bind(x, cpu)
+        m.retire(x, cpu, action)
+        assert m.stats()["fallback_record_stream"] == 0
+        m.retire(x, cpu, action)  # no error
+        assert m.finalize()["fallback_record_stream"] == 1
+    m = sl.LifetimeManager("twice")
+    x = torch.ones(8)
+    m.bind(x, cpu)
+    m.retire(x, cpu, "empty_storage")
+    with pytest.raises(RuntimeError, match="already retired and its storage emptied"):
+        m.retire(x, cpu, "empty_storage")
