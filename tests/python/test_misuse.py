@@ -229,3 +229,32 @@ def test_a_second_retire_is_the_counted_fallback_for_drop_reference_and_an_error
     m.retire(x, cpu, "empty_storage")
     with pytest.raises(RuntimeError, match="already retired and its storage emptied"):
         m.retire(x, cpu, "empty_storage")
+
+
+# -- silent no-ops -------------------------------------------------------------------------
+
+
+def test_enable_paging_that_selects_nothing_warns_with_the_fix():
+    """The tiny config saves nothing of 64 KiB (the default `min_bytes`): a budget, or named
+    nodes, page nothing; that is said once, with the fix, and a smaller `min_bytes` pages."""
+    from sched_lifetime.models import CONFIGS, MoEModel
+
+    m = MoEModel(CONFIGS["tiny"])
+    c = m.chunk()
+    with pytest.warns(UserWarning, match=r"enable_paging\(budget=0.5\) pages nothing: no compute node saves an activation of at least min_bytes=65536 bytes \(the largest is \d+ bytes\); pass a smaller min_bytes"):
+        assert c.enable_paging(m.batch(0, 0), budget=0.5)["page"] == []
+    with pytest.warns(UserWarning, match=r"enable_paging: nodes \['L0.attn'\] save no activation of at least min_bytes=65536 bytes.*pass a smaller min_bytes"):
+        assert c.enable_paging(m.batch(0, 0), nodes=["L0.attn"])["page"] == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to say when something is paged
+        assert c.enable_paging(m.batch(0, 0), nodes=["L0.attn"], min_bytes=1)["page"] == ["L0.attn"]
+        assert c.enable_paging(m.batch(0, 0), budget=0.5, min_bytes=1)["page"]
+
+
+def test_a_pager_that_selects_nothing_warns_with_the_fix():
+    x, w = torch.randn(32, 64), torch.randn(64, 64, requires_grad=True)
+    pager = sl.Pager(budget=0.5, timed=False)  # 8 KiB activations, 64 KiB min_bytes
+    with pytest.warns(UserWarning, match=r"Pager: nothing to page: every saved activation is under min_bytes=65536 bytes \(the largest is 8192\); pass a smaller min_bytes"):
+        with pager.step():
+            torch.sigmoid(x @ w).sum().backward()
+    assert pager.plan["page"] == []

@@ -33,6 +33,7 @@ import collections
 import contextlib
 import json
 import math
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence, Union
@@ -877,6 +878,9 @@ class Pager:
             if c["bytes"] < self.min_bytes or c["weight"] or not c["restorable"] or i not in self._first_use:
                 continue
             prefix.append({"name": f"#{i}", "bytes": c["bytes"], "saved_at": i, "used_at": self._first_use[i]})
+        small = [c["bytes"] for c in self._calib if c["bytes"] < self.min_bytes and not c["weight"]]
+        if not prefix and small:  # a setting that selects nothing: say so once, with the fix
+            warnings.warn(f"Pager: nothing to page: every saved activation is under min_bytes={self.min_bytes} bytes (the largest is {max(small)}); pass a smaller min_bytes")
         # used_at counts backward steps from the boundary: the first unpack is step 0.
         #: What the plan was made from (Rust's inputs), to print or to plan again with.
         self.calibration = {"prefix": prefix, "budget": self.budget, "min_distance": self.min_distance, "timing": timing}
