@@ -258,3 +258,26 @@ def test_a_pager_that_selects_nothing_warns_with_the_fix():
         with pager.step():
             torch.sigmoid(x @ w).sum().backward()
     assert pager.plan["page"] == []
+
+
+def test_paired_ends_with_one_microbatch_warns_and_runs_unpaired():
+    from sched_lifetime.compile import GraphStep
+    from sched_lifetime.models import CONFIGS, MoEModel
+    from sched_lifetime.nodes import train_step
+
+    m = MoEModel(CONFIGS["tiny"])
+    with pytest.warns(UserWarning, match=r"train_step: paired_ends pairs two microbatches; with 1 the step runs F\(0\) then B\(0\) unpaired"):
+        (loss,) = train_step(m.chunk(), [m.batch(0, 0)], "ours", paired_ends=True)
+    assert loss.dim() == 0
+    gs = GraphStep(_ScalarLoss(), (torch.randn(3, 4),))
+    with pytest.warns(UserWarning, match=r"GraphStep.step: paired_ends pairs two microbatches; with 1"):
+        assert len(gs.step([(torch.randn(3, 4),)], paired_ends=True)) == 1
+
+
+class _ScalarLoss(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x).square().sum()

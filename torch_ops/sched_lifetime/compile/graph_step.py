@@ -4,6 +4,7 @@ combined-1F1B steady state on them, through the multiplexing pass)."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -120,6 +121,8 @@ class GraphStep:
             raise ValueError("GraphStep.step needs at least one microbatch")
         if paired_ends and not multiplexed:
             raise ValueError("GraphStep.step: paired_ends needs multiplexed=True")
+        if paired_ends and len(microbatches) == 1:  # a setting that selects nothing: say so
+            warnings.warn("GraphStep.step: paired_ends pairs two microbatches; with 1 the step runs F(0) then B(0) unpaired", stacklevel=2)
         if paired_ends and len(microbatches) >= 2:
             return self._step_paired(microbatches)
         losses = []

@@ -9,6 +9,7 @@ is one F(i+1)+B(i); `train_step` a whole step of n microbatches with gradient ac
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
@@ -193,6 +194,8 @@ def train_step(
         raise ValueError(f"order must be one of {ORDERS} (or 'ours:<rules,budgets>'), got {order!r}")
     if paired_ends and not (order == "ours" or order.startswith("ours:")):
         raise ValueError(f"paired_ends needs one of our orders ('ours' or 'ours:...'), got {order!r}")
+    if paired_ends and n == 1:  # a setting that selects nothing: say so
+        warnings.warn("train_step: paired_ends pairs two microbatches; with 1 the step runs F(0) then B(0) unpaired", stacklevel=2)
     scale = 1.0 / n
     states = [MicrobatchState(i) for i in range(n)]
     reduce = chunk.grad_reduce
