@@ -208,6 +208,14 @@ def test_empty_storage_is_refused_for_a_tensor_autograd_saved_and_changes_nothin
     m2.retire(g, cpu, "empty_storage")
     m2.finalize()
     assert g.untyped_storage().nbytes() == 0 and keep.requires_grad
+    # A binding counts as a holder: bound by bind() and again by owner_stream= is said so.
+    k = w * 5
+    m2 = sl.LifetimeManager("twice bound")
+    m2.bind(k, cpu)
+    with pytest.raises(RuntimeError, match=r"or bind\(\) bound it already and this call binds it again: bind it once"):
+        m2.retire(k, cpu, owner_stream=cpu)
+    m2.retire(k, cpu)  # bound once: fine
+    m2.finalize()
 
 
 def test_a_second_retire_is_the_counted_fallback_for_drop_reference_and_an_error_for_empty_storage():

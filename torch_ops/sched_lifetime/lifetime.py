@@ -77,12 +77,14 @@ def _refuse_autograd_held(tensors: Tensors, bound_in_call: bool, verb: str) -> N
     for i, t in enumerate((tensors,) if isinstance(tensors, torch.Tensor) else tensors):
         if not (isinstance(t, torch.Tensor) and t.requires_grad):
             continue
-        if t._use_count() > (1 if bound_in_call else 2) or _storage_use_count(t.untyped_storage()._cdata) > 2:
+        uses, shared = t._use_count(), _storage_use_count(t.untyped_storage()._cdata)
+        if uses > (1 if bound_in_call else 2) or shared > 2:
+            also = " (or bind() bound it already and this call binds it again: bind it once)" if bound_in_call and uses == 2 and shared <= 2 else ""
             raise RuntimeError(
                 f"{verb}: tensor {i} ({tuple(t.shape)} {t.dtype}) requires grad and something else holds its data "
-                "(an op saved it for the backward, or a view shares it): emptying its storage would make the backward "
-                "read freed memory. Retire it with action='drop_reference' (its memory goes when autograd lets go of it), "
-                "or after the backward"
+                f"(an op saved it for the backward, or a view shares it){also}: emptying its storage would make the "
+                "backward read freed memory. Retire it with action='drop_reference' (its memory goes when autograd "
+                "lets go of it), or after the backward"
             )
 
 
