@@ -172,6 +172,7 @@ class NodeStage(_DualPipeHook, nn.Module):
                 raise ValueError(f"{type(module).__name__} has no nodes(): pass nodes=, or build them with sl.pipelining.describe")
             nodes = module.nodes()
         _refuse_reentrant_checkpoint(module)
+        nodes = list(nodes)
         written = [v for n in nodes for v in n.outputs]
         if output not in written:
             raise ValueError(
