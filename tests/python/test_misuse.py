@@ -83,6 +83,7 @@ def _sigmoid_loss(x, w, inplace, held):
     return y.sum() if inplace else (2 * y).sum()
 
 
+@pytest.mark.filterwarnings("ignore:Pager. nothing to page")  # the kept case pages nothing on purpose
 @pytest.mark.parametrize("paged", [False, True], ids=["kept", "paged"])
 def test_pager_keeps_autograds_inplace_check(paged):
     """saved_tensors_hooks turn autograd's version check off: without the Pager's own, the
