@@ -33,6 +33,19 @@ NodeFn = Callable[..., Any]
 _LIFETIME_MODES = ("scheduled", "record_stream", "none")
 
 
+def add_note(e: BaseException, note: str) -> None:
+    """`e.add_note(note)` (PEP 678, Python 3.11+). On 3.10 the note goes to `__notes__` all
+    the same, and, when `e` has no cause yet, a RuntimeError with the note becomes its cause, so
+    the printed traceback names it too."""
+    if hasattr(e, "add_note"):
+        e.add_note(note)
+        return
+    notes = getattr(e, "__notes__", None)
+    e.__notes__ = (list(notes) if notes else []) + [note]  # type: ignore[attr-defined]
+    if e.__cause__ is None:
+        e.__cause__ = RuntimeError(note)
+
+
 class SideStreams:
     """The high-priority EP and page streams of one device, created once and reused: `page` for
     page-outs (device -> host), `page_in` for page-ins (host -> device), at the same priority,
@@ -278,7 +291,9 @@ class Executor:
                     try:
                         out = _outputs(name, fn(*args), len(self._outs[name]))
                     except Exception as e:
-                        raise type(e)(f"node '{name}': {e}") from e
+                        # The caller's own exception (type, message, traceback), with the node named.
+                        add_note(e, f"in node '{name}' ({kind}) of the schedule")
+                        raise
             for v, t in zip(self._outs[name], out):
                 env[v] = t
                 if self.value_bytes is not None and isinstance(t, torch.Tensor):

@@ -47,6 +47,11 @@ class Chunk(ChunkGraph):
         #: Time every node (`Executor(timing=True)`); `node_times_us` collects the times.
         self.timing = False
         self._times: dict[str, list[float]] = {}
+        #: Cross-rank agreement of `train_step` / `combined_step` (`sched_lifetime.ep.RANK_CHECKS`):
+        #: "new_plan", "every_step" or "off", over `rank_group` (None: the default group).
+        self.rank_check = "new_plan"
+        self.rank_group: Any = None
+        self._rank_agreed: Optional[str] = None
 
     def _rebuild(self) -> None:
         super()._rebuild()

@@ -9,10 +9,12 @@ is one F(i+1)+B(i); `train_step` a whole step of n microbatches with gradient ac
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
+from ..ep import agree_across_ranks, digest, schedule_digest
 from ..executor import Executor
 from .graph import ORDERS, _order_schedule, _pair_graph, _two_graph
 from .state import MicrobatchState
@@ -157,6 +159,17 @@ def run_two(
             c.ctx.fwd = c.ctx.bwd = None
 
 
+def _rank_facts(chunk: Chunk, order: str, lifetime: str) -> dict:
+    """What decides the collectives of a chunk's step besides the microbatch count: the F+B
+    schedule (graph, order, budgets, costs) and the paging plan (paged nodes, calibrated bytes)."""
+    ex = _executor(chunk, chunk, order, lifetime)
+    paging = chunk.pages.plan
+    return {
+        "schedule": schedule_digest(ex),
+        "paging plan": digest(sorted(chunk._paged), chunk.pages.saved_bytes, paging and paging.get("host_bytes")) if chunk._paged else None,
+    }
+
+
 def combined_step(
     chunk: Chunk,
     forward: tuple[MicrobatchState, dict[str, Any]],
@@ -165,7 +178,9 @@ def combined_step(
     lifetime: str = "scheduled",
     grad_scale: float = 1.0,
 ) -> dict[str, Any]:
-    """F of one microbatch with B of another, in the scheduler's order (or a baseline's)."""
+    """F of one microbatch with B of another, in the scheduler's order (or a baseline's). With
+    torch.distributed, the ranks first agree on its schedule and paging plan (`train_step`)."""
+    agree_across_ranks(chunk, "combined_step", {"order": order, "lifetime": lifetime, **_rank_facts(chunk, order, lifetime)})
     return chunk.run(forward, backward, order, lifetime, grad_scale)
 
 
@@ -187,7 +202,15 @@ def train_step(
     their transfers also run under another microbatch's compute: F(0) with F(1), then F(i+2)
     with B(i), then B(n-2) with B(n-1) (`run_two`). One more microbatch's activations are live
     in the steady state (three forwards ahead of their backward instead of two). Gradients
-    accumulate in microbatch order as without it (bit-exact)."""
+    accumulate in microbatch order as without it (bit-exact).
+
+    With torch.distributed, the ranks first agree on what decides the step's collectives (the
+    microbatch count, the schedule, the paging plan) with one small collective over
+    `chunk.rank_group` (None: the default group), and raise on every rank with the same message
+    if they differ, instead of hanging in a collective: when this rank's facts are new
+    (`chunk.rank_check="new_plan"`, the default), on every step (`"every_step"`: when the
+    microbatch count can change on one rank alone), or never (`"off"`); see
+    `sched_lifetime.ep.agree_across_ranks`."""
     n = len(microbatches)
     if n == 0:
         raise ValueError("train_step needs at least one microbatch")
@@ -195,6 +218,10 @@ def train_step(
         raise ValueError(f"order must be one of {ORDERS} (or 'ours:<rules,budgets>'), got {order!r}")
     if paired_ends and not (order == "ours" or order.startswith("ours:")):
         raise ValueError(f"paired_ends needs one of our orders ('ours' or 'ours:...'), got {order!r}")
+    if paired_ends and n == 1:  # a setting that selects nothing: say so
+        warnings.warn("train_step: paired_ends pairs two microbatches; with 1 the step runs F(0) then B(0) unpaired", stacklevel=2)
+    facts = {"microbatch count": n, "order": order, "lifetime": lifetime, "paired_ends": bool(paired_ends and n >= 2)}
+    agree_across_ranks(chunk, "train_step", {**facts, **_rank_facts(chunk, order, lifetime)})
     scale = 1.0 / n
     states = [MicrobatchState(i) for i in range(n)]
     reduce = chunk.grad_reduce

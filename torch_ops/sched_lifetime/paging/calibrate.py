@@ -10,6 +10,7 @@ directions at once too: Rust then plans page-outs that end in the backward).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -78,6 +79,9 @@ class Calibration:
             if c["bytes"] < min_bytes or c["weight"] or not c["restorable"] or i not in self.first_use:
                 continue
             prefix.append({"name": f"#{i}", "bytes": c["bytes"], "saved_at": i, "used_at": self.first_use[i]})
+        small = [c["bytes"] for c in self.saved if c["bytes"] < min_bytes and not c["weight"]]
+        if not prefix and small:  # a setting that selects nothing: say so once, with the fix
+            warnings.warn(f"Pager: nothing to page: every saved activation is under min_bytes={min_bytes} bytes (the largest is {max(small)}); pass a smaller min_bytes")
         # used_at counts backward steps from the boundary: the first unpack is step 0.
         return prefix
 

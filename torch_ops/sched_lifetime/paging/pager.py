@@ -23,7 +23,9 @@ next page-out into it waits for that read on the GPU (`SlotOrder`: an event per 
 sync). On CPU the copies are plain.
 
 A step whose saved tensors differ from the calibration (count, shape or dtype) raises: no
-silent fallback. A step that raises between page-outs and page-ins loses nothing: the compute
+silent fallback. A saved tensor changed in place after its save raises at its unpack, as
+autograd's version check does in eager (saved_tensors_hooks turn that check off): every kept
+one, and a paged one while anything still holds it (else its host copy is the value saved). A step that raises between page-outs and page-ins loses nothing: the compute
 stream waits for the copies in flight, every page-out's storage is released and every host
 buffer comes back (`HostPool.abandon`); the next step runs as usual. `stats()` gives bytes out and in (equal every step) and the host bytes held;
 `per_step()` per step: bytes out and in, host bytes in use at once, page-outs in flight at once,
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import weakref
 from typing import Any, Iterator, Optional
 
 import torch
@@ -53,6 +56,20 @@ def _check_settings(budget: Budget, drain_distance: int, prefetch: int, slack: f
         raise ValueError(f"prefetch must be an int >= 0 (backward unpacks ahead), got {prefetch!r}")
     if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not slack >= 1:
         raise ValueError(f"slack must be a number >= 1, got {slack!r}")
+
+
+
+def _check_version(packed: tuple) -> None:
+    """Raise as autograd does when a saved tensor was changed in place since its save. A kept
+    one is held; a paged one is checked while anything still holds it (its view family's base):
+    once nothing does, nothing can change it, and the backward reads its host copy."""
+    t = packed[2] if packed[0] == "keep" else packed[2]()
+    if t is not None and t._version != packed[3]:
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"saved tensor #{packed[1]} of this step ({tuple(t.shape)} {t.dtype}) is at version {t._version}; expected "
+            f"version {packed[3]} instead (autograd's check, kept under sl.Pager). Hint: clone the tensor before changing it in place."
+        )
 
 
 class Pager:
@@ -133,7 +150,7 @@ class Pager:
             pool.release_done()  # untimed: every save is a chance to free what the link has copied
         if self.plan is None:  # calibrating: record, keep
             self._calib.save(i, t)
-            return ("keep", i, t)
+            return ("keep", i, t, t._version)
         shapes = self._shapes
         if i >= len(shapes) or t.shape != shapes[i][0] or t.dtype != shapes[i][1]:
             raise RuntimeError(
@@ -141,12 +158,12 @@ class Pager:
                 f"{shapes[i] if i < len(shapes) else 'nothing'}; make a new Pager for a new shape"
             )
         if i not in self._page or not restorable(t):
-            packed: Any = ("keep", i, t)
+            packed: Any = ("keep", i, t, t._version)
         else:
             p = pool.page_out(t)
             self._handles[i] = p
             self._stats["bytes_out"] += p.nbytes
-            packed = ("paged", i)
+            packed = ("paged", i, weakref.ref(t if t._base is None else t._base), t._version)
         if self._release_at and i >= self._next_release:  # the plan's release points up to this save
             rel = self._release_at
             k = bisect.bisect_right(rel, i)
@@ -156,6 +173,8 @@ class Pager:
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         kind, i = packed[0], packed[1]
+        if len(packed) > 3:  # autograd's version check, which saved_tensors_hooks turn off
+            _check_version(packed)
         if self.plan is None:
             self._calib.unpack(i, self._unpacks)
             self._unpacks += 1

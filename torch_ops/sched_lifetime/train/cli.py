@@ -8,12 +8,13 @@ import argparse
 import os
 import socket
 import sys
+import time
 from typing import Optional
 
 import torch
 
 from .arms import arms_help, check_arms, default_arms
-from .loop import worker
+from .loop import say, worker
 
 
 def _free_port() -> int:
@@ -39,7 +40,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 def parser() -> argparse.ArgumentParser:
     """The options of `python -m sched_lifetime train`."""
     p = argparse.ArgumentParser(prog="sched_lifetime train", description="train the embedded MoE model under several arms", formatter_class=_HelpFormatter)
-    p.add_argument("--config", default=None, help="tiny (CPU default), tiny_dense, h200 (GPU default)")
+    p.add_argument("--config", default=None, help="tiny (CPU default), tiny_dense, h200 (GPU default)")  # checked in `check_args`
     p.add_argument("--layers", type=int, default=0)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--microbatches", type=int, default=4)
@@ -86,12 +87,33 @@ def resolve_ep_link(args: argparse.Namespace, use_cuda: bool) -> str:
     return link
 
 
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every option checked here, before any process is spawned (`p.error`: the usage and the
+    message, exit status 2), so a mistake never surfaces as a traceback from inside a rank."""
+    from ..models import CONFIGS
+
+    if args.config not in CONFIGS:
+        p.error(f"--config {args.config!r} is not a config; valid: {', '.join(CONFIGS)}")
+    for name, lo in (("steps", 1), ("microbatches", 1), ("world", 1), ("layers", 0), ("nccl_channels", 0), ("page_prefetch", 0), ("page_release", 0)):
+        if getattr(args, name) < lo:
+            p.error(f"--{name.replace('_', '-')} must be at least {lo}, got {getattr(args, name)}")
+    if not args.lr > 0:
+        p.error(f"--lr must be > 0, got {args.lr}")
+    if not 0 <= args.page_budget <= 1:
+        p.error(f"--page-budget is a fraction of the saved activations, in [0, 1]; got {args.page_budget}")
+    if args.costs and not os.path.isfile(args.costs):
+        p.error(f"--costs {args.costs!r}: no such file")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    """Parse, check the arms, set the environment, and run every rank."""
-    args = parser().parse_args(argv)
+    """Parse, check the options and the arms, set the environment, and run every rank."""
+    p = parser()
+    args = p.parse_args(argv)
+    args.started = time.time()  # progress lines count from here (the ranks get it too)
     use_cuda = torch.cuda.is_available() and not args.cpu
     if args.config is None:
         args.config = "h200" if use_cuda else "tiny"
+    check_args(p, args)
     check_arms([a for a in args.arms.split(",") if a], use_cuda, bool(args.costs))
     args.ep_link = resolve_ep_link(args, use_cuda)
     if args.out:
@@ -117,5 +139,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     import torch.multiprocessing as mp
 
+    say(args, f"starting {world} {'NCCL' if use_cuda else 'gloo'} ranks (each imports torch, then builds the arms: several seconds)")
     mp.spawn(worker, args=(world, args, _free_port()), nprocs=world, join=True)
     return 0

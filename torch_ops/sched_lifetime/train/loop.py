@@ -27,6 +27,15 @@ from .figures import (
 )
 
 
+def say(args: argparse.Namespace, msg: str) -> None:
+    """A progress line on rank 0 (unless `--quiet`), with the seconds since the command started:
+    long work (spawn, model build, warm-up, capture) is never silent."""
+    if not getattr(args, "progress", True) or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    start = getattr(args, "started", None)
+    print(f"[{time.time() - start:6.1f} s] {msg}" if start is not None else msg, flush=True)
+
+
 def worker(rank: int, world: int, args: argparse.Namespace, port: Optional[int]) -> None:
     """One rank of the main job: device and process group set up, `run`, rank 0 prints."""
     use_cuda = torch.cuda.is_available() and not args.cpu
@@ -44,6 +53,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: Optional[int])
         moe_mod.deterministic_sdpa(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16)
     if world > 1 or ("RANK" in os.environ and _link_spec(args) is None):
         dist.init_process_group("nccl" if use_cuda else "gloo", device_id=torch.device("cuda", torch.cuda.current_device()) if use_cuda else None)
+    say(args, f"{world} rank(s) up ({'NCCL' if use_cuda else 'gloo'})" if world > 1 else "running on one process")
     try:
         out = run(args, use_cuda)
         if (not dist.is_initialized() or dist.get_rank() == 0) and out is not None:
@@ -73,6 +83,7 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
         group = ep_mod.new_ep_group() if dist.is_initialized() else None
         transport = ep_mod.AllToAll(group)
     rank0 = transport.rank == 0
+    say(args, f"building {len(args.arms.split(','))} arms on config {args.config} ({cfg.layers} layers, {cfg.experts} experts)")
     arms = build_arms(args, cfg, transport, device, rank0)
     first = next(iter(arms.values()))
     # Every rank must issue the same collectives in the same order.
@@ -82,10 +93,13 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
         if use_cuda:
             torch.cuda.synchronize()
 
-    grads_ok, failed = _warm_up(arms, first, args.microbatches, sync)
+    grads_ok, failed = _warm_up(arms, first, args.microbatches, sync, args)
+    say(args, f"timed steps: {args.steps} round(s), every arm one step a round")
     _timed_steps(arms, first, grads_ok, args, sync, rank0)
     parity = _parity(arms, first, grads_ok, device)
     rows: dict[str, dict] = {a: {"parity": parity[a], "step_ms": statistics.median(arm.times)} for a, arm in arms.items()}
+    if use_cuda:
+        say(args, "each arm measured alone: memory, then a profiled step")
     histories = _measure_alone(arms, rows, args, sync, device, rank0) if use_cuda else {}
     for a, why in failed.items():
         rows[a] = {"parity": False, "step_ms": float("nan"), "failed": why}
@@ -139,10 +153,12 @@ def _schedules(arms: dict[str, Arm]) -> dict:
     return tables
 
 
-def _warm_up(arms: dict[str, Arm], first: Arm, microbatches: int, sync: Callable[[], None]) -> tuple[dict[str, bool], dict[str, str]]:
+def _warm_up(arms: dict[str, Arm], first: Arm, microbatches: int, sync: Callable[[], None], args: Optional[argparse.Namespace] = None) -> tuple[dict[str, bool], dict[str, str]]:
     """Step 0 on every arm (not timed), then the captured arms' capture step. Returns the
     gradient parity so far and the arms dropped (a capture failure drops the arm, not the run)."""
-    for arm in arms.values():
+    for a, arm in arms.items():
+        if args is not None:
+            say(args, f"warm-up step (not timed): {a}")
         arm.step(0, microbatches)
     sync()
     grads_ok = {a: same_grads(arm, first) for a, arm in arms.items()}
@@ -150,6 +166,8 @@ def _warm_up(arms: dict[str, Arm], first: Arm, microbatches: int, sync: Callable
     for a, arm in list(arms.items()):
         if arm.captured:
             try:
+                if args is not None:
+                    say(args, f"capturing the step of {a} in a CUDA graph")
                 arm.step(1, microbatches)  # captures, then replays
                 arm.losses.pop()
                 arm.model.load_state_dict(first.model.state_dict())  # back in step with the others
