@@ -46,6 +46,9 @@ def add_note(e: BaseException, note: str) -> None:
         e.__cause__ = RuntimeError(note)
 
 
+#: Retire actions that empty the storage (names, from Rust).
+_EMPTYING = frozenset(INFO["storage_emptying_actions"])
+
 class SideStreams:
     """The high-priority EP and page streams of one device, created once and reused: `page` for
     page-outs (device -> host), `page_in` for page-ins (host -> device), at the same priority,
@@ -183,6 +186,11 @@ class Executor:
                 lst = self._drain_before.setdefault(r["drain_before"], [])
                 if entry not in lst:
                     lst.append(entry)
+        #: Forward values autograd saved for a backward (chunk names, without the source prefix:
+        #: the node API fills it on each node's first forward). Their storage-emptying retire
+        #: becomes `drop_reference` (the backward still reads them); `kept_for_autograd` counts.
+        self.autograd_saved: set[str] = set()
+        self.kept_for_autograd = 0
         self._plans = sorted({self._source[self._producer[r["value"]]] for r in schedule["retires"]})
         self._timing = timing
         #: Bytes of every tensor value of the last run, when set to a dict (`sized_graph`).
@@ -305,6 +313,14 @@ class Executor:
             if not live:
                 continue
             if managers:
+                if self.autograd_saved and action in _EMPTYING:
+                    held = [t for v, t in live if v.split(".", 1)[-1] in self.autograd_saved]
+                    if held:
+                        live = [(v, t) for v, t in live if v.split(".", 1)[-1] not in self.autograd_saved]
+                        self.kept_for_autograd += len(held)
+                        managers[plan].retire(held, streams[consumer_role], "drop_reference", owner_stream=streams[owner_role])
+                        if not live:
+                            continue
                 managers[plan].retire([t for _, t in live], streams[consumer_role], action, owner_stream=streams[owner_role])
             elif self.lifetime == "record_stream":
                 for v, t in live:

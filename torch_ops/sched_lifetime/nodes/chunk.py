@@ -40,6 +40,12 @@ class Chunk(ChunkGraph):
         #: Page-ins on their own stream beside the page-outs (`enable_paging(two_way=)`).
         self.page_two_way = True
         self._executors: dict[tuple, Executor] = {}
+        #: Values (chunk names) that some node's forward saved for its backward (autograd holds
+        #: their storage): their cross-stream retire drops the reference instead of emptying the
+        #: storage (rule 3 would make that backward read freed memory). Found on each node's
+        #: first forward (`callables.forward_fn`); the executors read this same set.
+        self.autograd_saved: set[str] = set()
+        self._probed: set[str] = set()
         #: The second microbatch's Chunk of a `run_two` pair (same nodes, own context).
         self._twin_chunk: Optional[Chunk] = None
         #: Data-parallel gradient averaging in the step (`enable_grad_reduce`), or None.

@@ -42,6 +42,8 @@ def _executor(fchunk: Optional[Chunk], bchunk: Optional[Chunk], order: str, life
         # Page-in nodes are the backward chunk's: its pool's setting puts them on a stream.
         two_way = bchunk.page_two_way if bchunk is not None else True
         ex = home._executors[key] = Executor(g, s, calls, device=home.device, lifetime=lifetime, timing=timing, two_way_paging=two_way)
+        if fchunk is not None:
+            ex.autograd_saved = fchunk.autograd_saved
     return ex
 
 
@@ -118,6 +120,8 @@ def _twin(chunk: Chunk) -> Chunk:
     context: the other microbatch of a `run_two` pair (made once)."""
     if chunk._twin_chunk is None:
         chunk._twin_chunk = type(chunk)(chunk.nodes, chunk.inputs, chunk.loss_output, chunk.device, chunk.dw_nodes)
+        # Same nodes: what one saves for autograd, the other does (found once, shared).
+        chunk._twin_chunk.autograd_saved, chunk._twin_chunk._probed = chunk.autograd_saved, chunk._probed
     return chunk._twin_chunk
 
 
@@ -144,6 +148,8 @@ def run_two(
         calls = chunk.callables(phase == "F", phase == "B")
         calls.update({phase + "2" + k[1:]: f for k, f in twin.callables(phase == "F", phase == "B").items()})
         ex = chunk._executors[key] = Executor(g, _order_schedule(g, order), calls, device=chunk.device, lifetime=lifetime)
+        if phase == "F":
+            ex.autograd_saved = chunk.autograd_saved  # the twin shares it (`_twin`)
     inputs: dict[str, Any] = {}
     for c, p, item in ((chunk, phase, items[0]), (twin, phase + "2", items[1])):
         if phase == "F":
