@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
-
-from ..nodes import Chunk, MicrobatchState, NodeDef, accumulate_grads, run_pair
 
 
 class _Armed:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
-from ..nodes import Chunk, MicrobatchState, NodeDef, accumulate_grads, run_pair
+from ..nodes import Chunk, MicrobatchState, NodeDef, run_pair
 from .arming import _DualPipeHook, _take_armed, _take_ready
 
 

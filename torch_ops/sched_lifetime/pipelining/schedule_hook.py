@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any
 
-import torch
-from torch import nn
 
-from ..nodes import Chunk, MicrobatchState, NodeDef, accumulate_grads, run_pair
 from .arming import _armed
 from .graph_stage import GraphStage
 from .node_stage import NodeStage
