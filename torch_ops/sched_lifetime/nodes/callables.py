@@ -59,7 +59,9 @@ def forward_fn(chunk: Chunk, n: NodeDef, release_points: bool) -> Callable[..., 
         probe = n.name not in chunk._probed and isinstance(hooks, contextlib.nullcontext)
         if probe:  # first forward of a node with no hooks of its own: which storages it saves
             saved: set[int] = set()
-            hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.add(_storage_id(t)), t)[1], lambda t: t)
+            # Packed detached: the tensor itself would tie a saved output back to its grad_fn
+            # (a reference cycle through C++ that the collector never frees).
+            hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.add(_storage_id(t)), t.detach())[1], lambda t: t)
         with torch.enable_grad(), hooks:
             outs = n.fn(*args)
         outs = outs if isinstance(outs, tuple) else (outs,)
