@@ -92,6 +92,11 @@ def test_page_nodes_captured_in_the_whole_step_replay_bit_exact_with_no_pinned_a
 
     with _arms("ours", "ours+graph") as (eager, graph):
         plans = [a.chunk.enable_paging(a.model.batch(0, 0), budget=0.5, two_way=two_way) for a in (eager, graph)]
+        if two_way:  # replays were not bit-exact on the H200 (2026-12-02): refused at capture, not wrong
+            graph.step(0, 3)
+            with pytest.raises(RuntimeError, match="two-way paging"):
+                graph.step(1, 3)
+            return
         assert plans[0]["page"] and plans[0]["page"] == plans[1]["page"], plans
         n, ok = 3, True
         grown = []  # pinned host blocks the allocator made during each replay

@@ -46,6 +46,9 @@ def add_note(e: BaseException, note: str) -> None:
         e.__cause__ = RuntimeError(note)
 
 
+#: Two page streams under capture: refused, not silently wrong (see the GPU test).
+TWO_WAY_CAPTURE = ('two-way paging (page-ins on their own stream) is not supported under CUDA graph capture: replays were not bit-exact on an H200 (2026-12-02, test_train_cuda two_way case); use two_way=False (the default) for captured steps')
+
 #: Retire actions that empty the storage (names, from Rust).
 _EMPTYING = frozenset(INFO["storage_emptying_actions"])
 
@@ -112,7 +115,7 @@ class Executor:
         single_stream: bool = False,
         keep: Iterable[str] = (),
         timing: bool = False,
-        two_way_paging: bool = True,
+        two_way_paging: bool = False,
     ) -> None:
         if lifetime not in _LIFETIME_MODES:
             raise ValueError(f"lifetime must be one of {_LIFETIME_MODES}, got {lifetime!r}")
@@ -216,6 +219,8 @@ class Executor:
 
     def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """Issue every node once. Returns the values no node consumes, plus `keep`."""
+        if self.two_way_paging and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(TWO_WAY_CAPTURE)
         streams = self._streams()
         env: dict[str, Any] = dict(inputs)
         managers: dict[str, LifetimeManager] = {}

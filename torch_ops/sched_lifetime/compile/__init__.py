@@ -63,7 +63,7 @@ OPTIONS: dict[str, Any] = {
     "paging_min_bytes": 1 << 16,  # smaller saved values stay on the device
     "paging_timed": True,  # sl.Pager decides at run time after calibration (False: the static plan)
     "paging_slack": 1.25,  # timed: copies planned this many times slower than measured
-    "paging_two_way": True,  # page-ins on their own stream beside the page-outs (False: one page stream)
+    "paging_two_way": False,  # True: page-ins on their own stream beside the page-outs (opt-in: not bit-exact under capture yet)
     "cudagraphs": False,  # capture each compiled graph in a CUDA graph (torch's cudagraph trees)
     # AOTAutograd's joint-graph partition: "min_cut" (what aot_eager uses) recomputes cheap ops
     # in the backward instead of saving their outputs (H200, embedded model: peak 6797 MiB as

@@ -38,7 +38,7 @@ class Chunk(ChunkGraph):
         #: Paging's tensor side: the host pool, the calibration, the bytes moved.
         self.pages = PageHooks()
         #: Page-ins on their own stream beside the page-outs (`enable_paging(two_way=)`).
-        self.page_two_way = True
+        self.page_two_way = False
         self._executors: dict[tuple, Executor] = {}
         #: Values (chunk names) that some node's forward saved for its backward (autograd holds
         #: their storage): their cross-stream retire drops the reference instead of emptying the
@@ -96,7 +96,7 @@ class Chunk(ChunkGraph):
         min_distance: int = 1,
         prefetch: Optional[int] = 2,
         release: Optional[int] = 4,
-        two_way: bool = True,
+        two_way: bool = False,
     ) -> dict:
         """Page the saved activations of some compute nodes to pinned host memory through page
         nodes of the graph (`F.<node>.page_out` after the node, `B.<node>.page_in` before its

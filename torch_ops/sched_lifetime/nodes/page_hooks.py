@@ -179,7 +179,7 @@ def enable_paging(
     min_distance: int,
     prefetch: Optional[int],
     release: Optional[int],
-    two_way: bool = True,
+    two_way: bool = False,
 ) -> dict:
     """`Chunk.enable_paging`: check the settings, calibrate, choose the paged nodes, put their
     page nodes in the chunk's graph and size the host pool. Returns the plan."""

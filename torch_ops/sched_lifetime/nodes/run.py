@@ -40,7 +40,7 @@ def _executor(fchunk: Optional[Chunk], bchunk: Optional[Chunk], order: str, life
         if bchunk is not None:
             calls.update(bchunk.callables(False, True))
         # Page-in nodes are the backward chunk's: its pool's setting puts them on a stream.
-        two_way = bchunk.page_two_way if bchunk is not None else True
+        two_way = bchunk.page_two_way if bchunk is not None else False
         ex = home._executors[key] = Executor(g, s, calls, device=home.device, lifetime=lifetime, timing=timing, two_way_paging=two_way)
         if fchunk is not None:
             ex.autograd_saved = fchunk.autograd_saved

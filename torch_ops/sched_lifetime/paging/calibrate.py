@@ -24,7 +24,7 @@ class Calibration:
     (save index -> the backward unpack that first reads it) and, when `timed` on CUDA, the
     memory line of the first step and the time line of the second (`timing_pass`)."""
 
-    def __init__(self, timed: bool, slack: float, two_way: bool = True) -> None:
+    def __init__(self, timed: bool, slack: float, two_way: bool = False) -> None:
         self.timed = timed
         self.slack = slack  # copies planned that many times slower than measured
         self.two_way = two_way  # page-outs and page-ins on two streams: the plan gets the two-way rate

@@ -85,7 +85,7 @@ class Pager:
         timed: bool = True,
         slack: float = 1.25,
         measure_waits: bool = False,
-        two_way: bool = True,
+        two_way: bool = False,
     ) -> None:
         """`timed` (CUDA): calibration takes two steps, the first measuring the memory timeline
         (the most memory allocated between saves and unpacks: it resets the peak memory

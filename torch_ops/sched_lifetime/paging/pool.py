@@ -42,7 +42,7 @@ class HostPool(HostSlots, Releases):
     memory: an empty freelist is an error (the pool was sized at calibration).
     """
 
-    def __init__(self, sizes: list[int], device: Any = "cpu", drain_distance: int = 16, two_way: bool = True) -> None:
+    def __init__(self, sizes: list[int], device: Any = "cpu", drain_distance: int = 16, two_way: bool = False) -> None:
         if drain_distance < 0:
             raise ValueError(f"drain_distance must be >= 0, got {drain_distance}")
         device = torch.device(device)

@@ -24,7 +24,7 @@ class Releases(PageStreams):
     were queued on the page stream (`page_outs`, `mark`), and the ways to release them; a
     released page-out's copy-done event becomes a spare (`PageStreams._event`)."""
 
-    def __init__(self, device: Any = "cpu", drain_distance: int = 16, two_way: bool = True) -> None:
+    def __init__(self, device: Any = "cpu", drain_distance: int = 16, two_way: bool = False) -> None:
         PageStreams.__init__(self, device, two_way)
         # Page-outs whose device storage is still held: (manager, copy-done event, owner stream,
         # page-out number), in page-stream order.

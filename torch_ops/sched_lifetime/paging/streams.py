@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..executor import SideStreams
+from ..executor import TWO_WAY_CAPTURE, SideStreams
 
 
 class PageStreams:
@@ -25,7 +25,7 @@ class PageStreams:
     (`_after`) and spare copy-done events (`_event`, `recycle`). `two_way`: page-ins on their
     own stream (else on the page stream, behind the page-outs)."""
 
-    def __init__(self, device: Any = "cpu", two_way: bool = True) -> None:
+    def __init__(self, device: Any = "cpu", two_way: bool = False) -> None:
         self.device = torch.device(device)
         self.two_way = bool(two_way)
         self._mark: Any = None  # the event `_after` re-records (made at its first use)
@@ -44,7 +44,9 @@ class PageStreams:
     @property
     def page_in_stream(self) -> Any:
         """The stream this pool's page-ins run on: the page-in stream, or with `two_way` off the
-        page stream (None on CPU)."""
+        page stream (None on CPU). Two-way under CUDA graph capture is refused (`TWO_WAY_CAPTURE`)."""
+        if self.two_way and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(TWO_WAY_CAPTURE)
         if self._page_in is None and self.device.type == "cuda":
             self._page_in = SideStreams.of(self.device).page_in if self.two_way else self.page_stream
         return self._page_in
