@@ -92,16 +92,17 @@ def test_format_table_on_cpu_rows():
     args = argparse.Namespace(nccl_channels=0, config="tiny", microbatches=4, steps=3)
     cfg = SimpleNamespace()
     rows = {
-        "sequential": {"parity": True, "step_ms": 20.0},
-        "ours": {"parity": True, "step_ms": 10.0},
-        "ours+record": {"parity": False, "step_ms": 16.0},
+        "sequential": {"parity": True, "ref": "exact", "step_ms": 20.0},
+        "ours": {"parity": True, "ref": "3e-07", "step_ms": 10.0},
+        "ours+record": {"parity": False, "ref": "DIFFER", "step_ms": 16.0},
         "ours+graph": {"parity": False, "step_ms": float("nan"), "failed": "RuntimeError: boom"},
     }
     lines = format_table(rows, cfg, args, use_cuda=False, world=2).splitlines()
     assert lines[0] == "MEASURED (CPU, EP=2, config tiny, 4 microbatches, 3 timed steps)"
-    assert lines[1].split() == ["arm", "parity", "step", "ms", "vs", "seq", "exposed", "comm", "ms", "comm", "ms", "max", "alloc", "MiB", "max", "resv", "MiB", "pending", "MiB"]
-    assert lines[2].split()[:4] == ["sequential", "equal", "20.00", "1.000"] and "(GPU only)" in lines[2]
-    assert lines[3].split()[:4] == ["ours", "equal", "10.00", "2.000"]
-    assert lines[4].split()[:4] == ["ours+record", "DIFFER", "16.00", "1.250"]
+    assert lines[1].split() == ["arm", "parity", "vs", "ref", "step", "ms", "vs", "seq", "exposed", "comm", "ms", "comm", "ms", "max", "alloc", "MiB", "max", "resv", "MiB", "pending", "MiB"]
+    assert lines[2].split()[:5] == ["sequential", "equal", "exact", "20.00", "1.000"] and "(GPU only)" in lines[2]
+    assert lines[3].split()[:5] == ["ours", "equal", "3e-07", "10.00", "2.000"]
+    assert lines[4].split()[:5] == ["ours+record", "DIFFER", "DIFFER", "16.00", "1.250"]
     assert lines[5] == "ours+graph     FAILED: RuntimeError: boom"
-    assert lines[6].startswith("CPU: step times are host times")
+    assert lines[6].startswith("parity: torch.equal with sequential") and "vs ref: the same against plain autograd" in lines[6]
+    assert lines[7].startswith("CPU: step times are host times")

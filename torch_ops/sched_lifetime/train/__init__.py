@@ -6,7 +6,8 @@ Arms (same initial weights, same tokens) are the rows of `arms.ARM_TABLE`: by de
 (F(i+1) and B(i) multiplexed as every B node then every F node), `ours` (the scheduler's order)
 and `ours+record` (`ours` with `record_stream` instead of the lifetime manager); the others are
 for A/Bs (`--help` lists them all). Columns: loss and gradient parity against `sequential`
-(torch.equal on every loss, gradient and updated weight), step time (median of interleaved
+(torch.equal on every loss, gradient and updated weight), the same against `reference.Reference`
+(the model trained by plain autograd, sharing no step code with the arms), step time (median of interleaved
 steps), exposed communication (profiler kernel intervals: NCCL time with no compute kernel
 running), max allocated, max reserved, pending-free peak (allocator snapshot).
 
@@ -15,7 +16,8 @@ Launch: with 2+ GPUs it spawns 2 ranks over NCCL itself (or run it under
 ranks (real numerics; memory figures simulated by the Rust model and labelled so); with one
 GPU it runs EP=1 and says what it cannot show.
 
-Modules, one job each: `arms` (the arm table, `Arm`), `capture` (whole-step CUDA graphs and
+Modules, one job each: `arms` (the arm table, `Arm`), `reference` (the plain-autograd
+reference and the comparison every parity suite uses), `capture` (whole-step CUDA graphs and
 their pools), `loop` (the ranks' loop), `figures` (measures, plots, the table), `cli` (options
 and launch). Every name is re-exported here.
 """
