@@ -715,3 +715,79 @@ def test_graph_step_paired_ends_needs_multiplexing():
     gs = slc.GraphStep(Loss(), (torch.randn(4, 3),))
     with pytest.raises(ValueError, match="paired_ends needs multiplexed=True"):
         gs.step([(torch.randn(4, 3),)] * 2, multiplexed=False, paired_ends=True)
+
+
+def _comm_graph(k: int = 3) -> fx.GraphModule:
+    """An AOT-like graph with `k` independent chains, each mm -> all-to-all launch -> wait ->
+    relu (functional collectives by target only: it is scheduled and rewritten, never run)."""
+    c10d = torch.ops._c10d_functional
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    outs = []
+    for _ in range(k):
+        a = g.call_function(torch.ops.aten.mm.default, (x, w))
+        launch = g.call_function(c10d.all_to_all_single.default, (a, [4, 4], [4, 4], "0"))
+        outs.append(g.call_function(torch.ops.aten.relu.default, (g.call_function(c10d.wait_tensor.default, (launch,)),)))
+    g.output(tuple(outs))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _most_in_flight(gm: fx.GraphModule) -> int:
+    """The most all-to-all launches issued and not yet waited at any point of `gm`'s order."""
+    live, most = set(), 0
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is torch.ops._c10d_functional.all_to_all_single.default:
+            live.add(n)
+        elif n.target is torch.ops._c10d_functional.wait_tensor.default:
+            live.discard(n.args[0])
+        most = max(most, len(live))
+    return most
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3])
+def test_ep_budget_bounds_the_launches_in_flight_in_every_compile_path(budget, monkeypatch):
+    """The backend's graph pass (`compile_fx_graph`), the multiplexing pass, `compile_graphs`
+    and GraphStep's paired ends each schedule under the `ep_budget` they are given: exactly
+    that many all-to-alls in flight at most (three independent ones: the early-launch policy
+    fills the budget), whatever the environment's default says."""
+    monkeypatch.setenv("SCHED_LIFETIME_EP_LAUNCH_BUDGET", "1" if budget > 1 else "3")
+    opts = slc.check_options({"ep_budget": budget})
+    assert _most_in_flight(slc.compile_fx_graph(_comm_graph(), "fwd", opts)) == budget
+    fwd, bwd, _ = slc.compile_graphs({"fwd": _comm_graph(), "bwd": _comm_graph()}, budget)
+    assert _most_in_flight(fwd) == _most_in_flight(bwd) == budget
+    # Two graphs multiplexed: six launches, `budget` of them in flight at most.
+    assert _most_in_flight(slc.multiplex(_comm_graph(), _comm_graph(), ep_budget=budget)) == budget
+    assert _most_in_flight(slc.multiplex(_comm_graph(), _comm_graph(), ep_budget=budget, phases=("bwd", "bwd"))) == budget
+
+
+def test_graph_step_hands_its_ep_budget_to_every_pass(monkeypatch):
+    """GraphStep's budget reaches the separate graphs, the F+B module and the paired ends'
+    F+F and B+B modules (a model without collectives: the budget is only passed through)."""
+    from sched_lifetime.compile import graph_step
+
+    seen = []
+    real_mux, real_compile = graph_step.multiplex, graph_step.compile_graphs
+    monkeypatch.setattr(graph_step, "multiplex", lambda *a, **kw: (seen.append(("mux", kw.get("phases", ("fwd", "bwd")), kw.get("ep_budget"))), real_mux(*a, **kw))[1])
+    monkeypatch.setattr(graph_step, "compile_graphs", lambda graphs, b=None: (seen.append(("graphs", None, b)), real_compile(graphs, b))[1])
+
+    class Loss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).sum()
+
+    gs = slc.GraphStep(Loss(), (torch.randn(4, 3),), ep_budget=3)
+    gs.step([(torch.randn(4, 3),)] * 3, paired_ends=True)
+    assert sorted(seen) == [("graphs", None, 3), ("mux", ("bwd", "bwd"), 3), ("mux", ("fwd", "bwd"), 3), ("mux", ("fwd", "fwd"), 3)], seen
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1025, "2", 1.5, True])
+def test_a_bad_ep_budget_is_refused_naming_the_option(bad):
+    with pytest.raises(ValueError, match=r"option 'ep_budget' must be an int in 1..=1024"):
+        slc.check_options({"ep_budget": bad})
+    with pytest.raises(ValueError, match=r"ep_budget must be an int in 1..=1024|ep_budget"):
+        slc.compile_graphs({"fwd": _comm_graph(), "bwd": _comm_graph()}, bad)
