@@ -644,13 +644,19 @@ def _graph_step_worker(rank: int, port: int, out: str) -> None:
     try:
         from sched_lifetime.ep import FunctionalAllToAll
         from sched_lifetime.models.moe import CONFIGS, MoEModel, with_overrides
+        from sched_lifetime.train.reference import all_ranks, compare
 
         cfg = with_overrides(CONFIGS["tiny"], capacity_factor=1.0)
+        # The reference: the same model by plain autograd, one loss.backward() per microbatch.
         ref = MoEModel(cfg, transport=FunctionalAllToAll(), seed=0)
         m = MoEModel(cfg, transport=FunctionalAllToAll(), seed=0)
         gs = slc.GraphStep(m, tuple(m.batch(0, 0).values()))
+        opts = [torch.optim.SGD(x.parameters(), lr=0.05) for x in (m, ref)]
+        grads = lambda model: {k: p.grad for k, p in model.named_parameters()}  # noqa: E731
         ok = []
         for step in range(4):
+            for o in opts:
+                o.zero_grad(set_to_none=True)
             mbs = [tuple(m.batch(step, k).values()) for k in range(3)]
             # Steps: multiplexed, sequential, then twice with the warm-up and cool-down paired.
             losses = gs.step(mbs, multiplexed=step != 1, paired_ends=step >= 2)
@@ -659,16 +665,23 @@ def _graph_step_worker(rank: int, port: int, out: str) -> None:
                 loss = ref(*mb)
                 loss.backward()
                 want.append(loss.detach())
-            ok.append(all(torch.equal(a, b) for a, b in zip(losses, want)))
-            ok.append(all(torch.equal(p.grad, q.grad) for p, q in zip(m.parameters(), ref.parameters())))
-            for p in list(m.parameters()) + list(ref.parameters()):
-                p.grad = None
+            # Bit-exact (same sums in the same order: CPU, float32, 2 ranks), every step.
+            ok.append(compare(dict(enumerate(losses)), dict(enumerate(want)), exact=True).exact)
+            ok.append(compare(grads(m), grads(ref), exact=True).exact)
+            for o in opts:
+                o.step()
+        ok.append(compare(dict(m.named_parameters()), dict(ref.named_parameters()), exact=True).exact)
+        # Negative control: one gradient element one ulp off on rank 1 fails on both ranks.
+        g = next(iter(grads(m).values())).view(-1)
+        if rank == 1:
+            g[:1] = torch.nextafter(g[:1], torch.tensor(float("inf")))
+        control = all_ranks({"gs": compare(grads(m), grads(ref), exact=True)})["gs"]
         launches, sources = [], []
         for mod in (gs.mux, *(r.module for r in gs._paired())):
             nodes = mod.sched_lifetime["ir"]["nodes"]
             launches.append(sum(n["kind"] == "comm_launch" for n in nodes))
             sources.append(sorted({n["source"] for n in nodes}))
-        torch.save({"ok": ok, "launches": launches, "sources": sources}, os.path.join(out, f"rank{rank}.pt"))
+        torch.save({"ok": ok, "control": [control.exact, control.within], "launches": launches, "sources": sources}, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -676,9 +689,11 @@ def _graph_step_worker(rank: int, port: int, out: str) -> None:
 def test_graph_step_steady_state_on_compiled_graphs_with_ep_over_two_gloo_ranks(tmp_path):
     """F(0), then F(i+1) multiplexed with B(i) in one compiled module, then B(n-1); the
     sequential baseline; and with paired ends (F(0) with F(1), B(n-2) with B(n-1)): losses and
-    accumulated gradients bit-exact against eager microbatch by microbatch, 4 steps."""
+    accumulated gradients bit-exact against plain autograd after every one of 4 SGD steps, and
+    the weights after them; a gradient one ulp off on one rank fails the check on both."""
     for got in _spawn_two(_graph_step_worker, tmp_path):
-        assert all(got["ok"]), got["ok"]
+        assert len(got["ok"]) == 9 and all(got["ok"]), got["ok"]
+        assert got["control"] == [False, False], got
         assert got["launches"] == [8, 8, 8], got
         assert got["sources"] == [["B", "F"], ["F", "F2"], ["B", "B2"]], got
 
