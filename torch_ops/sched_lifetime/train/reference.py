@@ -108,7 +108,14 @@ class Reference:
     `step(step, microbatches)`: zero the gradients, for each microbatch `loss = model(batch)`
     and `(loss / n).backward()`, then (EP world > 1) every dense parameter's gradient summed over
     the EP group and divided by its size, as the arms' data-parallel reduce does (the experts
-    are sharded, not replicated: their gradients are not reduced), then one SGD step."""
+    are sharded, not replicated: their gradients are not reduced), then one SGD step.
+
+    What it mirrors, on purpose, is the arms' objective, which is not quite the mean loss over
+    ranks: the dense gradients are averaged (the gradient of the mean of the ranks' losses),
+    while each expert's gradient is the sum of every rank's loss's gradient (its tokens come
+    back through the all-to-all), i.e. world times the gradient of that mean. Megatron-LM scales
+    expert gradients to match; here a change of that convention changes the arms and this
+    reference together."""
 
     def __init__(self, cfg: Any, group: Any, device: torch.device, lr: float) -> None:
         from ..ep import AllToAll, FunctionalAllToAll
