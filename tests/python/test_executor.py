@@ -245,7 +245,7 @@ def _retires_by_plan_and_action(graph: dict, s: dict, tensors=None) -> dict:
     return want
 
 
-def test_each_value_retires_with_the_action_the_schedule_names():
+def test_rule3_each_value_retires_with_the_action_the_schedule_names():
     """Rule 3 as the executor applies it: the manager's `retired_<action>` counters equal the
     schedule's retires per plan and action (forward inputs empty their storage, backward
     gradients drop a reference), so an executor that ignores the scheduled action is caught."""
@@ -259,7 +259,7 @@ def test_each_value_retires_with_the_action_the_schedule_names():
     assert got == want
 
 
-def test_each_value_of_the_embedded_model_retires_with_the_scheduled_action():
+def test_rule3_each_value_of_the_embedded_model_retires_with_the_scheduled_action():
     """The same on a combined F(1) + B(0) of the embedded model in our order."""
     from dataclasses import replace
 
