@@ -60,10 +60,8 @@ def test_verdicts_merge_to_the_worst():
     assert a.merge(b) == Verdict(False, False, 3.0, "y") == b.merge(a)
 
 
-def test_same_order_expected_only_for_two_ranks_in_float32():
-    cpu = torch.device("cpu")
-    assert same_order_expected(1, torch.float32, cpu) and same_order_expected(2, torch.float32, cpu)
-    assert not same_order_expected(4, torch.float32, cpu) and not same_order_expected(2, torch.bfloat16, cpu)
+def test_same_order_expected_up_to_two_ranks():
+    assert same_order_expected(1) and same_order_expected(2) and not same_order_expected(4)
 
 
 def test_every_default_arm_equals_plain_autograd_over_two_steps_and_a_perturbation_fails():
