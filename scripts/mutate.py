@@ -275,7 +275,9 @@ def scratch() -> str:
     d = tempfile.mkdtemp(prefix="sl-mutate-")
     shutil.copytree(os.path.join(ROOT, "torch_ops"), os.path.join(d, "torch_ops"), ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(os.path.join(ROOT, "tests", "python"), os.path.join(d, "tests", "python"), ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(os.path.join(ROOT, "README.md"), d)
+    for f in ("README.md", "pyproject.toml"):  # read by tests (the arm table, the entry point)
+        shutil.copy(os.path.join(ROOT, f), d)
+    shutil.copytree(os.path.join(ROOT, "benches", "data"), os.path.join(d, "benches", "data"))  # measured node times
     return d
 
 
