@@ -51,6 +51,7 @@ T = "tests/python/"
 #: (fast ones first: `-x` stops at the first failure, so a killed mutant costs little).
 _DIST = T + "test_train_dist.py::test_every_arm_bit_exact_against_sequential_over_two_gloo_ranks[tiny-0.0]"
 _RUN = T + "test_nodes_run.py::"
+_C = T + "test_compile.py::"
 TARGETS: dict[str, list[str]] = {
     f"{PKG}/nodes/": [
         T + "test_nodes_graph.py", T + "test_nodes_grads.py",
@@ -69,7 +70,19 @@ TARGETS: dict[str, list[str]] = {
         T + "test_train_arms.py", T + "test_train_figures.py", T + "test_train_reference.py", _DIST,
         T + "test_train_dist.py::test_main_job_loop_over_two_gloo_ranks_prints_the_table_and_writes_its_files",
     ],
-    f"{PKG}/compile/": [T + "test_compile.py -k 'not moe_model_with_ep'"],
+    f"{PKG}/compile/": [
+        _C + n for n in (
+            "test_options_are_checked", "test_a_bad_ep_budget_is_refused_naming_the_option", "test_ep_budget_bounds_the_launches_in_flight_in_every_compile_path",
+            "test_graph_step_hands_its_ep_budget_to_every_pass", "test_graph_step_refuses_a_non_scalar_loss", "test_graph_step_paired_ends_needs_multiplexing",
+            "test_contract_errors_name_the_node", "test_views_are_noops_and_in_place_ops_mutate", "test_multiplexed_forward_and_backward_graphs_equal_separate_runs",
+            "test_multiplexed_graphs_of_one_phase_equal_separate_runs", "test_backward_frees_each_saved_activation_at_its_last_use",
+            "test_rewritten_graphs_trace_again_with_fake_tensors", "test_cudagraphs_on_cpu_graphs_is_an_error_saying_why", "test_entry_point_is_declared",
+            "test_bit_exact_against_eager_and_aot_eager", "test_paging_is_bit_exact_and_moves_the_saved_activations", "test_paging_backward_reads_the_host_copy",
+            "test_timed_paging_refuses_a_second_forward_before_the_backward", "test_paging_the_embedded_moe_model_is_bit_exact",
+            "test_graph_breaks_fall_back_to_eager_for_that_region", "test_min_cut_partition_saves_what_aot_eager_saves",
+            "test_graph_step_steady_state_on_compiled_graphs_with_ep_over_two_gloo_ranks",  # the slowest last (2 ranks)
+        )
+    ],
     f"{PKG}/paging.py": [T + "test_paging.py"],
 }
 
