@@ -108,8 +108,6 @@ link)
         --page-budget 0.2 --page-prefetch 6 --quiet --out /tmp/main_job_link
     cp /tmp/main_job_link/train.json "$out/train_link.json" 2>/dev/null
     cp /tmp/main_job_link/durations.json "$out/durations_link.json" 2>/dev/null
-    step compile_link 120 torchrun --standalone --nproc-per-node 1 benches/compile_ab.py --ep-link host:8 --config h200 \
-        --graph-step 4 --steps 3 --out "$out"
     ;;
 four)
     step pipeline_ep2 500 torchrun --standalone --nproc-per-node 4 benches/pipeline_ab.py --config pp_h200 --ep 2 --out "$out"

@@ -94,7 +94,7 @@ def test_options_are_checked():
         slc.check_options({"partition": "auto"})
     with pytest.raises(ValueError, match="paging=True with cudagraphs=True is not supported"):
         slc.check_options({"paging": True, "cudagraphs": True})
-    for k, v in (("paging_budget", 1.5), ("paging_budget", "half"), ("paging_prefetch", -1), ("paging_buffers", 0), ("paging_min_bytes", 1.0), ("paging_timed", 1), ("paging_slack", 0.5), ("paging_two_way", 1)):
+    for k, v in (("paging_budget", 1.5), ("paging_budget", "half"), ("paging_prefetch", -1), ("paging_buffers", 0), ("paging_min_bytes", 1.0), ("paging_timed", 1), ("paging_slack", 0.5), ("paging_two_way", 1), ("paging_slack", True), ("paging_budget", True), ("paging_prefetch", True)):
         with pytest.raises(ValueError, match=f"option '{k}' must be"):
             slc.check_options({"paging": True, k: v})
     with pytest.raises(ValueError, match="'cudagraphs' must be a bool"):
@@ -647,13 +647,19 @@ def _graph_step_worker(rank: int, port: int, out: str) -> None:
     try:
         from sched_lifetime.ep import FunctionalAllToAll
         from sched_lifetime.models.moe import CONFIGS, MoEModel, with_overrides
+        from sched_lifetime.train.reference import all_ranks, compare
 
         cfg = with_overrides(CONFIGS["tiny"], capacity_factor=1.0)
+        # The reference: the same model by plain autograd, one loss.backward() per microbatch.
         ref = MoEModel(cfg, transport=FunctionalAllToAll(), seed=0)
         m = MoEModel(cfg, transport=FunctionalAllToAll(), seed=0)
         gs = slc.GraphStep(m, tuple(m.batch(0, 0).values()))
+        opts = [torch.optim.SGD(x.parameters(), lr=0.05) for x in (m, ref)]
+        grads = lambda model: {k: p.grad for k, p in model.named_parameters()}  # noqa: E731
         ok = []
         for step in range(4):
+            for o in opts:
+                o.zero_grad(set_to_none=True)
             mbs = [tuple(m.batch(step, k).values()) for k in range(3)]
             # Steps: multiplexed, sequential, then twice with the warm-up and cool-down paired.
             losses = gs.step(mbs, multiplexed=step != 1, paired_ends=step >= 2)
@@ -662,16 +668,23 @@ def _graph_step_worker(rank: int, port: int, out: str) -> None:
                 loss = ref(*mb)
                 loss.backward()
                 want.append(loss.detach())
-            ok.append(all(torch.equal(a, b) for a, b in zip(losses, want)))
-            ok.append(all(torch.equal(p.grad, q.grad) for p, q in zip(m.parameters(), ref.parameters())))
-            for p in list(m.parameters()) + list(ref.parameters()):
-                p.grad = None
+            # Bit-exact (same sums in the same order: CPU, float32, 2 ranks), every step.
+            ok.append(compare(dict(enumerate(losses)), dict(enumerate(want)), exact=True).exact)
+            ok.append(compare(grads(m), grads(ref), exact=True).exact)
+            for o in opts:
+                o.step()
+        ok.append(compare(dict(m.named_parameters()), dict(ref.named_parameters()), exact=True).exact)
+        # Negative control: one gradient element one ulp off on rank 1 fails on both ranks.
+        g = next(iter(grads(m).values())).view(-1)
+        if rank == 1:
+            g[:1] = torch.nextafter(g[:1], torch.tensor(float("inf")))
+        control = all_ranks({"gs": compare(grads(m), grads(ref), exact=True)})["gs"]
         launches, sources = [], []
         for mod in (gs.mux, *(r.module for r in gs._paired())):
             nodes = mod.sched_lifetime["ir"]["nodes"]
             launches.append(sum(n["kind"] == "comm_launch" for n in nodes))
             sources.append(sorted({n["source"] for n in nodes}))
-        torch.save({"ok": ok, "launches": launches, "sources": sources}, os.path.join(out, f"rank{rank}.pt"))
+        torch.save({"ok": ok, "control": [control.exact, control.within], "launches": launches, "sources": sources}, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -679,9 +692,11 @@ def _graph_step_worker(rank: int, port: int, out: str) -> None:
 def test_graph_step_steady_state_on_compiled_graphs_with_ep_over_two_gloo_ranks(tmp_path):
     """F(0), then F(i+1) multiplexed with B(i) in one compiled module, then B(n-1); the
     sequential baseline; and with paired ends (F(0) with F(1), B(n-2) with B(n-1)): losses and
-    accumulated gradients bit-exact against eager microbatch by microbatch, 4 steps."""
+    accumulated gradients bit-exact against plain autograd after every one of 4 SGD steps, and
+    the weights after them; a gradient one ulp off on one rank fails the check on both."""
     for got in _spawn_two(_graph_step_worker, tmp_path):
-        assert all(got["ok"]), got["ok"]
+        assert len(got["ok"]) == 9 and all(got["ok"]), got["ok"]
+        assert got["control"] == [False, False], got
         assert got["launches"] == [8, 8, 8], got
         assert got["sources"] == [["B", "F"], ["F", "F2"], ["B", "B2"]], got
 
@@ -718,3 +733,79 @@ def test_graph_step_paired_ends_needs_multiplexing():
     gs = slc.GraphStep(Loss(), (torch.randn(4, 3),))
     with pytest.raises(ValueError, match="paired_ends needs multiplexed=True"):
         gs.step([(torch.randn(4, 3),)] * 2, multiplexed=False, paired_ends=True)
+
+
+def _comm_graph(k: int = 3) -> fx.GraphModule:
+    """An AOT-like graph with `k` independent chains, each mm -> all-to-all launch -> wait ->
+    relu (functional collectives by target only: it is scheduled and rewritten, never run)."""
+    c10d = torch.ops._c10d_functional
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    outs = []
+    for _ in range(k):
+        a = g.call_function(torch.ops.aten.mm.default, (x, w))
+        launch = g.call_function(c10d.all_to_all_single.default, (a, [4, 4], [4, 4], "0"))
+        outs.append(g.call_function(torch.ops.aten.relu.default, (g.call_function(c10d.wait_tensor.default, (launch,)),)))
+    g.output(tuple(outs))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _most_in_flight(gm: fx.GraphModule) -> int:
+    """The most all-to-all launches issued and not yet waited at any point of `gm`'s order."""
+    live, most = set(), 0
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is torch.ops._c10d_functional.all_to_all_single.default:
+            live.add(n)
+        elif n.target is torch.ops._c10d_functional.wait_tensor.default:
+            live.discard(n.args[0])
+        most = max(most, len(live))
+    return most
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3])
+def test_ep_budget_bounds_the_launches_in_flight_in_every_compile_path(budget, monkeypatch):
+    """The backend's graph pass (`compile_fx_graph`), the multiplexing pass, `compile_graphs`
+    and GraphStep's paired ends each schedule under the `ep_budget` they are given: exactly
+    that many all-to-alls in flight at most (three independent ones: the early-launch policy
+    fills the budget), whatever the environment's default says."""
+    monkeypatch.setenv("SCHED_LIFETIME_EP_LAUNCH_BUDGET", "1" if budget > 1 else "3")
+    opts = slc.check_options({"ep_budget": budget})
+    assert _most_in_flight(slc.compile_fx_graph(_comm_graph(), "fwd", opts)) == budget
+    fwd, bwd, _ = slc.compile_graphs({"fwd": _comm_graph(), "bwd": _comm_graph()}, budget)
+    assert _most_in_flight(fwd) == _most_in_flight(bwd) == budget
+    # Two graphs multiplexed: six launches, `budget` of them in flight at most.
+    assert _most_in_flight(slc.multiplex(_comm_graph(), _comm_graph(), ep_budget=budget)) == budget
+    assert _most_in_flight(slc.multiplex(_comm_graph(), _comm_graph(), ep_budget=budget, phases=("bwd", "bwd"))) == budget
+
+
+def test_graph_step_hands_its_ep_budget_to_every_pass(monkeypatch):
+    """GraphStep's budget reaches the separate graphs, the F+B module and the paired ends'
+    F+F and B+B modules (a model without collectives: the budget is only passed through)."""
+    from sched_lifetime.compile import graph_step
+
+    seen = []
+    real_mux, real_compile = graph_step.multiplex, graph_step.compile_graphs
+    monkeypatch.setattr(graph_step, "multiplex", lambda *a, **kw: (seen.append(("mux", kw.get("phases", ("fwd", "bwd")), kw.get("ep_budget"))), real_mux(*a, **kw))[1])
+    monkeypatch.setattr(graph_step, "compile_graphs", lambda graphs, b=None: (seen.append(("graphs", None, b)), real_compile(graphs, b))[1])
+
+    class Loss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).sum()
+
+    gs = slc.GraphStep(Loss(), (torch.randn(4, 3),), ep_budget=3)
+    gs.step([(torch.randn(4, 3),)] * 3, paired_ends=True)
+    assert sorted(seen) == [("graphs", None, 3), ("mux", ("bwd", "bwd"), 3), ("mux", ("fwd", "bwd"), 3), ("mux", ("fwd", "fwd"), 3)], seen
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1025, "2", 1.5, True])
+def test_a_bad_ep_budget_is_refused_naming_the_option(bad):
+    with pytest.raises(ValueError, match=r"option 'ep_budget' must be an int in 1..=1024"):
+        slc.check_options({"ep_budget": bad})
+    with pytest.raises(ValueError, match=r"ep_budget must be an int in 1..=1024|ep_budget"):
+        slc.compile_graphs({"fwd": _comm_graph(), "bwd": _comm_graph()}, bad)

@@ -230,3 +230,50 @@ def test_node_times_feed_the_simulator():
     assert rep["simulated"] and rep["makespan_us"] > 0
     with pytest.raises(RuntimeError, match="timing=True"):
         sl.Executor(graph, s, callables(w)).node_times_us()
+
+
+def _retires_by_plan_and_action(graph: dict, s: dict, tensors=None) -> dict:
+    """{plan: {action: count}} of a schedule's retires (a value's plan is its producer's source);
+    `tensors`: only these values (the others are not tensors: nothing to retire)."""
+    producer = {(o if isinstance(o, str) else o["value"]): n for n in graph["nodes"] for o in n.get("outputs", [])}
+    want: dict = {}
+    for r in s["retires"]:
+        if tensors is not None and r["value"] not in tensors:
+            continue
+        plan = producer[r["value"]]["source"]
+        want.setdefault(plan, dict.fromkeys(sl.ACTIONS, 0))[r["action"]] += 1
+    return want
+
+
+def test_rule3_each_value_retires_with_the_action_the_schedule_names():
+    """Rule 3 as the executor applies it: the manager's `retired_<action>` counters equal the
+    schedule's retires per plan and action (forward inputs empty their storage, backward
+    gradients drop a reference), so an executor that ignores the scheduled action is caught."""
+    graph, w = moe_layer(), weights()
+    s = sl.schedule(graph, ep_budget=1)
+    want = _retires_by_plan_and_action(graph, s)
+    assert {a for plan in want.values() for a, k in plan.items() if k} >= {"empty_storage", "drop_reference"}, want
+    ex = sl.Executor(graph, s, callables(w))
+    ex.run(inputs())
+    got = {p: {a: st[f"retired_{a}"] for a in sl.ACTIONS} for p, st in ex.last_stats.items()}
+    assert got == want
+
+
+def test_rule3_each_value_of_the_embedded_model_retires_with_the_scheduled_action():
+    """The same on a combined F(1) + B(0) of the embedded model in our order."""
+    from dataclasses import replace
+
+    from sched_lifetime.models import CONFIGS, MoEModel
+    from sched_lifetime.nodes import MicrobatchState
+
+    m = MoEModel(replace(CONFIGS["tiny"], capacity_factor=1.0))
+    ch = m.chunk()
+    st0, st1 = MicrobatchState(0), MicrobatchState(1)
+    ch.run((st0, m.batch(0, 0)), None)
+    ex = ch.executor(True, True)
+    ex.value_bytes = {}  # the tensor values of the run (routing metadata is not one)
+    ch.run((st1, m.batch(0, 1)), st0, grad_scale=0.5)
+    want = _retires_by_plan_and_action(ch.graph(True, True), ch.order_schedule(True, True, "ours"), set(ex.value_bytes))
+    assert want["F"]["empty_storage"] >= 2 and want["B"]["drop_reference"] >= 2, want
+    got = {p: {a: st[f"retired_{a}"] for a in sl.ACTIONS} for p, st in ex.last_stats.items()}
+    assert got == want

@@ -34,6 +34,8 @@ def _parity_worker(rank: int, port: int, out: str, config: str, capacity: float)
     from sched_lifetime import ep
     from sched_lifetime.models import CONFIGS
     from sched_lifetime.train.arms import ARMS, Arm, same_grads
+    from sched_lifetime.train.loop import _parity
+    from sched_lifetime.train.reference import Reference, all_ranks, compare
 
     base = CONFIGS[config] if config in CONFIGS else replace(
         # A made-up shape: odd sizes, 6 experts top-3 (3 per rank), no shared expert, 2 dense layers.
@@ -52,18 +54,27 @@ def _parity_worker(rank: int, port: int, out: str, config: str, capacity: float)
         plan = arms["ours+page"].chunk.enable_paging(arms["ours+page"].model.batch(0, 0), budget=0.5, min_bytes=1024)
         assert plan["page"] and arms["ours+page"].chunk._release_at, plan
     ref = arms["sequential"]
+    # The independent reference: plain autograd over the same steps (no node API).
+    plain = Reference(cfg, t.group, torch.device("cpu"), lr=0.05)
     grads = {a: True for a in arms}
+    vs_plain = {}
     for step in range(3):
         for arm in arms.values():
             arm.step(step, 3)
+        plain.step(step, 3)
         for a, arm in arms.items():  # every gradient, after every step
             grads[a] = grads[a] and same_grads(arm, ref)
+            v = plain.check_grads(arm.model)
+            vs_plain[a] = v if a not in vs_plain else vs_plain[a].merge(v)
     res = {}
     for a, arm in arms.items():
+        v = vs_plain[a].merge(plain.check_end(arm.model, arm.losses))
         res[a] = {
             "losses": all(torch.equal(x, y) for x, y in zip(arm.losses, ref.losses)),
             "grads": grads[a],
             "weights": all(torch.equal(p, q) for p, q in zip(arm.model.parameters(), ref.model.parameters())),
+            # Against plain autograd: bit-exact expected here (2 ranks, float32, CPU).
+            "plain": [plain.exact, v.exact, v.within, v.where],
             "n_grads": sum(p.grad is not None for p in arm.model.parameters()),
             "loss_moved": bool((arm.losses[0] != arm.losses[-1]).any()),
             # All-reduce buckets launched over the 3 steps (None: reduced after the step by Arm).
@@ -79,11 +90,46 @@ def _parity_worker(rank: int, port: int, out: str, config: str, capacity: float)
         except ValueError as e:
             errs.append(str(e))
     res["errors"] = errs
+    res["controls"] = _negative_controls(rank, arms, ref, plain, _parity, same_grads, compare, all_ranks)
     # The experts are sharded: this rank's slice differs from the other's.
     res["expert_shard"] = arms["ours"].model.expert_parameters()[0].flatten()[:4].tolist()
     with open(f"{out}.{rank}", "w") as f:
         json.dump(res, f)
     dist.destroy_process_group()
+
+
+def _negative_controls(rank, arms, ref, plain, _parity, same_grads, compare, all_ranks) -> dict:
+    """The parity checks fail when one number of one arm on one rank is off: one gradient
+    element of `ours` one ulp up, one weight element of `b_then_f` one ulp up, one loss of
+    `ours+record` one ulp up, each on one rank only (both ranks must report it)."""
+    out = {}
+    inf = torch.tensor(float("inf"))
+    bump = lambda t: t.view(-1)[:1].copy_(torch.nextafter(t.view(-1)[:1], inf))  # noqa: E731
+    grads_ok = {a: same_grads(arm, ref) for a, arm in arms.items()}
+    out["clean"] = _parity(arms, ref, grads_ok, torch.device("cpu"))
+    g = next(p.grad for p in arms["ours"].model.dense_parameters() if p.grad is not None)
+    w = next(arms["b_then_f"].model.parameters())
+    if rank == 1:
+        bump(g)
+        with torch.no_grad():
+            bump(w)
+    if rank == 0:
+        bump(arms["ours+record"].losses[-1])
+    grads_ok = {a: same_grads(arm, ref) for a, arm in arms.items()}
+    out["same_grads"] = grads_ok
+    out["parity"] = _parity(arms, ref, grads_ok, torch.device("cpu"))
+    mine = {a: plain.check_grads(arm.model).merge(plain.check_end(arm.model, arm.losses)) for a, arm in arms.items()}
+    every = all_ranks(mine, ref.model.transport.group)
+    out["plain"] = {a: [v.exact, v.within] for a, v in every.items()}
+    # The tolerance path (other dtypes, more ranks): one ulp passes, a thousandth of the
+    # tensor's magnitude does not.
+    want = {"g": torch.linspace(-1, 1, 64)}
+    near = {"g": want["g"].clone()}
+    bump(near["g"])
+    far = {"g": want["g"].clone()}
+    far["g"][5] += 1e-3
+    out["tolerance"] = [bool(compare(near, want, exact=False)), compare(near, want, exact=True).within, bool(compare(far, want, exact=False))]
+    return out
 
 
 @pytest.mark.parametrize("config,capacity", [("tiny", 0.0), ("tiny_dense", 1.0), ("odd", 0.75)])
@@ -96,9 +142,20 @@ def test_every_arm_bit_exact_against_sequential_over_two_gloo_ranks(tmp_path, co
             res = json.load(f)
         shards.append(res.pop("expert_shard"))
         errs = res.pop("errors")
+        ctl = res.pop("controls")
+        # Before the perturbation every arm passes; after it, exactly the perturbed arms fail,
+        # on both ranks (the grad on rank 1, the weight on rank 1, the loss on rank 0).
+        assert all(ctl["clean"].values()), ctl
+        assert ctl["same_grads"]["ours"] == (rank == 0) and ctl["same_grads"]["b_then_f"], ctl
+        bad = {"ours", "b_then_f", "ours+record"}
+        assert {a for a, ok in ctl["parity"].items() if not ok} == bad, ctl
+        assert {a for a, (exact, within) in ctl["plain"].items() if not within} == bad, ctl
+        assert all(exact for a, (exact, _) in ctl["plain"].items() if a not in bad), ctl
+        assert ctl["tolerance"] == [True, False, False], ctl
         assert len(errs) == 2 and "belong to no node" in errs[0] and "listed twice" in errs[1], errs
         for arm, r in res.items():
             assert r["losses"] and r["grads"] and r["weights"], (rank, arm, r)
+            assert r["plain"][:3] == [True, True, True], (rank, arm, r["plain"])  # bit-exact against plain autograd
             assert r["n_grads"] > 10 and r["loss_moved"], (rank, arm, r)
         # Baselines reduce once per step, ours once per node with weights in the last backward
         # (so they start under the rest of it), ours+reduce_after after the step.
@@ -156,8 +213,10 @@ def test_main_job_loop_over_two_gloo_ranks_prints_the_table_and_writes_its_files
         res = json.load(f)
     assert res["world"] == 2 and list(res["rows"]) == arms.split(","), res
     assert all(r["parity"] for r in res["rows"].values()), res["rows"]
+    # Against plain autograd (the reference sharing no step code): bit-exact on CPU.
+    assert all(r["ref"] == "exact" and r["ref_within"] and r["ref_worst"] == 0 for r in res["rows"].values()), res["rows"]
     for a in arms.split(","):
-        assert any(line.split()[:2] == [a, "equal"] for line in printed.splitlines()), (a, printed)
+        assert any(line.split()[:3] == [a, "equal", "exact"] for line in printed.splitlines()), (a, printed)
     with open(out / "durations.json") as f:
         durations = json.load(f)
     assert durations and all(v >= 0 for v in durations.values()), durations

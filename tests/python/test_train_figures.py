@@ -36,6 +36,23 @@ class _Profile:
 def test_union_merges_overlapping_and_touching_intervals():
     assert union([(5, 7), (0, 2), (1, 3), (3, 4), (9, 10)]) == [[0, 4], [5, 7], [9, 10]]
     assert union([]) == []
+    assert union([(2, 3), (0, 10)]) == [[0, 10]]  # a contained interval keeps the outer end
+    assert union([(0, 10), (2, 3), (5, 12), (12.5, 13)]) == [[0, 12], [12.5, 13]]
+
+
+def test_exposed_comm_over_several_transfers_with_compute_between_and_after():
+    """Four transfers, compute before, between, across two of them and after the last
+    compute: each transfer's covered part counted once, none missed by the sweep."""
+    comm = [(10, 20), (40, 50), (70, 80), (120, 130)]
+    comp = [(0, 5), (15, 45), (20, 30), (60, 65), (78, 90)]  # (20, 30) inside (15, 45)
+    prof = _Profile([_event("ncclDevKernel_AllToAll", s, t) for s, t in comm] + [_event("gemm", s, t) for s, t in comp])
+    # Covered: 15-20 of the first, 40-45 of the second, 78-80 of the third, none of the last.
+    assert exposed_comm_us(prof) == (40 - 5 - 5 - 2, 40)
+    assert exposed_comm_us(_Profile([_event("ncclDevKernel_AllToAll", 0, 10)])) == (10, 10)  # no compute at all
+    assert exposed_comm_us(_Profile([_event("gemm", 0, 10)])) == (0, 0)  # no communication
+    # An event without the `is_user_annotation` attribute (older profilers) is a kernel.
+    bare = SimpleNamespace(name="gemm", device_type=torch.autograd.DeviceType.CUDA, time_range=SimpleNamespace(start=0, end=10))
+    assert exposed_comm_us(_Profile([_event("ncclDevKernel_AllToAll", 0, 10), bare])) == (0, 10)
 
 
 def test_exposed_comm_is_nccl_time_no_compute_kernel_covers():
@@ -134,19 +151,20 @@ def test_format_table_on_cpu_rows():
     args = argparse.Namespace(nccl_channels=0, config="tiny", microbatches=4, steps=3)
     cfg = SimpleNamespace()
     rows = {
-        "sequential": {"parity": True, "step_ms": 20.0},
-        "ours": {"parity": True, "step_ms": 10.0},
-        "ours+record": {"parity": False, "step_ms": 16.0},
+        "sequential": {"parity": True, "ref": "exact", "step_ms": 20.0},
+        "ours": {"parity": True, "ref": "3e-07", "step_ms": 10.0},
+        "ours+record": {"parity": False, "ref": "DIFFER", "step_ms": 16.0},
         "ours+graph": {"parity": False, "step_ms": float("nan"), "failed": "RuntimeError: boom"},
     }
     lines = format_table(rows, cfg, args, use_cuda=False, world=2).splitlines()
     assert lines[0] == "MEASURED (CPU, EP=2, config tiny, 4 microbatches, 3 timed steps)"
-    assert lines[1].split() == ["arm", "parity", "step", "ms", "vs", "seq", "exposed", "comm", "ms", "comm", "ms", "max", "alloc", "MiB", "max", "resv", "MiB", "pending", "MiB"]
-    assert lines[2].split()[:4] == ["sequential", "equal", "20.00", "1.000"] and "(GPU only)" in lines[2]
-    assert lines[3].split()[:4] == ["ours", "equal", "10.00", "2.000"]
-    assert lines[4].split()[:4] == ["ours+record", "DIFFER", "16.00", "1.250"]
+    assert lines[1].split() == ["arm", "parity", "vs", "ref", "step", "ms", "vs", "seq", "exposed", "comm", "ms", "comm", "ms", "max", "alloc", "MiB", "max", "resv", "MiB", "pending", "MiB"]
+    assert lines[2].split()[:5] == ["sequential", "equal", "exact", "20.00", "1.000"] and "(GPU only)" in lines[2]
+    assert lines[3].split()[:5] == ["ours", "equal", "3e-07", "10.00", "2.000"]
+    assert lines[4].split()[:5] == ["ours+record", "DIFFER", "DIFFER", "16.00", "1.250"]
     assert lines[5] == "ours+graph     FAILED: RuntimeError: boom"
-    assert lines[6].startswith("CPU: step times are host times")
+    assert lines[6].startswith("parity: torch.equal with sequential") and "vs ref: the same against plain autograd" in lines[6]
+    assert lines[7].startswith("CPU: step times are host times")
 
 
 def test_format_table_says_the_link_is_emulated():

@@ -87,6 +87,12 @@ def check_options(options: Optional[dict]) -> dict:
     for k in ("overlap", "explain", "paging", "cudagraphs", "paging_timed", "paging_two_way"):
         if not isinstance(opts[k], bool):
             raise ValueError(f"sched_lifetime backend: option {k!r} must be a bool, got {opts[k]!r}")
+    if opts["ep_budget"] is not None:
+        from .._ops import INFO
+
+        lo, hi, b = INFO["budget"]["min"], INFO["budget"]["max"], opts["ep_budget"]
+        if isinstance(b, bool) or not isinstance(b, int) or not lo <= b <= hi:
+            raise ValueError(f"sched_lifetime backend: option 'ep_budget' must be an int in {lo}..={hi} (launches in flight) or None, got {b!r}")
     if opts["partition"] not in ("default", "min_cut"):
         raise ValueError(f"sched_lifetime backend: option 'partition' must be 'default' or 'min_cut', got {opts['partition']!r}")
     if opts["lifetime"] not in ("scheduled", "record_stream"):

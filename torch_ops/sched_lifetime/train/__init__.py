@@ -6,7 +6,8 @@ Arms (same initial weights, same tokens) are the rows of `arms.ARM_TABLE`: by de
 (F(i+1) and B(i) multiplexed as every B node then every F node), `ours` (the scheduler's order)
 and `ours+record` (`ours` with `record_stream` instead of the lifetime manager); the others are
 for A/Bs (`--help` lists them all). Columns: loss and gradient parity against `sequential`
-(torch.equal on every loss, gradient and updated weight), step time (median of interleaved
+(torch.equal on every loss, gradient and updated weight), the same against `reference.Reference`
+(the model trained by plain autograd, sharing no step code with the arms), step time (median of interleaved
 steps), exposed communication (profiler kernel intervals: NCCL time with no compute kernel
 running), max allocated, max reserved, pending-free peak (allocator snapshot).
 
@@ -17,7 +18,8 @@ GPU it runs one process on the emulated EP link (`--ep-link host[:K]`, `ep_link.
 default 8, its traffic through pinned host memory; "comm" is then the link's copies, and the
 table says the link is emulated). `--ep-link nccl` on one GPU runs EP=1 (a local copy).
 
-Modules, one job each: `arms` (the arm table, `Arm`), `capture` (whole-step CUDA graphs and
+Modules, one job each: `arms` (the arm table, `Arm`), `reference` (the plain-autograd
+reference and the comparison every parity suite uses), `capture` (whole-step CUDA graphs and
 their pools), `loop` (the ranks' loop), `figures` (measures, plots, the table), `cli` (options
 and launch). Every name is re-exported here.
 """

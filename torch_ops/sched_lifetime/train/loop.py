@@ -1,6 +1,7 @@
-"""The main job's loop: each rank builds every arm, runs a warm-up and interleaved timed steps,
-checks parity against the first arm, then measures each arm alone (memory, profiler) and
-returns the table and its figures."""
+"""The main job's loop: each rank builds every arm and the plain-autograd `Reference`, runs a
+warm-up and interleaved timed steps, checks parity against the first arm and against the
+reference, then measures each arm alone (memory, profiler) and returns the table and its
+figures."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .arms import Arm, same_grads
+from .reference import Reference, Verdict, all_ranks
 from .figures import (
     allocator_timeline,
     exposed_comm_us,
@@ -93,11 +95,19 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
         if use_cuda:
             torch.cuda.synchronize()
 
-    grads_ok, failed = _warm_up(arms, first, args.microbatches, sync, args)
+    # Plain autograd over the same steps: what every arm must equal (shares no step code).
+    reference = Reference(cfg, group, device, args.lr)
+    vs_ref: dict[str, Verdict] = {}
+    grads_ok, failed = _warm_up(arms, first, args.microbatches, sync, reference, vs_ref, args)
     say(args, f"timed steps: {args.steps} round(s), every arm one step a round")
-    _timed_steps(arms, first, grads_ok, args, sync, rank0)
+    _timed_steps(arms, first, grads_ok, args, sync, rank0, reference, vs_ref)
     parity = _parity(arms, first, grads_ok, device)
-    rows: dict[str, dict] = {a: {"parity": parity[a], "step_ms": statistics.median(arm.times)} for a, arm in arms.items()}
+    vs_ref = _against_reference(arms, reference, vs_ref, group, device)
+    del reference  # its weights and gradients are no part of the memory figures below
+    rows: dict[str, dict] = {
+        a: {"parity": parity[a], "ref": vs_ref[a].label(), "ref_within": vs_ref[a].within, "ref_worst": vs_ref[a].worst, "step_ms": statistics.median(arm.times)}
+        for a, arm in arms.items()
+    }
     if use_cuda:
         say(args, "each arm measured alone: memory, then a profiled step")
     histories = _measure_alone(arms, rows, args, sync, device, rank0) if use_cuda else {}
@@ -153,15 +163,27 @@ def _schedules(arms: dict[str, Arm]) -> dict:
     return tables
 
 
-def _warm_up(arms: dict[str, Arm], first: Arm, microbatches: int, sync: Callable[[], None], args: Optional[argparse.Namespace] = None) -> tuple[dict[str, bool], dict[str, str]]:
-    """Step 0 on every arm (not timed), then the captured arms' capture step. Returns the
-    gradient parity so far and the arms dropped (a capture failure drops the arm, not the run)."""
+def _warm_up(
+    arms: dict[str, Arm],
+    first: Arm,
+    microbatches: int,
+    sync: Callable[[], None],
+    reference: Optional[Reference] = None,
+    vs_ref: Optional[dict[str, Verdict]] = None,
+    args: Optional[argparse.Namespace] = None,
+) -> tuple[dict[str, bool], dict[str, str]]:
+    """Step 0 on every arm (not timed) and on the reference (each arm's gradients against it
+    go into `vs_ref`), then the captured arms' capture step. Returns the gradient parity so far
+    and the arms dropped (a capture failure drops the arm, not the run)."""
     for a, arm in arms.items():
         if args is not None:
             say(args, f"warm-up step (not timed): {a}")
         arm.step(0, microbatches)
     sync()
     grads_ok = {a: same_grads(arm, first) for a, arm in arms.items()}
+    if reference is not None and vs_ref is not None:
+        reference.step(0, microbatches)
+        vs_ref.update({a: reference.check_grads(arm.model) for a, arm in arms.items()})
     failed: dict[str, str] = {}
     for a, arm in list(arms.items()):
         if arm.captured:
@@ -177,9 +199,19 @@ def _warm_up(arms: dict[str, Arm], first: Arm, microbatches: int, sync: Callable
     return grads_ok, failed
 
 
-def _timed_steps(arms: dict[str, Arm], first: Arm, grads_ok: dict[str, bool], args: argparse.Namespace, sync: Callable[[], None], rank0: bool) -> None:
-    """`args.steps` rounds, every arm one step per round (interleaved), each timed alone;
-    gradients are compared with the first arm's after every round."""
+def _timed_steps(
+    arms: dict[str, Arm],
+    first: Arm,
+    grads_ok: dict[str, bool],
+    args: argparse.Namespace,
+    sync: Callable[[], None],
+    rank0: bool,
+    reference: Optional[Reference] = None,
+    vs_ref: Optional[dict[str, Verdict]] = None,
+) -> None:
+    """`args.steps` rounds, every arm one step per round (interleaved), each timed alone, then
+    the reference's step (not timed); gradients are compared with the first arm's and the
+    reference's after every round."""
     for step in range(1, args.steps + 1):
         for a, arm in arms.items():
             sync()
@@ -189,8 +221,12 @@ def _timed_steps(arms: dict[str, Arm], first: Arm, grads_ok: dict[str, bool], ar
             arm.times.append((time.perf_counter() - t0) * 1e3)
             if rank0 and args.progress:
                 print(f"step {step} {a:<12} loss {arm.losses[-1].sum().item():.5f}  {arm.times[-1]:.2f} ms", flush=True)
+        if reference is not None:
+            reference.step(step, args.microbatches)
         for a, arm in arms.items():
             grads_ok[a] = grads_ok[a] and same_grads(arm, first)
+            if reference is not None and vs_ref is not None:
+                vs_ref[a] = vs_ref[a].merge(reference.check_grads(arm.model))
 
 
 def _parity(arms: dict[str, Arm], ref: Arm, grads_ok: dict[str, bool], device: torch.device) -> dict[str, bool]:
@@ -205,6 +241,13 @@ def _parity(arms: dict[str, Arm], ref: Arm, grads_ok: dict[str, bool], device: t
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
         parity = {a: bool(f) for a, f in zip(arms, flags.tolist())}
     return parity
+
+
+def _against_reference(arms: dict[str, Arm], reference: Reference, vs_ref: dict[str, Verdict], group: Any, device: torch.device) -> dict[str, Verdict]:
+    """Each arm against the plain-autograd reference on every rank together: the gradients
+    after every step (`vs_ref` so far), every step's losses, the final weights."""
+    mine = {a: vs_ref[a].merge(reference.check_end(arm.model, arm.losses)) for a, arm in arms.items()}
+    return all_ranks(mine, group, device)
 
 
 def _measure_alone(arms: dict[str, Arm], rows: dict, args: argparse.Namespace, sync: Callable[[], None], device: torch.device, rank0: bool) -> dict[str, list]:
