@@ -33,7 +33,17 @@ _LIFETIME_MODES = ("scheduled", "record_stream", "none")
 
 
 class SideStreams:
-    """The high-priority EP and page streams of one device, created once and reused."""
+    """The high-priority EP and page streams of one device, created once and reused (on CPU
+    both are the one CPU stream). The executor issues EP launches on `ep` and page copies on
+    `page`; make them before a CUDA graph capture (`SideStreams.of(device)`).
+
+    Example:
+
+        >>> import torch, sched_lifetime as sl
+        >>> side = sl.SideStreams.of(torch.device("cpu"))
+        >>> side is sl.SideStreams.of(torch.device("cpu")), side.ep is side.page
+        (True, True)
+    """
 
     _lock = threading.Lock()
     _by_device: dict[torch.device, "SideStreams"] = {}
@@ -76,6 +86,21 @@ class Executor:
     `timing`: time every node on its stream (CUDA events made here, or host time on CPU);
     `node_times_us()` returns the last run's times, by node name, for the simulator's
     `durations`. Meaningful in a serial order (each node alone on the GPU).
+    Guide: docs/nodes.md (the executor under the node API) and docs/scheduler.md (graphs).
+
+    Example (CPU; a launch's callable runs on the EP stream, its wait takes none):
+
+        >>> import torch, sched_lifetime as sl
+        >>> graph = {"sources": [{"name": "F", "phase": "F"}], "inputs": ["x"], "nodes": [
+        ...     {"name": "attn", "source": "F", "kind": "compute", "inputs": ["x"], "outputs": ["a"]},
+        ...     {"name": "a2a", "source": "F", "kind": "comm_launch", "inputs": ["a"], "outputs": ["d"]},
+        ...     {"name": "a2a.wait", "source": "F", "kind": "comm_wait", "launch": "a2a"},
+        ...     {"name": "mlp", "source": "F", "kind": "compute", "inputs": ["d"], "outputs": ["y"]}]}
+        >>> fns = {"attn": torch.tanh, "a2a": lambda a: a * 2, "mlp": torch.relu}
+        >>> ex = sl.Executor(graph, sl.schedule(graph), fns, device="cpu")
+        >>> out = ex.run({"x": torch.ones(2)})
+        >>> sorted(out), out["y"].tolist()
+        (['y'], [1.5231883525848389, 1.5231883525848389])
     """
 
     def __init__(

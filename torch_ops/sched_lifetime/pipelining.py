@@ -152,7 +152,23 @@ class NodeStage(_DualPipeHook, nn.Module):
     "ours" (the scheduler's) or a baseline ("b_then_f", "sequential"); `lifetime`:
     "scheduled" or "record_stream" (the executor's modes); `dw_nodes`: separate dW nodes the
     scheduler can place under transfers and a pipeline can defer to BACKWARD_WEIGHT (True), or
-    dW computed with dI in one autograd call (False: a cheaper host path, no dI/dW split)."""
+    dW computed with dI in one autograd call (False: a cheaper host path, no dI/dW split).
+    Wrap each stage module before `PipelineStage(...)`, then call `enable_overlap(schedule)`;
+    deepseek-ai's DualPipe finds `overlapped_forward_backward` on it. Reentrant activation
+    checkpointing inside the module is refused (non-reentrant composes). Guide:
+    docs/pipelining.md.
+
+    Example (one stage alone: forward and backward run the nodes through the executor):
+
+        >>> import torch
+        >>> from sched_lifetime.pipelining import NodeStage, describe
+        >>> layers = [torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8)]
+        >>> stage = NodeStage(torch.nn.Sequential(*layers), nodes=describe(layers))
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> stage(x).sum().backward()
+        >>> x.grad.shape, layers[0].weight.grad is not None
+        (torch.Size([4, 8]), True)
+    """
 
     def __init__(
         self,
@@ -271,7 +287,20 @@ class GraphStage(_DualPipeHook, nn.Module):
     and for OVERLAP_F_B the forward graph of one stage multiplexed with the backward graph of
     another (`compile.multiplex`, built once per pair). `example_inputs`: one microbatch's
     inputs (the graphs are specialized to their shapes). The module's parameters stay its own;
-    their gradients are accumulated into `.grad`."""
+    their gradients are accumulated into `.grad`. `ep_budget`: EP launches in flight (default:
+    the environment, else 1). Use it where `ScheduleDualPipeV` refuses a `torch.compile`d
+    stage module. Guide: docs/pipelining.md.
+
+    Example:
+
+        >>> import torch
+        >>> from sched_lifetime.pipelining import GraphStage
+        >>> mod = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+        >>> stage = GraphStage(mod, (torch.randn(4, 8),))
+        >>> stage(torch.randn(4, 8, requires_grad=True)).sum().backward()
+        >>> mod[0].weight.grad is not None
+        True
+    """
 
     def __init__(self, module: nn.Module, example_inputs: tuple, ep_budget: Optional[int] = None) -> None:
         from .compile import boxed, capture_graphs, compile_graphs
@@ -359,7 +388,18 @@ def enable_overlap(schedule: Any) -> bool:
     emit OVERLAP_F_B (single-stage schedules such as Schedule1F1B, or multi-stage ones whose
     order has none): the runtime's default path runs them, and the stages are ordinary
     modules there. Raises when the schedule emits OVERLAP_F_B but a stage is neither kind
-    (nothing to multiplex)."""
+    (nothing to multiplex). Guide: docs/pipelining.md.
+
+    Example (needs a process group; two ranks under torchrun on GPUs, see the guide for a
+    one-process CPU run):
+
+        >>> from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV  # doctest: +SKIP
+        >>> stages = [PipelineStage(NodeStage(m), k, 4, dev) for k, m in my_stage_modules]  # doctest: +SKIP
+        >>> sched = ScheduleDualPipeV(stages, n_microbatches=8, loss_fn=loss_fn)  # doctest: +SKIP
+        >>> enable_overlap(sched)  # doctest: +SKIP
+        True
+        >>> sched.step(tokens, target=labels, losses=losses)  # doctest: +SKIP
+    """
     from torch.distributed.pipelining.schedules import OVERLAP_F_B
 
     stages = list(getattr(schedule, "_stages", None) or [schedule._stage])

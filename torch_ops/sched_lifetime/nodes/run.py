@@ -163,7 +163,28 @@ def combined_step(
     lifetime: str = "scheduled",
     grad_scale: float = 1.0,
 ) -> dict[str, Any]:
-    """F of one microbatch with B of another, in the scheduler's order (or a baseline's)."""
+    """F of one microbatch with B of another, multiplexed in one schedule: the steady state
+    of combined 1F1B (Megatron-LM's `--overlap-moe-expert-parallel-comm`), in the
+    scheduler's order (`order="ours"`, or `"ours:<rules,budgets>"`) or a baseline's
+    (`"b_then_f"`, `"sequential"`). `forward`: (its `MicrobatchState`, its chunk inputs);
+    `backward`: the state of a microbatch whose forward has run; `grad_scale`: the gradient
+    its loss starts from (1/n when accumulating n microbatches). `lifetime`: "scheduled" (the
+    lifetime manager) or "record_stream". Returns the executor's values (the forward's
+    outputs as `F.<value>`). Weight gradients are accumulated into `.grad`.
+
+    Example:
+
+        >>> import sched_lifetime as sl
+        >>> from sched_lifetime.models import CONFIGS, MoEModel
+        >>> model = MoEModel(CONFIGS["tiny"])
+        >>> chunk = model.chunk()
+        >>> mb0, mb1 = sl.MicrobatchState(0), sl.MicrobatchState(1)
+        >>> _ = chunk.run((mb0, model.batch(0, 0)), None)                     # warm-up F(0)
+        >>> out = sl.combined_step(chunk, (mb1, model.batch(0, 1)), mb0)      # F(1) with B(0)
+        >>> _ = chunk.run(None, mb1)                                           # cool-down B(1)
+        >>> "F.loss" in out, mb1.loss is not None
+        (True, True)
+    """
     return chunk.run(forward, backward, order, lifetime, grad_scale)
 
 
@@ -185,7 +206,25 @@ def train_step(
     their transfers also run under another microbatch's compute: F(0) with F(1), then F(i+2)
     with B(i), then B(n-2) with B(n-1) (`run_two`). One more microbatch's activations are live
     in the steady state (three forwards ahead of their backward instead of two). Gradients
-    accumulate in microbatch order as without it (bit-exact)."""
+    accumulate in microbatch order as without it (bit-exact).
+
+    `lifetime`: "scheduled" (the lifetime manager) or "record_stream" (the baseline);
+    `on_run`: called after each multiplexed run (the main job samples memory there). A step
+    cut short by an exception gives back any paging buffers, so the next step works. Guide:
+    docs/nodes.md.
+
+    Example (bit-exact against plain `loss.backward()` per microbatch):
+
+        >>> import torch, sched_lifetime as sl
+        >>> from sched_lifetime.models import CONFIGS, MoEModel
+        >>> model, ref = MoEModel(CONFIGS["tiny"]), MoEModel(CONFIGS["tiny"])
+        >>> mbs = [model.batch(0, i) for i in range(3)]
+        >>> losses = sl.train_step(model.chunk(), mbs, order="ours")
+        >>> for mb in mbs:
+        ...     (ref(**mb) / 3).backward()
+        >>> all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+        True
+    """
     n = len(microbatches)
     if n == 0:
         raise ValueError("train_step needs at least one microbatch")

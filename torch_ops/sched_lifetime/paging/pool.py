@@ -35,6 +35,22 @@ class HostPool(HostSlots, Releases):
     buffer is rewritten only by a copy queued on the page stream after the copy that last read
     it: the stream's order is the freelist's order, with no host synchronisation. A step never
     allocates host memory: an empty freelist is an error (the pool was sized at calibration).
+    `sizes`: one entry per buffer, in bytes; `device`: the device whose tensors it pages
+    (pinned buffers for CUDA); `drain_distance`: page-outs that may hold device storage at once
+    before the oldest is waited on and released. `Pager` and `Chunk.enable_paging` make their
+    own; use one directly to page tensors by hand.
+
+    Example:
+
+        >>> import torch, sched_lifetime as sl
+        >>> pool = sl.HostPool([4096, 4096], "cpu")
+        >>> x = torch.arange(1024, dtype=torch.float32)
+        >>> handle = pool.page_out(x)             # a buffer taken, the copy queued
+        >>> pool.in_use()
+        1
+        >>> y = pool.page_in(handle)              # back, and the buffer free again
+        >>> torch.equal(x, y), pool.in_use()
+        (True, 0)
     """
 
     def __init__(self, sizes: list[int], device: Any = "cpu", drain_distance: int = 16) -> None:
