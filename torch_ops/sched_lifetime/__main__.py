@@ -110,12 +110,9 @@ def _demo(args: argparse.Namespace) -> int:
     return rc
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["train"]:
-        from . import train
-
-        return train.main(argv[1:])
+def parser() -> argparse.ArgumentParser:
+    """The top-level command line and its subcommands (`train` has its own parser,
+    `sched_lifetime.train.cli.parser`: `main` hands it everything after `train`)."""
     p = argparse.ArgumentParser(
         prog="python -m sched_lifetime",
         description="sched_lifetime: scheduled cross-stream tensor lifetime and F/B multiplexing for MoE training",
@@ -151,6 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     ss.add_argument("--order", default=None, help="JSON list of node names (default: our schedule)")
     ss.add_argument("--costs", default=None, help='JSON {"node": us} (default: graph costs, else per-kind)')
     ss.add_argument("--policy", default="scheduled", help="scheduled (the lifetime manager, default) or record_stream")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:
+        from . import train
+
+        return train.main(argv[1:])
+    p = parser()
     args = p.parse_args(argv)
     if args.cmd == "simulate-schedule":
         return _simulate_schedule(args)
