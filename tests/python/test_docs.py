@@ -162,6 +162,14 @@ def test_every_public_name_has_a_docstring_whose_example_runs():
     _cleanup()
 
 
+def test_readme_names_every_public_entry():
+    import sched_lifetime as sl
+
+    text = open(README).read()
+    section = text[text.index("## The public API") : text.index("## Documentation")]
+    assert not [n for n in sl.__all__ if f"`{n}`" not in section]
+
+
 def _parsers() -> dict[str, argparse.ArgumentParser]:
     """Every parser of the command line: "" (top level), each subcommand, and `train`'s own."""
     from sched_lifetime.__main__ import parser
