@@ -8,6 +8,12 @@ microbatches per step) sequential vs multiplexed vs paired ends, with the same f
 same table. Prints one table (rank 0).
 
     NCCL_MIN_NCHANNELS=2 NCCL_MAX_NCHANNELS=2 torchrun --standalone --nproc-per-node 2 benches/compile_ab.py
+
+On one GPU, `--ep-link host[:K]` runs the same A/B on the emulated EP link (`ep_link.py`: EP=K,
+the crossing rows through pinned host memory; in compiled graphs a launch/wait op pair the
+backend schedules like a functional collective); exposed comm is then the link's copies:
+
+    torchrun --standalone --nproc-per-node 1 benches/compile_ab.py --ep-link host:8 --graph-step 4
 """
 
 from __future__ import annotations
@@ -22,21 +28,22 @@ import torch
 import torch.distributed as dist
 
 import sched_lifetime
-from sched_lifetime.ep import FunctionalAllToAll, new_ep_group
+from sched_lifetime.ep import FunctionalAllToAll, HostLinkAllToAll, new_ep_group
 from sched_lifetime.models.moe import CONFIGS, MoEModel, deterministic_sdpa, with_overrides
 from sched_lifetime.train import exposed_comm_us
 
 CFGS = {"tiny": with_overrides(CONFIGS["tiny"], capacity_factor=1.0), "h200": CONFIGS["h200"]}
 
 
-def graph_step_ab(cfg, group, dev, a, rank, sync) -> dict:
+def graph_step_ab(cfg, transport, dev, a, rank, sync) -> dict:
     """GraphStep (compiled forward/backward graphs) over N microbatches: sequential, multiplexed
     and with paired ends, interleaved steps, medians, parity of the first step's losses and
     gradients against sequential (all ranks); then one profiled step per arm (exposed
     communication, max reserved). Returns the table's rows."""
     from sched_lifetime.compile import GraphStep
 
-    m = MoEModel(cfg, transport=FunctionalAllToAll(group), seed=0, device=dev)
+    m = MoEModel(cfg, transport=transport(), seed=0, device=dev)
+    link = m.transport if isinstance(m.transport, HostLinkAllToAll) else None
     gs = GraphStep(m, tuple(m.batch(0, 0).values()))
     times: dict[str, list] = {"sequential": [], "multiplexed": [], "paired_ends": []}
     first = {}
@@ -63,11 +70,11 @@ def graph_step_ab(cfg, group, dev, a, rank, sync) -> dict:
     same = {
         k: all(torch.equal(x, y) for x, y in zip(la, lb)) and all(torch.equal(x, y) for x, y in zip(ga, gb)) for k, (lb, gb) in first.items()
     }
-    everyone = [None, None]
+    everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, same)
     rows = {}
     for name in times:
-        exposed, total, resv = _profiled(lambda: run(name, 99), sync, dev.type == "cuda")
+        exposed, total, resv = _profiled(lambda: run(name, 99), sync, dev.type == "cuda", link)
         rows[f"GraphStep {name}"] = {
             "parity": all(e[name] for e in everyone),
             "microbatches": a.graph_step,
@@ -79,8 +86,9 @@ def graph_step_ab(cfg, group, dev, a, rank, sync) -> dict:
     return rows
 
 
-def _profiled(step, sync, cuda: bool) -> tuple[float, float, int]:
-    """One step under the profiler, from an empty cache: (exposed comm us, comm us, max reserved)."""
+def _profiled(step, sync, cuda: bool, link=None) -> tuple[float, float, int]:
+    """One step under the profiler, from an empty cache: (exposed comm us, comm us, max reserved).
+    With the emulated `link`, comm is its copies."""
     if not cuda:
         step()
         return 0.0, 0.0, 0
@@ -91,7 +99,7 @@ def _profiled(step, sync, cuda: bool) -> tuple[float, float, int]:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         sync()
-    exposed, total = exposed_comm_us(prof)
+    exposed, total = exposed_comm_us(prof, link)
     return exposed, total, torch.cuda.max_memory_reserved()
 
 
@@ -102,6 +110,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--graph-step", type=int, default=0, metavar="N",
                     help="also: N microbatches per step on compiled graphs (GraphStep), sequential vs multiplexed F(i+1)+B(i) vs paired ends, in the same table")
+    ap.add_argument("--ep-link", default="nccl", metavar="nccl|host[:K]",
+                    help="EP transport: nccl (functional collectives over the ranks) or host[:K] (one process: the emulated EP link of K ranks)")
     a = ap.parse_args()
     assert "sched_lifetime" in torch._dynamo.list_backends(), sched_lifetime.__version__
     cuda = torch.cuda.is_available()
@@ -115,10 +125,18 @@ def main() -> None:
     import sched_lifetime.models.moe as moe
 
     moe.SDPA_BACKENDS = deterministic_sdpa(dev, moe._dtype(cfg)) if cuda else None
-    group = new_ep_group()
+    link = None
+    if a.ep_link != "nccl":
+        if dist.get_world_size() != 1:
+            raise SystemExit(f"--ep-link {a.ep_link} emulates EP in one process: run under torchrun --nproc-per-node 1")
+        link = HostLinkAllToAll.from_spec(a.ep_link, device=dev, num_experts=cfg.experts)
+        transport = lambda: link  # noqa: E731  (one link, its host buffers shared by the arms)
+    else:
+        group = new_ep_group()
+        transport = lambda: FunctionalAllToAll(group)  # noqa: E731
     arms = {}
     for name, backend in (("eager", None), ("aot_eager", "aot_eager"), ("sched_lifetime", "sched_lifetime")):
-        m = MoEModel(cfg, transport=FunctionalAllToAll(group), seed=0, device=dev)
+        m = MoEModel(cfg, transport=transport(), seed=0, device=dev)
         arms[name] = (m, m if backend is None else torch.compile(m, backend=backend))
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     times: dict[str, list] = {k: [] for k in arms}
@@ -140,12 +158,12 @@ def main() -> None:
                 times[name].append(dt)
     ref = first["eager"]
     parity = {k: torch.equal(v[0], ref[0]) and all(torch.equal(x, y) for x, y in zip(v[1], ref[1])) for k, v in first.items()}
-    everyone = [None, None]
+    everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, parity)
     rows = {}
     for name, (m, run) in arms.items():
         m.zero_grad(set_to_none=True)
-        exposed, total, resv = _profiled(lambda: run(**m.batch(99, 0)).backward(), sync, cuda)
+        exposed, total, resv = _profiled(lambda: run(**m.batch(99, 0)).backward(), sync, cuda, link)
         rows[name] = {
             "parity": all(p[name] for p in everyone),
             "microbatches": 1,
@@ -155,10 +173,14 @@ def main() -> None:
             "max_reserved_mib": resv / 2**20,
         }
     if a.graph_step:
-        rows.update(graph_step_ab(cfg, group, dev, a, rank, sync))
+        rows.update(graph_step_ab(cfg, transport, dev, a, rank, sync))
     if rank == 0:
-        where = f"2 x {torch.cuda.get_device_name(dev)}" if cuda else "CPU smoke run (no figures)"
-        print(f"EP=2 {where}, config {a.config}, medians of {a.steps} interleaved steps, NCCL channels {os.environ.get('NCCL_MAX_NCHANNELS', 'default')}")
+        world = dist.get_world_size()
+        where = f"{world} x {torch.cuda.get_device_name(dev)}" if cuda else "CPU smoke run (no figures)"
+        if link is not None:
+            print(f"EMULATED: {link.describe()}, 1 process, {where}, config {a.config}, medians of {a.steps} interleaved steps; comm = the link's copies")
+        else:
+            print(f"EP={world} {where}, config {a.config}, medians of {a.steps} interleaved steps, NCCL channels {os.environ.get('NCCL_MAX_NCHANNELS', 'default')}")
         print("backend rows: one microbatch F+B per step, vs aot_eager; GraphStep rows: N microbatches per step, vs GraphStep sequential")
         print("| arm | parity | microbatches | step ms | vs | exposed comm ms | comm ms | max reserved MiB (rank 0, own step) |")
         print("|---|---|---:|---:|---:|---:|---:|---:|")
@@ -170,7 +192,7 @@ def main() -> None:
             )
         if a.out:
             with open(os.path.join(a.out, "compile_ab.json"), "w") as f:
-                json.dump({"config": a.config, "rows": rows, "times_ms": times}, f, indent=1)
+                json.dump({"config": a.config, "ep_link": a.ep_link, "rows": rows, "times_ms": times}, f, indent=1)
     dist.destroy_process_group()
 
 

@@ -9,7 +9,9 @@ against the first arm. Each compiled arm has its own copy of the model (same ini
 
 Arm `paging:BUDGET[:PREFETCH]`: the static plan, options {"paging": True, "paging_budget": BUDGET,
 "paging_timed": False, "paging_prefetch": PREFETCH (default 2)}; `timed:BUDGET[:SLACK]`: the
-timed plan (an sl.Pager calibrated over the first two steps), "paging_slack": SLACK.
+timed plan (an sl.Pager calibrated over the first two steps), "paging_slack": SLACK. Either with
+the prefix `1s-`: page-ins on the page stream behind the page-outs ("paging_two_way": False;
+without it they run on their own stream, the link's two directions at once).
 """
 
 from __future__ import annotations
@@ -53,17 +55,18 @@ def main() -> None:
                 run = torch.compile(model, backend="sched_lifetime", options={"partition": a.partition})
             else:
                 run = torch.compile(model, backend="aot_eager")
-        elif arm.startswith(("paging:", "timed:")):
-            kind, budget, extra = (arm.split(":") + [""])[:3]
+        elif arm.removeprefix("1s-").startswith(("paging:", "timed:")):
+            kind, budget, extra = (arm.removeprefix("1s-").split(":") + [""])[:3]
             b = float(budget) if "." in budget else int(budget)
             opts = {"paging": True, "paging_budget": b, "paging_timed": kind == "timed", "partition": a.partition}
+            opts["paging_two_way"] = not arm.startswith("1s-")
             if extra:
                 opts["paging_prefetch" if kind == "paging" else "paging_slack"] = int(extra) if kind == "paging" else float(extra)
             model = copy.deepcopy(base)
             run = torch.compile(model, backend="sched_lifetime", options=opts)
             pagers[arm] = None  # its GraphPager, found after its first (compiling) step
         else:
-            raise SystemExit(f"unknown arm {arm!r}: eager, compiled, aot_eager, paging:BUDGET[:PREFETCH], timed:BUDGET[:SLACK]")
+            raise SystemExit(f"unknown arm {arm!r}: eager, compiled, aot_eager, [1s-]paging:BUDGET[:PREFETCH], [1s-]timed:BUDGET[:SLACK]")
 
         def setup(step: int, model=model, run=run, arm=arm):
             for p in model.parameters():

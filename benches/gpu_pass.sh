@@ -12,9 +12,11 @@
 #   bash benches/gpu_pass.sh capture OUT  # one H200: whole-step graph pools, page nodes captured, min_cut, host overhead
 #   bash benches/gpu_pass.sh four OUT   # nvidia-h200-x4: DualPipeV as PP=2 x EP=2, handler vs none
 #   bash benches/gpu_pass.sh twopage OUT  # nvidia-h200-x2: EP + page nodes, ours vs ours+page at 3 budgets
+#   bash benches/gpu_pass.sh link OUT   # nvidia-h200: EP=8 on the emulated link (one GPU, issue 28): its rate,
+#                                       # the main job's arms with ours+page, GraphStep vs compiled, its cuda tests
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|page2|page3 OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|page2|page3 OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -76,11 +78,44 @@ twopage)
             --nccl-channels 4 --steps 3 --page-budget "$b" --page-prefetch 6 --quiet
     done
     ;;
+page2)
+    # Two page streams (issue 32): the cuda paging tests (SlotOrder's poison test and its control,
+    # the packed page_in_group poison test), then the eager pager at 8192 tokens, one stream vs
+    # two, in one run with off and save_on_cpu. About 5 minutes.
+    step page2_tests 200 "$py" -m pytest -q -rs -m cuda tests/python/test_paging_pool.py tests/python/test_paging_pager.py \
+        tests/python/test_paging_slot_order.py tests/python/test_paging_plan.py tests/python/test_paging_groups.py
+    step paging_8k 170 "$py" benches/paging_ab.py --config h200 --steps 5 --arms off,1s-timed:1.0,timed:1.0,save_on_cpu \
+        --json "$out/paging_8k.json"
+    ;;
+page3)
+    # Two page streams at 65536 tokens and on page nodes; the compile path. About 8 minutes.
+    step paging_64k 220 "$py" benches/paging_ab.py --config h200 --set seq=65536,batch=1 --steps 3 \
+        --arms off,1s-timed:1.0,timed:1.0,save_on_cpu --json "$out/paging_64k.json"
+    step paging_nodes 200 "$py" benches/paging_nodes_ab.py --config h200 --microbatches 4 \
+        --arms off,1s-page:0.3:6:8,page:0.3:6:8 --json "$out/paging_nodes.json"
+    step compile_paging 120 "$py" benches/compile_paging_ab.py --config h200 --steps 3 \
+        --arms eager,compiled,1s-timed:1.0,timed:1.0 --json "$out/compile_paging.json"
+    ;;
+link)
+    # Everything here is EMULATED EP: one process, the (K-1)/K share of each all-to-all through
+    # pinned host memory on the copy engines (ep_link.py). About 6 minutes; at most 8.
+    export PYTHONUNBUFFERED=1
+    step link_cuda_tests 90 "$py" -m pytest -q -m cuda tests/python/test_ep_link.py -rs
+    step link_rate 60 "$py" benches/link_rate.py --k 8 --j 1,4,16,64 --reps 10
+    # The page arm's copies share PCIe with the link's: budget 0.2, prefetch 6 (twopage's middle).
+    step main_job_link 210 "$py" -m sched_lifetime train --ep-link host:8 --config h200 --steps 2 --microbatches 8 \
+        --arms sequential,b_then_f,ours,ours+ends,ours+record,ours+graph,ours+page \
+        --page-budget 0.2 --page-prefetch 6 --quiet --out /tmp/main_job_link
+    cp /tmp/main_job_link/train.json "$out/train_link.json" 2>/dev/null
+    cp /tmp/main_job_link/durations.json "$out/durations_link.json" 2>/dev/null
+    step compile_link 120 torchrun --standalone --nproc-per-node 1 benches/compile_ab.py --ep-link host:8 --config h200 \
+        --graph-step 4 --steps 3 --out "$out"
+    ;;
 four)
     step pipeline_ep2 500 torchrun --standalone --nproc-per-node 4 benches/pipeline_ab.py --config pp_h200 --ep 2 --out "$out"
     ;;
 *)
-    echo "unknown mode $mode: one, one2, two, two2, cuda2, explain, capture, four or twopage" >&2
+    echo "unknown mode $mode: one, one2, two, two2, cuda2, explain, capture, four, twopage, link, page2 or page3" >&2
     exit 2
     ;;
 esac

@@ -1,13 +1,16 @@
 """GPU A/B: activation paging on the embedded MoE model, one GPU, one process: paging off,
 `sl.Pager` untimed (`pager:FRACTION:PREFETCH[:DRAIN]`: the budget alone, counted drain and
 prefetch) and timed (`timed:FRACTION[:SLACK]`: the calibration's timeline places every copy,
-only what hides is paged), and
-`torch.autograd.graph.save_on_cpu(pin_memory=True)`, one model shared by every arm (no optimizer
-step, so every arm computes the same gradients), steps interleaved across arms, medians.
-Per arm: step time, peak allocated above the step's start (the activations' high-water mark),
-bytes paged, and parity (torch.equal on every gradient against paging off, every step).
+only what hides is paged), each two-way (page-ins on their own stream beside the page-outs, the
+default) or with the prefix `1s-` on one page stream (`1s-timed:1.0`: `Pager(two_way=False)`,
+the baseline), and `torch.autograd.graph.save_on_cpu(pin_memory=True)`, one model shared by
+every arm (no optimizer step, so every arm computes the same gradients), steps interleaved
+across arms, medians. Per arm: step time, peak allocated above the step's start (the
+activations' high-water mark), bytes paged, and parity (torch.equal on every gradient against
+paging off, every step). The link's rates are printed too: each way alone and both at once.
 
-    PYTHONPATH=torch_ops python3 benches/paging_ab.py --config h200 --steps 6 --json OUT/paging.json
+    PYTHONPATH=torch_ops python3 benches/paging_ab.py --config h200 --steps 5 --json OUT/paging.json
+    PYTHONPATH=torch_ops python3 benches/paging_ab.py --config h200 --set seq=65536,batch=1 --steps 3
 """
 
 from __future__ import annotations
@@ -28,24 +31,27 @@ from sched_lifetime.paging import link_rates
 
 
 def arms(spec: str) -> dict:
-    """'off,pager:0.5:4,save_on_cpu' -> {name: (its Pager or None, the per-step context)}; one
-    Pager per arm, kept across steps (its first step calibrates)."""
+    """'off,pager:0.5:4,1s-timed:1.0,save_on_cpu' -> {name: (its Pager or None, the per-step
+    context)}; one Pager per arm, kept across steps (its first step calibrates); `1s-`: one page
+    stream for page-outs and page-ins (`two_way=False`)."""
     out = {}
     for a in spec.split(","):
+        two_way = not a.startswith("1s-")
+        kind = a.removeprefix("1s-")
         if a == "off":
             out[a] = (None, contextlib.nullcontext)
         elif a == "save_on_cpu":
             out[a] = (None, lambda: torch.autograd.graph.save_on_cpu(pin_memory=True))
-        elif a.startswith("pager:"):  # untimed: the budget alone, counted drain and prefetch
-            _, frac, pf, drain = (a.split(":") + ["16"])[:4]
-            pager = sl.Pager(float(frac), prefetch=int(pf), drain_distance=int(drain), timed=False)
+        elif kind.startswith("pager:"):  # untimed: the budget alone, counted drain and prefetch
+            _, frac, pf, drain = (kind.split(":") + ["16"])[:4]
+            pager = sl.Pager(float(frac), prefetch=int(pf), drain_distance=int(drain), timed=False, two_way=two_way)
             out[a] = (pager, pager.step)
-        elif a.startswith("timed:"):  # calibrated timeline: only what hides, placed
-            _, frac, slack = (a.split(":") + ["1.25"])[:3]
-            pager = sl.Pager(float(frac), slack=float(slack))
+        elif kind.startswith("timed:"):  # calibrated timeline: only what hides, placed
+            _, frac, slack = (kind.split(":") + ["1.25"])[:3]
+            pager = sl.Pager(float(frac), slack=float(slack), two_way=two_way)
             out[a] = (pager, pager.step)
         else:
-            raise SystemExit(f"unknown arm {a!r}: off, save_on_cpu, pager:FRACTION:PREFETCH[:DRAIN], timed:FRACTION[:SLACK]")
+            raise SystemExit(f"unknown arm {a!r}: off, save_on_cpu, [1s-]pager:FRACTION:PREFETCH[:DRAIN], [1s-]timed:FRACTION[:SLACK]")
     return out
 
 
@@ -149,7 +155,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="h200", choices=sorted(CONFIGS))
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--arms", default="off,pager:0.1:64:16,timed:0.2,timed:1.0,save_on_cpu")
+    ap.add_argument("--arms", default="off,1s-timed:1.0,timed:1.0,save_on_cpu")
     ap.add_argument("--set", default="", help="config overrides, e.g. seq=8192,batch=1")
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -177,11 +183,11 @@ def main() -> None:
 
     rows = interleaved({name: prepare(ctx) for name, (_, ctx) in setups.items()}, a.steps, dev)
     if dev.type == "cuda":
-        d2h, h2d = (r / 1e3 for r in link_rates(dev, mib=1024, reps=3))  # GB/s
+        d2h, h2d, both = (r / 1e3 for r in link_rates(dev, mib=1024, reps=3))  # GB/s
         fwd = forward_ms(model, model.batch(0, 0), sync)
         print(
-            f"link: device->host {d2h:.1f} GB/s, host->device {h2d:.1f} GB/s; forward {fwd:.1f} ms: at most "
-            f"{d2h * fwd / 1e3 * 1e9 / 2**20:.0f} MiB can be paged out under the forward (copies fully hidden)"
+            f"link: device->host {d2h:.1f} GB/s, host->device {h2d:.1f} GB/s, both at once on two streams {both:.1f} GB/s; "
+            f"forward {fwd:.1f} ms: at most {d2h * fwd / 1e3 * 1e9 / 2**20:.0f} MiB can be paged out under the forward (copies fully hidden)"
         )
     print(f"paging A/B, config {a.config} {a.set}, {dev}, medians of {a.steps} interleaved steps (one fwd+bwd each)")
     paged = {name: pager.plan["bytes_paged"] for name, (pager, _) in setups.items() if pager is not None and pager.plan}

@@ -5,7 +5,9 @@ The embedded MoE model as one chunk (EP=1), `train_step` of N microbatches in ou
 alive at once, the case paging across microbatches is for. Arms: no paging, and
 `Chunk.enable_paging(budget=FRACTION, prefetch=K[, release=R])` with the page-stream launch
 budget B (`page:FRACTION:K:B[:R]`, R 0: no release points), or the listed nodes instead of the
-budget's choice (`nodes:L1.experts+L2.experts:K:B[:R]`). One model per arm with the same
+budget's choice (`nodes:L1.experts+L2.experts:K:B[:R]`); page-ins on their own stream beside the
+page-outs (the default), or with the prefix `1s-` both on one page stream (`1s-page:0.3:6:8`:
+`enable_paging(two_way=False)`, the baseline). One model per arm with the same
 weights, no optimizer step (every arm computes the same gradients); steps interleaved across
 arms, medians. Per arm: step time, peak allocated above the step's start, bytes paged per step,
 parity (torch.equal on every loss and gradient against no paging, every step). `--profile ARMS`
@@ -35,7 +37,7 @@ def main() -> None:
     ap.add_argument("--config", default="h200", choices=sorted(CONFIGS))
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--arms", default="off,page:0.12:6:8,page:0.2:6:8,page:0.3:6:8")
+    ap.add_argument("--arms", default="off,1s-page:0.3:6:8,page:0.3:6:8,1s-page:0.5:6:8,page:0.5:6:8")
     ap.add_argument("--min-bytes", type=int, default=1 << 20, help="smallest saved activation to page")
     ap.add_argument("--json")
     ap.add_argument("--cpu-ops", action="store_true", help="with --profile: the host's top ops by self time")
@@ -54,10 +56,11 @@ def main() -> None:
         chunk = model.chunk()
         order, plan = "ours", None
         if spec != "off":
-            kind, what, pf, pb, *rel = spec.split(":")
-            # page:FRACTION:K:B[:R] (Rust's choice under the budget) or nodes:A+B+...:K:B[:R]
-            # (these nodes); R: enable_paging's release distance (0: none)
+            kind, what, pf, pb, *rel = spec.removeprefix("1s-").split(":")
+            # [1s-]page:FRACTION:K:B[:R] (Rust's choice under the budget) or nodes:A+B+...:K:B[:R]
+            # (these nodes); R: enable_paging's release distance (0: none); 1s-: one page stream
             how = {"nodes": what.split("+")} if kind == "nodes" else {"budget": float(what)}
+            how["two_way"] = not spec.startswith("1s-")
             if rel:
                 how["release"] = int(rel[0]) or None
             plan = chunk.enable_paging(model.batch(0, 0), prefetch=int(pf), min_bytes=a.min_bytes, **how)

@@ -17,6 +17,14 @@
 //! storage is released (the wait finds the copy done, and the bytes are gone before the
 //! forward's peak). Page-ins are queued as late as the host->device queue allows, each
 //! finishing by its use: memory comes back just in time, not a fixed count of unpacks early.
+//!
+//! Two-way (the timing has `both_bytes_per_us`: page-outs and page-ins on a stream each, the
+//! link's two directions at once): a page-out may also end after the forward, while the
+//! backward runs; it is released at the first unpack after its copy ends (a release *point*
+//! indexes saves then unpacks: `ns + u` is unpack `u`). The backward's first unpack is taken to
+//! follow the last save at once (the real gap only finishes copies earlier). Copies that run
+//! while the other direction is busy are planned at half the two-way rate: every page-out time
+//! after the forward, and every page-in time before the last page-out ends.
 
 use serde::{Deserialize, Serialize};
 
@@ -60,8 +68,9 @@ pub struct PagePlan {
     pub short: bool,
     /// One line per tensor: paged or kept, and why.
     pub explain: Vec<String>,
-    /// With a timing, per paged tensor (in `page`'s order): the save index at which the compute
-    /// stream waits on its page-out and its device storage is released. Empty without one.
+    /// With a timing, per paged tensor (in `page`'s order): the point at which the compute
+    /// stream waits on its page-out and its device storage is released: a save index, or (a
+    /// two-way plan) the number of saves plus an unpack index. Empty without one.
     pub release_at: Vec<u32>,
     /// With a timing, per paged tensor (in `page`'s order): the unpack index at which its
     /// page-in is queued (before that unpack's own wait). Empty without one.
@@ -95,6 +104,11 @@ pub struct Timing {
     /// step's peak: one released after the peak, or back before it, only costs copies.
     #[serde(default)]
     pub tail_peak: u64,
+    /// Two-way: bytes per us of a device->host and a host->device copy running at once on two
+    /// streams, both directions together. With it, page-outs may end in the backward (see the
+    /// module docs); without it (one page stream) every page-out ends under the forward.
+    #[serde(default)]
+    pub both_bytes_per_us: Option<f64>,
 }
 
 fn default_slack() -> f64 {
@@ -111,7 +125,8 @@ impl Timing {
         if self.save_us.windows(2).any(|w| w[1] < w[0]) || self.unpack_us.windows(2).any(|w| w[1] < w[0]) {
             return bad("times must not decrease with the index");
         }
-        for (what, r) in [("d2h_bytes_per_us", self.d2h_bytes_per_us), ("h2d_bytes_per_us", self.h2d_bytes_per_us)] {
+        let both = ("both_bytes_per_us", self.both_bytes_per_us.unwrap_or(1.0));
+        for (what, r) in [("d2h_bytes_per_us", self.d2h_bytes_per_us), ("h2d_bytes_per_us", self.h2d_bytes_per_us), both] {
             if !(r.is_finite() && r > 0.0) {
                 return bad(&format!("{what} must be > 0, got {r}"));
             }
@@ -137,17 +152,48 @@ impl Timing {
         Ok(())
     }
 
-    /// The page-outs of `set` (in save order) queued one after another on the link: per tensor
-    /// the save index where the compute stream can wait on it for free, or the first that
-    /// cannot end before the forward's last save.
-    fn releases(&self, set: &[&Saved]) -> std::result::Result<Vec<u32>, String> {
+    /// Two-way: each direction's rate while the other one is busy (half the two-way rate, at
+    /// most the one-way rate), device->host and host->device. None: one page stream.
+    fn shared(&self) -> Option<(f64, f64)> {
+        self.both_bytes_per_us.map(|b| ((b / 2.0).min(self.d2h_bytes_per_us), (b / 2.0).min(self.h2d_bytes_per_us)))
+    }
+
+    /// The forward's last save, us: where the backward's unpack times start (two-way).
+    fn boundary(&self) -> f64 {
+        self.save_us.last().copied().unwrap_or(0.0)
+    }
+
+    /// When each page-out of `set` (in save order) ends, us on the save timeline, queued one
+    /// after another on the link; two-way, the part after the forward at the shared rate.
+    fn page_out_ends(&self, set: &[&Saved]) -> Vec<f64> {
+        let b = self.boundary();
         let mut free_at = 0.0f64; // when the link is done with the copies queued so far
+        set.iter()
+            .map(|s| {
+                let start = free_at.max(self.save_us[s.saved_at as usize]);
+                let mut end = start + s.bytes as f64 / self.d2h_bytes_per_us * self.slack;
+                if let Some((d2h, _)) = self.shared().filter(|_| end > b) {
+                    let before = (b - start).max(0.0) * self.d2h_bytes_per_us / self.slack;
+                    end = start.max(b) + (s.bytes as f64 - before) / d2h * self.slack;
+                }
+                free_at = end;
+                end
+            })
+            .collect()
+    }
+
+    /// The page-outs of `set` (in save order) queued one after another on the link: per tensor
+    /// the release point (a save index, or two-way `ns + u` for unpack `u`) where the compute
+    /// stream can wait on it for free, or the first that cannot end in time (before the
+    /// forward's last save; two-way, before the unpack that reads it).
+    fn releases(&self, set: &[&Saved]) -> std::result::Result<Vec<u32>, String> {
+        let (ns, b) = (self.save_us.len(), self.boundary());
         let mut out = Vec::with_capacity(set.len());
-        for s in set {
-            let start = free_at.max(self.save_us[s.saved_at as usize]);
-            free_at = start + s.bytes as f64 / self.d2h_bytes_per_us * self.slack;
-            let after = (s.saved_at as usize + 1..self.save_us.len()).find(|&j| self.save_us[j] >= free_at);
-            match after {
+        for (s, end) in set.iter().zip(self.page_out_ends(set)) {
+            let after = (s.saved_at as usize + 1..ns).find(|&j| self.save_us[j] >= end);
+            // Two-way: the first unpack after the copy, before the one that reads the tensor.
+            let spill = || (0..s.used_at as usize).find(|&u| b + self.unpack_us[u] >= end).map(|u| ns + u);
+            match after.or_else(|| self.shared().and_then(|_| spill())) {
                 Some(j) => out.push(j as u32),
                 None => return Err(s.name.clone()),
             }
@@ -190,25 +236,40 @@ impl Timing {
 
     /// Per tensor of `set` (in save order), the unpack index at which to queue its page-in:
     /// the host->device copies, in order of use, each ending by its use, as late as that
-    /// allows. With `late`, the names whose chain must start before the backward does (they
-    /// are queued at the first unpack and may make it wait).
+    /// allows. `late` gets a line for each whose chain must start before the backward does (it
+    /// is queued at the first unpack and may make it wait) and, two-way, each queued before its
+    /// own page-out ends.
     fn launches(&self, set: &[&Saved], late: &mut Vec<String>) -> Vec<u32> {
         let mut by_use: Vec<usize> = (0..set.len()).collect();
         by_use.sort_by_key(|&k| (set[k].used_at, set[k].saved_at));
         let mut out = vec![0u32; set.len()];
+        // Two-way: until the last page-out ends (us on the unpack timeline), page-ins share the link.
+        let ends: Vec<f64> = self.page_out_ends(set).iter().map(|e| e - self.boundary()).collect();
+        let shared = self.shared().map(|(_, h2d)| (h2d, ends.last().copied().unwrap_or(0.0)));
         let mut next_start = f64::INFINITY; // the latest the copy after this one may start
         for &k in by_use.iter().rev() {
             let s = set[k];
             let end = self.unpack_us[s.used_at as usize].min(next_start);
-            let start = end - s.bytes as f64 / self.h2d_bytes_per_us * self.slack;
+            let mut start = end - s.bytes as f64 / self.h2d_bytes_per_us * self.slack;
+            if let Some((h2d, busy_until)) = shared.filter(|&(_, until)| start < until) {
+                // The part after the page-outs end at the one-way rate, the rest at the shared one.
+                let alone = (end - busy_until).max(0.0) * self.h2d_bytes_per_us / self.slack;
+                start = end.min(busy_until) - (s.bytes as f64 - alone) / h2d * self.slack;
+            }
             next_start = start;
             // The last unpack at or before `start` (the queue point is an unpack's host time,
             // where the compute stream has reached that unpack).
             let v = (0..=s.used_at as usize).rev().find(|&v| self.unpack_us[v] <= start);
             out[k] = match v {
-                Some(v) => v as u32,
+                Some(v) => {
+                    if shared.is_some() && start < ends[k] {
+                        // Two-way: its own page-out, still running then, holds it back.
+                        late.push(format!("{}: page-in held back by its own page-out, still running when it is queued", s.name));
+                    }
+                    v as u32
+                }
                 None => {
-                    late.push(s.name.clone());
+                    late.push(format!("{}: page-in cannot end by its use at the planned rate; queued at the first unpack", s.name));
                     0
                 }
             };
@@ -258,12 +319,12 @@ pub fn choose_timed(prefix: &[Saved], budget: Budget, min_distance: u32, timing:
         release_at = t.releases(&page).map_err(|n| Error::Runtime(format!("paging plan: '{n}' was accepted but does not hide")))?;
         let mut late = Vec::new();
         launch_at = t.launches(&page, &mut late);
-        for (s, (r, l)) in page.iter().zip(release_at.iter().zip(&launch_at)) {
-            explain.push(format!("{}: released at save {r}, paged in at unpack {l} (used at {})", s.name, s.used_at));
+        let ns = t.save_us.len() as u32;
+        for (s, (&r, l)) in page.iter().zip(release_at.iter().zip(&launch_at)) {
+            let at = if r < ns { format!("save {r}") } else { format!("unpack {} (after the forward)", r - ns) };
+            explain.push(format!("{}: released at {at}, paged in at unpack {l} (used at {})", s.name, s.used_at));
         }
-        for n in late {
-            explain.push(format!("{n}: page-in cannot end by its use at the planned rate; queued at the first unpack"));
-        }
+        explain.extend(late);
     }
     Ok(PagePlan {
         page: page.iter().map(|s| s.name.clone()).collect(),
@@ -425,6 +486,7 @@ mod tests {
             save_peak: vec![],
             unpack_peak: vec![],
             tail_peak: 0,
+            both_bytes_per_us: None,
         }
     }
 
@@ -494,8 +556,9 @@ mod tests {
     #[test]
     fn bad_timings_are_errors() {
         type Edit = Box<dyn Fn(&mut Timing)>;
-        let cases: [(Edit, &str); 5] = [
+        let cases: [(Edit, &str); 6] = [
             (Box::new(|t| t.save_us.truncate(3)), "timeline has 3 saves"),
+            (Box::new(|t| t.both_bytes_per_us = Some(f64::NAN)), "both_bytes_per_us must be > 0"),
             (Box::new(|t| t.unpack_us[2] = -1.0), "finite and >= 0"),
             (Box::new(|t| t.save_us[1] = 50.0), "must not decrease"),
             (Box::new(|t| t.h2d_bytes_per_us = 0.0), "h2d_bytes_per_us must be > 0"),
@@ -558,5 +621,50 @@ mod tests {
         // A byte target met exactly stops the peak search there.
         let p = choose_timed(&prefix(), Budget::Bytes(150), 1, Some(&with_memory(10))).unwrap();
         assert_eq!((p.page.clone(), p.short), (vec!["L0.a".to_string(), "L0.b".to_string()], false));
+    }
+    #[test]
+    fn two_way_page_outs_may_end_in_the_backward_and_page_ins_share_the_link_meanwhile() {
+        let pre = vec![s("A", 60, 0, 2), s("B", 200, 3, 5)];
+        // One page stream: B's copy (30-50 us) would end after the last save (40 us): kept.
+        let one = choose_timed(&pre, Budget::Fraction(1.0), 1, Some(&timing(10.0))).unwrap();
+        assert_eq!((one.page.clone(), one.release_at.clone(), one.launch_at.clone()), (vec!["A".to_string()], vec![1], vec![1]));
+        // Two-way at 10 bytes/us for both directions together (5 each while both run): B copies
+        // 100 bytes by the last save and the other 100 in 20 us after it, done by unpack 2
+        // (20 us): released there, point 5 + 2. A's page-in (read at unpack 2, 20 us) runs
+        // while B's page-out does: 60 bytes at 5/us from 8 us, queued at unpack 0 (alone it
+        // would take 14-20 us, queued at unpack 1).
+        let two = Timing { both_bytes_per_us: Some(10.0), ..timing(10.0) };
+        let p = choose_timed(&pre, Budget::Fraction(1.0), 1, Some(&two)).unwrap();
+        assert_eq!((p.page.clone(), p.release_at.clone(), p.launch_at.clone()), (vec!["A".to_string(), "B".to_string()], vec![1, 7], vec![0, 3]));
+        assert!(p.explain.iter().any(|l| l == "B: released at unpack 2 (after the forward), paged in at unpack 3 (used at 5)"), "{:?}", p.explain);
+        // Both directions at the one-way rate each (20 bytes/us together): B is done by unpack 1
+        // (10 us), and A's page-in, after it, runs alone.
+        let fast = Timing { both_bytes_per_us: Some(20.0), ..timing(10.0) };
+        let p = choose_timed(&pre, Budget::Fraction(1.0), 1, Some(&fast)).unwrap();
+        assert_eq!((p.release_at.clone(), p.launch_at.clone()), (vec![1, 6], vec![1, 3]));
+        // A tensor read before its spilled page-out could be released stays, and says why.
+        let soon = vec![s("A", 60, 0, 4), s("B", 200, 3, 2)];
+        let p = choose_timed(&soon, Budget::Fraction(1.0), 1, Some(&two)).unwrap();
+        assert_eq!(p.page, ["A"]);
+        assert!(p.explain.iter().any(|l| l.starts_with("B: kept (its page-out")), "{:?}", p.explain);
+        // A page-in that would have to start before its own page-out ends is said to be held back.
+        let p = choose_timed(&[s("C", 150, 3, 2)], Budget::Fraction(1.0), 1, Some(&two)).unwrap();
+        assert_eq!((p.release_at.clone(), p.launch_at.clone()), (vec![6], vec![0]));
+        assert!(p.explain.iter().any(|l| l.starts_with("C: page-in held back by its own page-out")), "{:?}", p.explain);
+    }
+
+    #[test]
+    fn two_way_a_page_out_released_in_the_backward_lowers_a_backward_peak() {
+        // The peak is at unpack 3. Only B's spilled page-out (released at unpack 2, back at
+        // unpack 3) is off the device there: two-way pages it (500 -> 300); one page stream
+        // cannot (B does not end under the forward), and A alone does not lower the peak.
+        let pre = vec![s("A", 60, 0, 2), s("B", 200, 3, 5)];
+        let mem = Timing { save_peak: vec![100; 5], unpack_peak: vec![100, 100, 100, 500, 100, 100], tail_peak: 0, ..timing(10.0) };
+        let one = choose_timed(&pre, Budget::Fraction(1.0), 1, Some(&mem)).unwrap();
+        assert!(one.page.is_empty(), "{:?}", one.explain);
+        let two = Timing { both_bytes_per_us: Some(10.0), ..mem };
+        let p = choose_timed(&pre, Budget::Fraction(1.0), 1, Some(&two)).unwrap();
+        assert_eq!((p.page.clone(), p.release_at.clone()), (vec!["B".to_string()], vec![7]));
+        assert!(p.explain.iter().any(|l| l == "peak 500 -> 300 bytes (planned, from the calibration step's timeline)"), "{:?}", p.explain);
     }
 }

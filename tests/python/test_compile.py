@@ -94,7 +94,7 @@ def test_options_are_checked():
         slc.check_options({"partition": "auto"})
     with pytest.raises(ValueError, match="paging=True with cudagraphs=True is not supported"):
         slc.check_options({"paging": True, "cudagraphs": True})
-    for k, v in (("paging_budget", 1.5), ("paging_budget", "half"), ("paging_prefetch", -1), ("paging_buffers", 0), ("paging_min_bytes", 1.0), ("paging_timed", 1), ("paging_slack", 0.5)):
+    for k, v in (("paging_budget", 1.5), ("paging_budget", "half"), ("paging_prefetch", -1), ("paging_buffers", 0), ("paging_min_bytes", 1.0), ("paging_timed", 1), ("paging_slack", 0.5), ("paging_two_way", 1)):
         with pytest.raises(ValueError, match=f"option '{k}' must be"):
             slc.check_options({"paging": True, k: v})
     with pytest.raises(ValueError, match="'cudagraphs' must be a bool"):
@@ -196,10 +196,11 @@ def test_paging_backward_reads_the_host_copy(options):
 
 @pytest.mark.cuda
 def test_paging_on_the_gpu_releases_saved_activations_and_stays_bit_exact():
-    """paging=True on the H200: three SGD steps bit-exact against eager (timed and static plans)
-    and against our backend without paging; after a forward (its page-outs done and released),
-    the memory the static plan leaves for the backward is lower than without paging by at least
-    80% of the bytes paged out."""
+    """paging=True on the H200: three SGD steps bit-exact against eager (timed and static plans,
+    and timed on one page stream: `paging_two_way=False`) and against our backend without
+    paging; after a forward (its page-outs done and released), the memory the static plan
+    leaves for the backward is lower than without paging by at least 80% of the bytes paged
+    out."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     torch.use_deterministic_algorithms(True)
@@ -221,6 +222,8 @@ def test_paging_on_the_gpu_releases_saved_activations_and_stays_bit_exact():
     static = {"paging": True, "paging_budget": 1.0, "paging_timed": False}
     timed = _steps(copy.deepcopy(base), batch, "sched_lifetime", {"paging": True, "paging_budget": 1.0})
     assert _same(eager, timed)
+    one_stream = _steps(copy.deepcopy(base), batch, "sched_lifetime", {"paging": True, "paging_budget": 1.0, "paging_two_way": False})
+    assert _same(eager, one_stream)
     paged = _steps(copy.deepcopy(base), batch, "sched_lifetime", static)
     assert _same(eager, paged) and _same(plain, paged)
     pager = slc.history[-1]["module"].sched_lifetime["paging"]

@@ -35,6 +35,8 @@ def _bad_inputs(m: sl.LifetimeManager, x: torch.Tensor):
         ("bad budget type", lambda: sl.schedule(moe_layer(), ep_budget="2"), ValueError, "must be an int"),
         ("malformed program", lambda: sl.simulate("[1, 2"), ValueError, "plan is not valid"),
         ("wrong scenario kind", lambda: sl.scenario_program("moe_chunk:2:1.0"), ValueError, "is a graph"),
+        # sigmoid saves its output: emptying it would make the backward read freed memory.
+        ("empty a tensor autograd saved", lambda: m.retire(torch.sigmoid(torch.ones(4, requires_grad=True))), RuntimeError, "requires grad and something else holds its data"),
     ]
 
 

@@ -103,3 +103,41 @@ def test_paired_ends_carry_the_node_costs_to_the_search_rule():
     costs = {n["name"]: n.get("cost") for n in _two_graph(ch, "B")["nodes"]}
     assert all(c is not None for c in costs.values())
     assert all(costs["B2" + k[1:]] == v for k, v in costs.items() if k.startswith("B."))
+
+
+@pytest.mark.parametrize("order", ["ours", "sequential"])
+def test_a_value_autograd_saved_is_not_emptied_when_it_crosses_streams(order):
+    """A compute node whose output its own backward reads (sigmoid saves its result) feeds a
+    comm node: the executor retires that output after the comm with rule 3's empty_storage,
+    which made the backward read freed memory (a segfault on CPU). The node API finds, on each
+    node's first forward, which values autograd saved; their retire drops the reference
+    instead. Gradients bit-exact with plain autograd; the embedded model keeps none (its
+    cross-stream values are not saved, so its memory is unchanged)."""
+    from sched_lifetime.nodes import Chunk, NodeDef
+
+    torch.manual_seed(0)
+    w, v = torch.nn.Parameter(torch.randn(16, 16)), torch.nn.Parameter(torch.randn(16, 16))
+
+    def comm(y, alloc_stream=None):
+        return (y * 1.0,), None
+
+    nodes = [
+        NodeDef("a", "compute", ["x"], ["y"], lambda x: torch.sigmoid(x @ w), params=[w], grad_inputs=[], grad_outputs=["y"]),
+        NodeDef("d", "comm", ["y"], ["z"], comm, grad_inputs=["y"], grad_outputs=["z"], transpose=lambda ctx, g, alloc_stream=None: (g,), consumer_alloc=["z"]),
+        NodeDef("b", "compute", ["z"], ["loss"], lambda z: (z @ v).sum(), params=[v], grad_inputs=["z"], grad_outputs=["loss"]),
+    ]
+    chunk = Chunk(nodes, ["x"], "loss", torch.device("cpu"))
+    xs = [torch.randn(4, 16) for _ in range(3)]
+    train_step(chunk, [{"x": x} for x in xs], order)
+    got = [w.grad.clone(), v.grad.clone()]
+    w.grad = v.grad = None
+    for x in xs:  # train_step's accumulation: each backward seeded with 1/n
+        (torch.sigmoid(x @ w) @ v).sum().backward(torch.full((), 1.0 / len(xs)))
+    assert torch.equal(got[0], w.grad) and torch.equal(got[1], v.grad)
+    assert chunk.autograd_saved >= {"y"}
+    assert sum(ex.kept_for_autograd for ex in chunk._executors.values()) > 0
+
+    m = MoEModel(CONFIGS["tiny"])
+    c = m.chunk()
+    train_step(c, [m.batch(0, i) for i in range(2)], "ours")
+    assert sum(ex.kept_for_autograd for ex in c._executors.values()) == 0

@@ -71,3 +71,34 @@ def test_a_group_on_the_gpu_holds_each_storage_once_and_comes_back_as_one_block(
             assert b.stride() == t.stride() and torch.equal(b, w)
         pool.drain()
         assert pool.released == 1 and not pool._retiring
+
+
+@pytest.mark.cuda
+def test_page_in_group_of_packed_tensors_keeps_its_block_off_the_compute_stream_until_copied():
+    """Every tensor of the group has gaps, so each comes back packed into its own tensor and no
+    output keeps the device block alive. The block must not go back to the compute stream's pool
+    while the page stream still copies into and scatters out of it: a compute-stream allocation
+    of the same size right after the page-in is poisoned while the page stream is held back by
+    a sleep kernel; it must keep its bytes, and the paged-in tensors must be bit-exact (issue 35)."""
+    dev = torch.device("cuda")
+    base = torch.randn(256, 1024, device=dev)
+    ts = [base[:, ::2], base[:, 1::4]]  # views with gaps: both packed
+    want = [t.clone() for t in ts]
+    plan = sl.paging.group_plan(ts)
+    assert all(kind == "view" for kind, *_ in plan.segments)
+    pool = sl.HostPool([plan.nbytes], dev)
+    ps = pool.page_out_group(ts)
+    del ts
+    torch.cuda.synchronize()
+    with torch.cuda.stream(pool.page_in_stream):
+        torch.cuda._sleep(200_000_000)  # hold the page-in stream back (~0.1 s)
+    back, ev = pool.page_in_group(ps)
+    poison = torch.empty(pool._bufs[ps[0].slot].numel(), dtype=torch.uint8, device=dev)
+    poison.fill_(0xFF)  # gets the block back if page_in_group freed it to the compute stream
+    pool.page_wait(ev)
+    torch.cuda.synchronize()
+    for b, w in zip(back, want):
+        assert torch.equal(b, w)
+    # The compute stream's own tensor is intact: had it been handed the block, the page stream's
+    # copy (queued behind the sleep) would have overwritten it with the host buffer.
+    assert bool((poison == 0xFF).all()), "page_in_group's block was reused by the compute stream while the page stream wrote it"

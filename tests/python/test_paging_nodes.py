@@ -55,8 +55,32 @@ def test_enable_paging_refuses_bad_input():
         c.enable_paging(m.batch(0, 0), nodes=["L0.dispatch"])
     with pytest.raises(ValueError, match="in_flight must be"):
         c.enable_paging(m.batch(0, 0), budget=0.5, in_flight=0)
+    with pytest.raises(ValueError, match="two_way must be a bool"):
+        c.enable_paging(m.batch(0, 0), budget=0.5, two_way="yes")
     plan = c.enable_paging(m.batch(0, 0), nodes=["L0.attn"], min_bytes=1)
     assert plan["page"] == ["L0.attn"] and plan["bytes_paged"] > 0
+
+
+@pytest.mark.parametrize("two_way", [True, False])
+def test_two_way_page_in_nodes_run_on_the_page_in_stream(two_way):
+    """The schedule has one page role; the executor runs its page-in nodes on the page-in
+    stream (`SideStreams.page_in`) and its page-outs on the page stream, or both on the page
+    stream with `two_way=False`; the page-in stream joins and rejoins the compute stream as the
+    others do, and only when a node runs on it."""
+    cfg = replace(CONFIGS["tiny"], capacity_factor=1.0)
+    m = MoEModel(cfg)
+    c = m.chunk()
+    plan = c.enable_paging(m.batch(0, 0), budget=0.5, min_bytes=1024, two_way=two_way)
+    assert plan["page"] and c.pool.two_way == two_way and c.page_two_way == two_way
+    ex = c.executor(True, True)
+    kinds = {n["name"]: n["kind"] for n in c.graph(True, True)["nodes"]}
+    on = {kinds[n]: set() for n in kinds}
+    for n, r in ex._role.items():
+        on[kinds[n]].add(r)
+    assert on["page_out"] == {"page"} and on["page_in"] == ({"page_in"} if two_way else {"page"})
+    assert on["compute"] == {"compute"}
+    assert ("page_in" in ex._side_roles) == two_way
+    assert "page_in" not in c.executor(True, False)._side_roles  # a forward alone has no page-in
 
 
 def test_page_in_prefetch_distance_holds_page_ins_back():
@@ -158,7 +182,7 @@ def test_page_nodes_refuse_shapes_that_differ_from_calibration_naming_the_node()
     c = m.chunk(torch.device("cpu"))
     plan = c.enable_paging(m.batch(0, 0), budget=1.0, min_bytes=1)
     assert plan["page"]
-    with pytest.raises(ValueError, match=r"node 'F\.[^']+\.page_out': saved .* calibration saw .*capacity_factor"):
+    with pytest.raises(ValueError, match=r"(?s)saved .* calibration saw .*capacity_factor.*in node 'F\.[^']+\.page_out'"):
         train_step(c, [m.batch(0, i) for i in range(3)])
     assert c.pool.in_use() == 0
 

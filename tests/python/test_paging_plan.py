@@ -44,3 +44,15 @@ def test_a_timed_plan_through_the_op_places_releases_and_page_ins():
         sl.page_plan(prefix, 1.0, 1, dict(timing, slack=0.5))
     with pytest.raises(ValueError, match="timing is not valid"):
         sl.page_plan(prefix, 1.0, 1, dict(timing, extra=1))
+    # Two-way (issue 32): the link's rate both ways at once lets a page-out end in the backward.
+    # #3 (200 bytes saved at 30 us) copies 100 bytes by the last save (40 us) and the rest at 5
+    # bytes/us (half of 10 both ways) by 60 us: released at unpack 2 (20 us after the forward),
+    # point 5 + 2; on one page stream it does not hide and stays.
+    late = prefix + [{"name": "#3", "bytes": 200, "saved_at": 3, "used_at": 4}]
+    one = sl.page_plan(late, 1.0, 1, timing)
+    assert "#3" not in one["page"]
+    two = sl.page_plan(late, 1.0, 1, dict(timing, both_bytes_per_us=10))
+    assert two["page"] == ["#0", "#2", "#3"] and two["release_at"][-1] == 5 + 2
+    assert "#3: released at unpack 2 (after the forward)" in "\n".join(two["explain"])
+    with pytest.raises(ValueError, match="both_bytes_per_us must be > 0"):
+        sl.page_plan(prefix, 1.0, 1, dict(timing, both_bytes_per_us=0))

@@ -1,6 +1,7 @@
-"""The host pool (`paging/pool.py`, `slots.py`, `release.py`): the FIFO freelist that never allocates
-in a step, page-out/page-in with the strides kept, the freelist's order on the page stream
-(against a control that corrupts), and releases of exactly the page-outs queued before a page-in."""
+"""The host pool (`paging/pool.py`, `slots.py`, `release.py`, `slot_order.py`): the FIFO freelist that
+never allocates in a step, page-out/page-in with the strides kept, a buffer's copies in order
+across the two page streams (on the GPU, against a control that corrupts; the bookkeeping on the
+CPU: test_paging_slot_order.py), and releases of exactly the page-outs a page-in proves done."""
 
 import pytest
 import torch
@@ -55,48 +56,65 @@ def test_page_in_restores_the_strides_and_elements_sharing_memory_are_not_paged(
 
 
 POISON_ITERS = 200
-SLEEP = 20_000_000  # ~10 ms of GPU sleep on the page stream before the page-in
+SLEEP = 20_000_000  # ~10 ms of GPU sleep on a page stream before a copy
 
 
-def _freelist_poison(ordered: bool) -> int:
-    """A page-in delayed on the page stream, then at once a new page-out into the same (only)
-    host buffer. `ordered`: the page-out goes through the pool (queued on the page stream);
-    control: the same buffer is rewritten by a copy on another stream, skipping that order.
-    Returns how many of the iterations reloaded a corrupt tensor."""
+def _slot_poison(case: str, two_way: bool = True, rule: bool = True) -> tuple[int, int]:
+    """One host buffer reused at once while its last copy is held back on the GPU by a sleep:
+    `read_then_write`: a prefetched page-in (queued behind a sleep on the page-in stream, not
+    waited on yet, its buffer already back on the freelist), then at once a page-out of poison
+    into the same buffer; `write_then_read`: the buffer poisoned on the host, a page-out queued
+    behind a sleep on the page stream, then at once its page-in. The page-in must read what
+    was paged out, bit for bit. `rule=False` is the control: `SlotOrder.before` queues no wait
+    (the rule broken). Returns (iterations that reloaded a corrupt tensor, waits the rule
+    queued)."""
     n = 1 << 20
-    pool = sl.HostPool([4 * n], "cuda")
-    other = torch.cuda.Stream()
+    pool = sl.HostPool([4 * n], "cuda", two_way=two_way)
+    assert (pool.page_in_stream != pool.page_stream) == two_way
+    if not rule:
+        pool.slot_order.before = lambda slot, stream: None
     bad = 0
     for it in range(POISON_ITERS):
         want = torch.full((n,), float(it), device="cuda")
         poison = torch.full((n,), -1.0, device="cuda")
-        other.wait_stream(torch.cuda.current_stream())  # the control's copy may read `poison`
-        p = pool.page_out(want)
-        with torch.cuda.stream(pool.page_stream):
-            torch.cuda._sleep(SLEEP)
-        # A prefetched page-in: queued behind the sleep, the compute stream has not waited on it
-        # yet, and the buffer is already back on the freelist.
-        got, ev = pool.page_in_launch(p)
-        if ordered:
+        if case == "read_then_write":
+            p = pool.page_out(want)
+            with torch.cuda.stream(pool.page_in_stream):
+                torch.cuda._sleep(SLEEP)
+            got, ev = pool.page_in_launch(p)
             q = pool.page_out(poison)
-            slot = q.slot
+            assert q.slot == p.slot  # the only buffer: the one the page-in still reads
+            pool.give(q.slot)
         else:
-            slot = pool.take(4 * n)
-            with torch.cuda.stream(other):
-                pool.view(slot, (n,), torch.float32).copy_(poison, non_blocking=True)
+            torch.cuda.synchronize()  # nothing in flight: the host may write the buffer
+            pool._bufs[0].view(torch.float32).fill_(-1.0)
+            with torch.cuda.stream(pool.page_stream):
+                torch.cuda._sleep(SLEEP)
+            p = pool.page_out(want)
+            got, ev = pool.page_in_launch(p)
         pool.page_wait(ev)
+        pool.recycle(ev)
         torch.cuda.synchronize()
         bad += int(not torch.equal(got, want))
-        pool.give(slot)
         pool.drain()
-    return bad
+    assert pool.in_use() == 0
+    return bad, pool.slot_order.waits
 
 
 @pytest.mark.cuda
-def test_freelist_reuse_is_ordered_on_the_page_stream_and_the_control_corrupts():
-    assert _freelist_poison(ordered=True) == 0
-    corrupt = _freelist_poison(ordered=False)
+@pytest.mark.parametrize("case", ["read_then_write", "write_then_read"])
+def test_two_way_buffer_reuse_waits_for_its_last_copy_and_the_control_corrupts(case):
+    bad, waits = _slot_poison(case)
+    assert bad == 0
+    assert waits >= POISON_ITERS  # every iteration needed a wait across the two streams
+    corrupt, _ = _slot_poison(case, rule=False)
     assert corrupt > POISON_ITERS // 2, f"control corrupted only {corrupt}/{POISON_ITERS}: the test has no teeth here"
+
+
+@pytest.mark.cuda
+def test_one_page_stream_orders_buffer_reuse_by_itself():
+    bad, waits = _slot_poison("read_then_write", two_way=False)
+    assert bad == 0 and waits == 0  # one stream: its order, no event wait
 
 
 def test_a_page_in_releases_exactly_the_page_outs_queued_before_it():
@@ -131,3 +149,17 @@ def test_a_page_in_releases_exactly_the_page_outs_queued_before_it():
     assert pool.mark() == 4
     pool.release_queued_before(pool.mark())
     assert not pool._retiring and pool.released == 4
+
+
+@pytest.mark.parametrize("two_way", [True, False])
+def test_a_two_way_page_in_proves_done_only_the_page_outs_up_to_its_buffers(two_way):
+    """On one page stream a page-in runs after every page-out queued before it; two-way it
+    waited only for the page-out that wrote its buffer (and the page stream runs page-outs in
+    order): its mark counts those, so a release there never stalls on a later page-out."""
+    pool = sl.HostPool([16, 16, 16], "cpu", two_way=two_way)
+    ps = [pool.page_out(torch.full((4,), float(k))) for k in range(3)]
+    assert [p.slot for p in ps] == [0, 1, 2] and pool.mark() == 3
+    assert pool.mark(ps[1].slot) == (2 if two_way else 3)
+    pool.page_in(ps[1])
+    p = pool.page_out(torch.zeros(4))  # page-out number 3, into the buffer given back
+    assert p.slot == 1 and pool.mark(1) == 4 and pool.mark(0) == (1 if two_way else 4)

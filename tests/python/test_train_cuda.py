@@ -79,16 +79,19 @@ def test_whole_step_graph_pool_no_larger_than_the_eager_step_and_below_record_st
 
 
 @pytest.mark.cuda
-def test_page_nodes_captured_in_the_whole_step_replay_bit_exact_with_no_pinned_allocation():
+@pytest.mark.parametrize("two_way", [True, False], ids=["two_way", "one_stream"])
+def test_page_nodes_captured_in_the_whole_step_replay_bit_exact_with_no_pinned_allocation(two_way):
     """Issue 10: the page-node path inside the whole-step CUDA graph (page-outs, page-ins, the
     lifetime manager's releases at each page-in's consumer, no event query under capture):
     three replays bit-exact against the same paging run eagerly; the pinned host allocator
     grows no block after the warm-up (the host pool is allocated at calibration); every host
-    buffer is back on the freelist after each step."""
+    buffer is back on the freelist after each step. Two-way (issue 32): page-ins on the page-in
+    stream, each host buffer's copies ordered by its event, never waited on across the
+    capture's edge."""
     from sched_lifetime.train.arms import same_grads
 
     with _arms("ours", "ours+graph") as (eager, graph):
-        plans = [a.chunk.enable_paging(a.model.batch(0, 0), budget=0.5) for a in (eager, graph)]
+        plans = [a.chunk.enable_paging(a.model.batch(0, 0), budget=0.5, two_way=two_way) for a in (eager, graph)]
         assert plans[0]["page"] and plans[0]["page"] == plans[1]["page"], plans
         n, ok = 3, True
         grown = []  # pinned host blocks the allocator made during each replay
@@ -116,4 +119,6 @@ def test_page_nodes_captured_in_the_whole_step_replay_bit_exact_with_no_pinned_a
         assert ok and all(torch.equal(p, q) for p, q in zip(eager.model.parameters(), graph.model.parameters()))
         assert len(grown) == 3 and grown == [0, 0, 0], f"pinned host blocks made during replays: {grown}"
         assert eager.chunk.page_stats["bytes_out"] == eager.chunk.page_stats["bytes_in"] > 0
+        waits = eager.chunk.pool.slot_order.waits
+        assert (waits > 0) == two_way, waits  # two-way: buffers reused across the streams, ordered by events
         print({"paged_nodes": plans[0]["page"], "graph_pool_large": graph.graph_pool_large, "replay_host_blocks": grown})

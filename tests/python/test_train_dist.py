@@ -162,3 +162,62 @@ def test_main_job_loop_over_two_gloo_ranks_prints_the_table_and_writes_its_files
         durations = json.load(f)
     assert durations and all(v >= 0 for v in durations.values()), durations
     assert (out / "memory_over_time_simulated.png").stat().st_size > 1000
+
+
+def test_main_job_on_the_emulated_link_runs_one_process_and_every_arm_is_equal(tmp_path, capfd, monkeypatch):
+    """`train --ep-link host:4 --cpu`: one process (nothing spawned), no process group, the
+    table's header says the link is emulated, and every arm (page nodes included) is bit-exact
+    against sequential after 2 steps."""
+    import torch.multiprocessing
+
+    from sched_lifetime.train.cli import main
+
+    def no_spawn(*a, **k):
+        raise AssertionError("the emulated link runs one process")
+
+    monkeypatch.setattr(torch.multiprocessing, "spawn", no_spawn)
+    out = tmp_path / "out"
+    arms = "sequential,ours,ours+page"
+    assert main(["--cpu", "--ep-link", "host:4", "--steps", "2", "--microbatches", "2", "--arms", arms, "--quiet", "--out", str(out)]) == 0
+    printed = capfd.readouterr().out
+    assert "MEASURED (CPU, emulated link: EP=4 over host memory (CPU: numerics only), full duplex" in printed, printed
+    assert "EMULATED EP on CPU" in printed, printed
+    assert not dist.is_initialized()
+    with open(out / "train.json") as f:
+        res = json.load(f)
+    assert (res["world"], res["ep_link"]) == (1, "host:4") and res["link"].startswith("emulated link: EP=4"), res
+    assert list(res["rows"]) == arms.split(",") and all(r["parity"] for r in res["rows"].values()), res["rows"]
+    for a in arms.split(","):
+        assert any(line.split()[:2] == [a, "equal"] for line in printed.splitlines()), (a, printed)
+
+
+def test_ep_link_option_defaults_by_machine_and_bad_settings_name_it(monkeypatch):
+    """`--ep-link`: host (EP=8 emulated) on a machine with exactly one GPU, nccl with 2+ GPUs,
+    on CPU, or under torchrun; a link that cannot run is a SystemExit naming it."""
+    from sched_lifetime.train.cli import parser, resolve_ep_link
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    a = parser().parse_args(["--config", "h200"])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_ep_link(a, use_cuda=True) == "host"
+    assert resolve_ep_link(a, use_cuda=False) == "nccl"
+    monkeypatch.setenv("RANK", "0")
+    assert resolve_ep_link(a, use_cuda=True) == "nccl"  # under torchrun: the real group
+    monkeypatch.delenv("RANK")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_ep_link(a, use_cuda=True) == "nccl"
+    for spec in ("nccl", "host:4", "host"):
+        assert resolve_ep_link(parser().parse_args(["--config", "h200", "--ep-link", spec]), use_cuda=False) == spec
+    bad = [
+        (["--config", "tiny", "--ep-link", "host"], r"--ep-link host: .*k=8 does not divide the model's 4 experts"),
+        (["--config", "tiny", "--ep-link", "host:1"], r"--ep-link host:1: .*k=1 "),
+        (["--ep-link", "ring:4"], r"unknown kind 'ring'"),
+        (["--ep-link", "host:x"], r"K='x' is not an integer"),
+    ]
+    for argv, msg in bad:
+        with pytest.raises(SystemExit, match=msg):
+            resolve_ep_link(parser().parse_args(argv), use_cuda=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match=r"one process.*WORLD_SIZE=2"):
+        resolve_ep_link(parser().parse_args(["--config", "tiny", "--ep-link", "host:2"]), use_cuda=False)

@@ -18,9 +18,11 @@ from sched_lifetime.train.figures import (
 )
 
 
-def _event(name: str, start: float, end: float, cuda: bool = True, annotation: bool = False) -> SimpleNamespace:
+def _event(name: str, start: float, end: float, cuda: bool = True, annotation: bool = False, id: int = 0, thread: int = 1) -> SimpleNamespace:
     dev = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
-    return SimpleNamespace(name=name, device_type=dev, is_user_annotation=annotation, time_range=SimpleNamespace(start=start, end=end))
+    return SimpleNamespace(
+        name=name, device_type=dev, is_user_annotation=annotation, time_range=SimpleNamespace(start=start, end=end), id=id, thread=thread
+    )
 
 
 class _Profile:
@@ -60,6 +62,46 @@ def test_exposed_page_copy_is_not_covered_by_nccl_kernels():
     assert exposed_page_us(prof) == (0, 100)
     prof = _Profile([_event("Memcpy DtoH (Device -> Pinned)", 0, 50), _event("ncclDevKernel_AllToAll", 0, 200), _event("gemm", 0, 10)])
     assert exposed_page_us(prof) == (40, 50)  # an all-to-all alone leaves the copy exposed
+
+
+def _link_profile() -> _Profile:
+    """An emulated-link step with page nodes: the link's copies (runtime calls 7, 8 inside its
+    range on thread 1), a page copy (call 9, outside it), a loss's copy to pageable memory."""
+    from sched_lifetime.ep_link import LINK_RANGE
+
+    return _Profile([
+        _event(LINK_RANGE, 0, 10, cuda=False),
+        _event("cudaMemcpyAsync", 1, 2, cuda=False, id=7),
+        _event("cudaMemcpyAsync", 3, 4, cuda=False, id=8),
+        _event("cudaMemcpyAsync", 12, 13, cuda=False, id=9),  # after the range: a page copy
+        _event("cudaMemcpyAsync", 3, 4, cuda=False, id=10, thread=2),  # in the range's time, another thread
+        _event("Memcpy DtoH (Device -> Pinned)", 0, 100, id=7),  # link out: 0-100
+        _event("Memcpy HtoD (Pinned -> Device)", 50, 150, id=8),  # link back: 50-150
+        _event("Memcpy DtoH (Device -> Pinned)", 200, 260, id=9),  # page out
+        _event("Memcpy HtoD (Pinned -> Device)", 300, 310, id=10),  # page in
+        _event("Memcpy DtoH (Device -> Pageable)", 400, 500, id=11),  # loss.cpu(): neither, compute-like
+        _event("gemm", 120, 220),
+    ])
+
+
+def test_link_copies_are_the_runtime_calls_inside_its_range_on_its_thread():
+    from sched_lifetime.train.figures import link_copy_ids
+
+    assert link_copy_ids(_link_profile()) == {7, 8}
+
+
+def test_exposed_comm_on_the_emulated_link_is_its_pinned_copies_time():
+    """Without page nodes every pinned copy is the link's (a graph replay has no ranges); with
+    them, the link's copies are those of its range and page copies are neither comm nor compute."""
+    prof, link = _link_profile(), object()
+    # No page nodes: all pinned copies are the link's: 0-150, 200-260, 300-310; the gemm covers
+    # 120-150 and 200-220, the pageable copy nothing of them.
+    assert exposed_comm_us(prof, link) == (150 + 60 + 10 - 30 - 20, 220)
+    # Page nodes: the link's 0-150 (gemm covers 120-150); the page copies ignored.
+    assert exposed_comm_us(prof, link, paged=True) == (120, 150)
+    # Page copies 200-260 and 300-310, the gemm covering 200-220; the link's copies are not compute.
+    assert exposed_page_us(prof, link) == (50, 70)
+    assert exposed_comm_us(prof) == (0, 0)  # the NCCL default sees no comm here
 
 
 def test_top_kernels_sums_by_name_in_ms():
@@ -105,3 +147,16 @@ def test_format_table_on_cpu_rows():
     assert lines[4].split()[:4] == ["ours+record", "DIFFER", "16.00", "1.250"]
     assert lines[5] == "ours+graph     FAILED: RuntimeError: boom"
     assert lines[6].startswith("CPU: step times are host times")
+
+
+def test_format_table_says_the_link_is_emulated():
+    args = argparse.Namespace(nccl_channels=2, config="h200", microbatches=8, steps=3)
+    rows = {
+        "sequential": {"parity": True, "step_ms": 20.0, "exposed_comm_us": 8000.0, "comm_us": 10000.0, "link_bytes_each_way": 1 << 30,
+                       "max_allocated": 1 << 30, "max_reserved": 2 << 30, "pending_free_peak": 0},
+    }
+    link = "emulated link: EP=8 over pinned host memory (copy engines), full duplex, up to 8 chunks of >= 1024 KiB"
+    lines = format_table(rows, SimpleNamespace(), args, use_cuda=True, world=1, link=link).splitlines()
+    assert lines[0] == f"MEASURED (CUDA, {link}, config h200, 8 microbatches, 3 timed steps)"  # no NCCL channels: no NCCL
+    assert "sequential: the link moved 1024 MiB each way in one step, 107.4 GB/s over its copy time" in lines
+    assert any(line.startswith("EMULATED EP: one process") for line in lines) and not any("One GPU: EP=1" in line for line in lines)

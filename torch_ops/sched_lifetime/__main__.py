@@ -151,6 +151,25 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_device(p: argparse.ArgumentParser, device: str | None) -> None:
+    """`--device`: a device torch knows, and a GPU when it names one."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        p.error(f"--device {device!r} is not a device; use cuda, cuda:N or cpu")
+    if dev.type not in ("cuda", "cpu"):
+        p.error(f"--device {device!r}: the A/B runs on cuda or cpu")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            p.error(f"--device {device}: no CUDA GPU is available here (torch.cuda.is_available() is False); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            p.error(f"--device {device}: this machine has {torch.cuda.device_count()} GPU(s)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train"]:
@@ -167,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 p.error(f"--{name} must be at least 1")
         if args.lag < 0:
             p.error("--lag must be >= 0")
+        _check_device(p, args.device)
         return _ab(args) if args.cmd == "ab" else _demo(args)
     return _simulate(args)
 

@@ -5,7 +5,12 @@ all-to-all of a token buffer with split sizes. `AllToAll` (the default) is
 `torch.distributed.all_to_all_single` in an EP process group (NCCL with high-priority streams
 on GPU, gloo on CPU). A HybridEP/DeepEP buffer can be handed in instead by implementing
 `all_to_all` with the same meaning; it runs on the caller's current stream, which the
-executor sets to the EP stream.
+executor sets to the EP stream. `HostLinkAllToAll` (in `ep_link.py`) is the emulated EP link:
+one process on one GPU standing for rank 0 of an EP group of `k` ranks, all experts local, the
+rows that would cross the network moved device -> pinned host -> device (bit-exact with the
+local `AllToAll()`; full duplex by default: chunk i comes back while chunk i+1 goes out), so EP
+overlap can be measured on one GPU; traced (torch.compile, GraphStep) it is a launch/wait op
+pair, as `FunctionalAllToAll` is.
 
 The output buffer is allocated on the stream that will consume it (the compute stream the
 caller passes), before the side stream starts writing it: the value is then the compute
@@ -26,7 +31,9 @@ from typing import Any, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from .lifetime import current_stream
+from .ep_link import HostLinkAllToAll, LinkBytes, consumer_output
+
+__all__ = ["AllToAll", "FunctionalAllToAll", "HostLinkAllToAll", "LinkBytes", "Transport", "check_rank_identical", "digest", "new_ep_group"]
 
 
 class Transport(Protocol):
@@ -85,14 +92,7 @@ class AllToAll:
         in_splits: Optional[Sequence[int]],
         alloc_stream: Optional[torch.Stream] = None,
     ) -> torch.Tensor:
-        here = current_stream(x.device)
-        if alloc_stream is not None and alloc_stream != here and isinstance(alloc_stream, torch.cuda.Stream):
-            with torch.cuda.stream(alloc_stream):
-                out = x.new_empty((out_rows, *x.shape[1:]))
-            # The side stream writes it only after the consumer stream handed it over.
-            here.wait_stream(alloc_stream)
-        else:
-            out = x.new_empty((out_rows, *x.shape[1:]))
+        out = consumer_output(x, out_rows, alloc_stream)
         if self.world == 1:
             out.copy_(x)
             return out
@@ -167,3 +167,59 @@ def check_rank_identical(what: str, value: str, group: Any = None) -> None:
             f"({got[0]} vs {[got[r] for r in differ]}); collectives would be issued in a different "
             "order (NCCL would hang), so no step is run"
         )
+
+
+#: Modes of the cross-rank agreement check of a step (`agree_across_ranks`): "new_plan" (the
+#: default: when this rank's facts change, the first step included), "every_step", "off".
+RANK_CHECKS = ("new_plan", "every_step", "off")
+
+
+def check_rank_agreement(what: str, facts: dict, group: Any = None) -> None:
+    """Raise on every rank of `group`, with the same message, when its ranks disagree on
+    `facts` (small JSON-able values: counts, digests), naming each fact that differs and every
+    rank's value. One collective (`all_gather_object`); nothing without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    got: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(got, facts, group=group)
+    keys = sorted({k for g in got for k in g})
+    differ = {k: [g.get(k) for g in got] for k in keys if len({json.dumps(g.get(k), sort_keys=True, default=str) for g in got}) > 1}
+    if differ:
+        raise RuntimeError(
+            f"{what}: the ranks disagree on "
+            + "; ".join(f"{k} (by rank: {v})" for k, v in differ.items())
+            + ". Their collectives would not match (a hang, or an abort inside the backend), so no step is run: "
+            "give every rank the same microbatch count, model and paging settings"
+        )
+
+
+def agree_across_ranks(owner: Any, what: str, facts: dict) -> None:
+    """A step's cross-rank check of the facts that decide its collectives (`facts`: microbatch
+    count, schedule digest, paging plan digest, ...), per `owner.rank_check` (`RANK_CHECKS`)
+    over `owner.rank_group` (None: the default group): "new_plan" checks when this rank's facts
+    differ from those it last agreed on (the first step, and after any change); a rank whose
+    facts change while its peers' do not meets their step's collectives instead, so when the
+    microbatch count can change on one rank alone (an uneven last batch), use "every_step" (one
+    small collective and a host sync a step). Skipped during CUDA graph capture (a captured
+    step replays what an eager step agreed on)."""
+    mode = owner.rank_check
+    if mode not in RANK_CHECKS:
+        raise ValueError(f"rank_check must be one of {RANK_CHECKS}, got {mode!r}")
+    if mode == "off" or not (dist.is_available() and dist.is_initialized()):
+        return
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return
+    key = digest(facts)
+    if mode == "new_plan" and owner._rank_agreed == key:
+        return
+    owner._rank_agreed = None
+    check_rank_agreement(what, facts, owner.rank_group)
+    owner._rank_agreed = key
+
+
+def schedule_digest(ex: Any) -> str:
+    """A digest of what an executor issues, in order (node, kind, stream role), made once."""
+    d = getattr(ex, "_rank_digest", None)
+    if d is None:
+        d = ex._rank_digest = digest([[n, ex._nodes[n].get("kind"), ex._role.get(n)] for n in ex._order])
+    return d

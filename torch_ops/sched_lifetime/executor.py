@@ -2,7 +2,8 @@
 
 Given a graph table, per-node callables and the scheduler's result, `Executor.run` issues each
 node on the stream the schedule names (compute = the caller's current stream; one
-high-priority EP stream and one page stream per device, created once and reused), records and
+high-priority EP stream and two page streams per device, created once and reused: the page
+role's page-outs on one and its page-ins on the other, so the link runs both ways), records and
 waits the scheduled events (a pool made at construction, so nothing is created during CUDA
 graph capture), and calls the lifetime manager where the schedule put each retire and drain,
 one manager per plan (source), finalized at the end of the run. On CPU every role maps to the
@@ -32,16 +33,33 @@ NodeFn = Callable[..., Any]
 _LIFETIME_MODES = ("scheduled", "record_stream", "none")
 
 
+def add_note(e: BaseException, note: str) -> None:
+    """`e.add_note(note)` (PEP 678, Python 3.11+). On 3.10 the note goes to `__notes__` all
+    the same, and, when `e` has no cause yet, a RuntimeError with the note becomes its cause, so
+    the printed traceback names it too."""
+    if hasattr(e, "add_note"):
+        e.add_note(note)
+        return
+    notes = getattr(e, "__notes__", None)
+    e.__notes__ = (list(notes) if notes else []) + [note]  # type: ignore[attr-defined]
+    if e.__cause__ is None:
+        e.__cause__ = RuntimeError(note)
+
+
+#: Retire actions that empty the storage (names, from Rust).
+_EMPTYING = frozenset(INFO["storage_emptying_actions"])
+
 class SideStreams:
-    """The high-priority EP and page streams of one device, created once and reused (on CPU
-    both are the one CPU stream). The executor issues EP launches on `ep` and page copies on
-    `page`; make them before a CUDA graph capture (`SideStreams.of(device)`).
+    """The high-priority EP and page streams of one device, created once and reused: `ep` for
+    EP launches, `page` for page-outs (device -> host), `page_in` for page-ins (host -> device),
+    at the same priority, so the link's two directions run at once (on CPU all are the one CPU
+    stream). Make them before a CUDA graph capture (`SideStreams.of(device)`).
 
     Example:
 
         >>> import torch, sched_lifetime as sl
         >>> side = sl.SideStreams.of(torch.device("cpu"))
-        >>> side is sl.SideStreams.of(torch.device("cpu")), side.ep is side.page
+        >>> side is sl.SideStreams.of(torch.device("cpu")), side.ep is side.page is side.page_in
         (True, True)
     """
 
@@ -54,8 +72,9 @@ class SideStreams:
             prio = min(lo, hi)  # the numerically lower value is the higher priority
             self.ep: torch.Stream = torch.cuda.Stream(device=device, priority=prio)
             self.page: torch.Stream = torch.cuda.Stream(device=device, priority=prio)
+            self.page_in: torch.Stream = torch.cuda.Stream(device=device, priority=prio)
         else:
-            self.ep = self.page = current_stream(device)
+            self.ep = self.page = self.page_in = current_stream(device)
 
     @classmethod
     def of(cls, device: torch.device) -> "SideStreams":
@@ -86,6 +105,10 @@ class Executor:
     `timing`: time every node on its stream (CUDA events made here, or host time on CPU);
     `node_times_us()` returns the last run's times, by node name, for the simulator's
     `durations`. Meaningful in a serial order (each node alone on the GPU).
+    `two_way_paging`: the page role's page-in nodes run on `SideStreams.page_in` and its
+    page-outs on `SideStreams.page` (False: both on the page stream). The schedule has one page
+    role and relies on no order between a page-out and a page-in node (they share no value);
+    what they share, host buffers, the pool keeps in order (`paging.SlotOrder`).
     Guide: docs/nodes.md (the executor under the node API) and docs/scheduler.md (graphs).
 
     Example (CPU; a launch's callable runs on the EP stream, its wait takes none):
@@ -113,6 +136,7 @@ class Executor:
         single_stream: bool = False,
         keep: Iterable[str] = (),
         timing: bool = False,
+        two_way_paging: bool = True,
     ) -> None:
         if lifetime not in _LIFETIME_MODES:
             raise ValueError(f"lifetime must be one of {_LIFETIME_MODES}, got {lifetime!r}")
@@ -134,7 +158,10 @@ class Executor:
         self._order: list[str] = list(schedule["order"])
         if sorted(self._order) != sorted(nodes):
             raise ValueError("the schedule's order does not list exactly the graph's nodes")
-        self._role = {name: role for name, role in schedule["streams"]}
+        self.two_way_paging = bool(two_way_paging)
+        # The schedule's role per node, with the page role's page-ins on the page-in stream.
+        self._role = {name: self._stream_key(role, name) for name, role in schedule["streams"]}
+        self._side_roles = ("ep", "page") + (("page_in",) if "page_in" in self._role.values() else ())
         self._source = {name: n["source"] for name, n in nodes.items()}
         self._ins = {name: [_value_name(v) for v in n.get("inputs", [])] for name, n in nodes.items()}
         self._outs = {name: [_value_name(o) for o in n.get("outputs", [])] for name, n in nodes.items()}
@@ -171,17 +198,23 @@ class Executor:
         self._other_roles: dict[str, tuple[str, ...]] = {}
         for r in schedule["retires"]:
             v = r["value"]
-            self._other_roles[v] = tuple(sorted(reader_roles.get(v, set()) - {r["owner"]}))
+            self._other_roles[v] = tuple(sorted(reader_roles.get(v, set()) - {self._stream_key(r["owner"], self._producer[v])}))
             if v in self._keep and r["action"] in INFO["storage_emptying_actions"]:
                 raise ValueError(f"value '{v}' is kept, but the schedule empties its storage after '{r['last_consumer']}'")
             plan = self._source[self._producer[v]]
-            key = (plan, r["consumer_stream"], r["action"], self._role[self._producer[v]])
+            consumer = self._stream_key(r["consumer_stream"], r["last_consumer"])
+            key = (plan, consumer, r["action"], self._role[self._producer[v]])
             self._retire_after.setdefault(r["last_consumer"], {}).setdefault(key, []).append(v)
             if r["drain_before"] is not None:
-                entry = (plan, r["owner"])
+                entry = (plan, self._stream_key(r["owner"], self._producer[v]))
                 lst = self._drain_before.setdefault(r["drain_before"], [])
                 if entry not in lst:
                     lst.append(entry)
+        #: Forward values autograd saved for a backward (chunk names, without the source prefix:
+        #: the node API fills it on each node's first forward). Their storage-emptying retire
+        #: becomes `drop_reference` (the backward still reads them); `kept_for_autograd` counts.
+        self.autograd_saved: set[str] = set()
+        self.kept_for_autograd = 0
         self._plans = sorted({self._source[self._producer[r["value"]]] for r in schedule["retires"]})
         self._timing = timing
         #: Bytes of every tensor value of the last run, when set to a dict (`sized_graph`).
@@ -191,12 +224,19 @@ class Executor:
             self._timers = {n: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for n in nodes}
         self.last_stats: dict[str, dict[str, int]] = {}
 
+    def _stream_key(self, role: str, node: str) -> str:
+        """The stream a node of the schedule's `role` runs on: its role, but "page_in" for the
+        page role's page-in nodes (`two_way_paging`)."""
+        if role == "page" and self.two_way_paging and self._nodes[node]["kind"] == "page_in":
+            return "page_in"
+        return role
+
     def _streams(self) -> dict[str, torch.Stream]:
         comp = current_stream(self.device)
         if self.single_stream or self.device.type != "cuda":
-            return {"compute": comp, "ep": comp, "page": comp}
+            return {"compute": comp, "ep": comp, "page": comp, "page_in": comp}
         side = SideStreams.of(self.device)
-        return {"compute": comp, "ep": side.ep, "page": side.page}
+        return {"compute": comp, "ep": side.ep, "page": side.page, "page_in": side.page_in}
 
     def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """Issue every node once. Returns the values no node consumes, plus `keep`."""
@@ -207,7 +247,7 @@ class Executor:
             managers = {p: LifetimeManager(p) for p in self._plans}
         comp = streams["compute"]
         # Side streams start after what the caller queued on compute.
-        for role in ("ep", "page"):
+        for role in self._side_roles:
             if streams[role] is not comp:
                 streams[role].wait_stream(comp)
         # Under a profiler, each node is a labelled range (per-node GPU times for the simulator).
@@ -222,7 +262,7 @@ class Executor:
                 else:
                     self._issue(name, streams, env, managers)
             # Side streams rejoin compute: the caller's later work sees everything.
-            for role in ("ep", "page"):
+            for role in self._side_roles:
                 if streams[role] is not comp:
                     comp.wait_stream(streams[role])
             self.last_stats = {p: m.finalize() for p, m in managers.items()}
@@ -283,7 +323,9 @@ class Executor:
                     try:
                         out = _outputs(name, fn(*args), len(self._outs[name]))
                     except Exception as e:
-                        raise type(e)(f"node '{name}': {e}") from e
+                        # The caller's own exception (type, message, traceback), with the node named.
+                        add_note(e, f"in node '{name}' ({kind}) of the schedule")
+                        raise
             for v, t in zip(self._outs[name], out):
                 env[v] = t
                 if self.value_bytes is not None and isinstance(t, torch.Tensor):
@@ -295,6 +337,14 @@ class Executor:
             if not live:
                 continue
             if managers:
+                if self.autograd_saved and action in _EMPTYING:
+                    held = [t for v, t in live if v.split(".", 1)[-1] in self.autograd_saved]
+                    if held:
+                        live = [(v, t) for v, t in live if v.split(".", 1)[-1] not in self.autograd_saved]
+                        self.kept_for_autograd += len(held)
+                        managers[plan].retire(held, streams[consumer_role], "drop_reference", owner_stream=streams[owner_role])
+                        if not live:
+                            continue
                 managers[plan].retire([t for _, t in live], streams[consumer_role], action, owner_stream=streams[owner_role])
             elif self.lifetime == "record_stream":
                 for v, t in live:

@@ -41,6 +41,9 @@ class Actions(dict):
 ACTIONS: Actions = Actions(INFO["actions"])
 _DEFAULT_ACTION: int = ACTIONS[INFO["default_action"]]
 _direct_release, _direct_retire = direct.release, direct.retire  # module-level: one lookup fewer per call
+#: Codes of the actions that empty a tensor's storage at its release (from Rust).
+_EMPTYING = frozenset(ACTIONS[a] for a in INFO["storage_emptying_actions"])
+_storage_use_count = torch._C._storage_Use_Count
 
 _names = itertools.count()
 _CPU_STREAM: Optional[torch.Stream] = None
@@ -84,6 +87,28 @@ def _tensor_list(tensors: Tensors, verb: str) -> list[torch.Tensor]:
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{verb}: item {i} is a {type(t).__name__}, not a torch.Tensor")
     return items
+
+
+def _refuse_autograd_held(tensors: Tensors, bound_in_call: bool, verb: str) -> None:
+    """Refuse to empty the storage of a tensor autograd holds: one that requires grad and whose
+    data something else references (an op saved it for the backward, as input or output, or a
+    view shares it). Emptying it makes the backward read freed memory: a crash, or garbage
+    gradients with no error. Autograd's saved tensors cannot be listed; the reference counts
+    are the tell (the tensor itself, the manager's binding unless it is made in this call, the
+    storage's Python object here). A detached alias (`t.detach()`) of a saved tensor is not
+    caught: it does not require grad."""
+    for i, t in enumerate((tensors,) if isinstance(tensors, torch.Tensor) else tensors):
+        if not (isinstance(t, torch.Tensor) and t.requires_grad):
+            continue
+        uses, shared = t._use_count(), _storage_use_count(t.untyped_storage()._cdata)
+        if uses > (1 if bound_in_call else 2) or shared > 2:
+            also = " (or bind() bound it already and this call binds it again: bind it once)" if bound_in_call and uses == 2 and shared <= 2 else ""
+            raise RuntimeError(
+                f"{verb}: tensor {i} ({tuple(t.shape)} {t.dtype}) requires grad and something else holds its data "
+                f"(an op saved it for the backward, or a view shares it){also}: emptying its storage would make the "
+                "backward read freed memory. Retire it with action='drop_reference' (its memory goes when autograd "
+                "lets go of it), or after the backward"
+            )
 
 
 def _stream(stream: Optional[torch.Stream], tensors: list[torch.Tensor], what: str) -> torch.Stream:
@@ -157,6 +182,10 @@ class LifetimeManager:
         if h is None:
             h = self.handle  # raises: closed
         code = _DEFAULT_ACTION if action is None else _action_code(action, "retire")
+        if code in _EMPTYING and (type(tensors) is not torch.Tensor or tensors.requires_grad):  # one plain tensor: no call
+            if not isinstance(tensors, (torch.Tensor, list, tuple)):
+                tensors = list(tensors)  # read twice
+            _refuse_autograd_held(tensors, owner_stream is not None, "retire")
         if consumer_stream is not None and _direct_retire(h, tensors, consumer_stream, code, owner_stream) is None:
             return
         ts = _tensor_list(tensors, "retire")
@@ -183,6 +212,10 @@ class LifetimeManager:
         if h is None:
             h = self.handle  # raises: closed
         code = _DEFAULT_ACTION if action is None else _action_code(action, "release_after")
+        if code in _EMPTYING and (type(tensors) is not torch.Tensor or tensors.requires_grad):  # one plain tensor: no call
+            if not isinstance(tensors, (torch.Tensor, list, tuple)):
+                tensors = list(tensors)  # read twice
+            _refuse_autograd_held(tensors, True, "release_after")
         got = _direct_release(h, tensors, consumer_stream, code, owner_stream)
         if got is not NotImplemented:
             return got

@@ -188,6 +188,13 @@ class NodeStage(_DualPipeHook, nn.Module):
                 raise ValueError(f"{type(module).__name__} has no nodes(): pass nodes=, or build them with sl.pipelining.describe")
             nodes = module.nodes()
         _refuse_reentrant_checkpoint(module)
+        nodes = list(nodes)
+        written = [v for n in nodes for v in n.outputs]
+        if output not in written:
+            raise ValueError(
+                f"NodeStage: output '{output}' is written by no node of {type(module).__name__} (their outputs: {written}); "
+                "pass output=<the value the stage returns>"
+            )
         dev = torch.device(device) if device is not None else _module_device(module)
         self.chunk = Chunk(nodes, inputs, output, dev, dw_nodes=dw_nodes)
         self._params = [p for n in self.chunk.nodes for p in n.params]

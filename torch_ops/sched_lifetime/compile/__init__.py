@@ -9,7 +9,9 @@ two sources of one schedule), `graph_step` (training on compiled graphs).
 
 AOTAutograd gives a forward and a backward FX graph (no Inductor). Each graph becomes an IR
 table (`to_ir`): call nodes are compute nodes; functional collectives (`_c10d_functional.*`)
-are comm launches and their `wait_tensor` the matching wait; views and `getitem` are noops;
+are comm launches and their `wait_tensor` the matching wait, and so are the emulated EP link's
+ops (`sched_lifetime_link.*`: a model on `HostLinkAllToAll` traces to them, see `ep_link.py`,
+so compiled graphs and `GraphStep` run EP on one GPU); views and `getitem` are noops;
 ops that write an input give mutation edges; `node.meta["custom"]` (as
 `torch.fx.traceback.annotate` writes it) can name a node's source (`"sched_lifetime_source"`)
 and mark EP regions (`"ep": "dispatch" | "combine"` with a `"layer"`); RNG and other
@@ -61,6 +63,7 @@ OPTIONS: dict[str, Any] = {
     "paging_min_bytes": 1 << 16,  # smaller saved values stay on the device
     "paging_timed": True,  # sl.Pager decides at run time after calibration (False: the static plan)
     "paging_slack": 1.25,  # timed: copies planned this many times slower than measured
+    "paging_two_way": True,  # page-ins on their own stream beside the page-outs (False: one page stream)
     "cudagraphs": False,  # capture each compiled graph in a CUDA graph (torch's cudagraph trees)
     # AOTAutograd's joint-graph partition: "min_cut" (what aot_eager uses) recomputes cheap ops
     # in the backward instead of saving their outputs (H200, embedded model: peak 6797 MiB as
@@ -81,7 +84,7 @@ def check_options(options: Optional[dict]) -> dict:
         if k not in OPTIONS:
             raise ValueError(f"sched_lifetime backend: unknown option {k!r}; valid options: {sorted(OPTIONS)}")
         opts[k] = v
-    for k in ("overlap", "explain", "paging", "cudagraphs", "paging_timed"):
+    for k in ("overlap", "explain", "paging", "cudagraphs", "paging_timed", "paging_two_way"):
         if not isinstance(opts[k], bool):
             raise ValueError(f"sched_lifetime backend: option {k!r} must be a bool, got {opts[k]!r}")
     if opts["partition"] not in ("default", "min_cut"):
@@ -133,7 +136,7 @@ def backend(gm: fx.GraphModule, example_inputs: list, options: Optional[dict] = 
     if opts["paging"]:
         pager = GraphPager(
             opts["paging_budget"], opts["paging_prefetch"], opts["paging_buffers"], opts["paging_min_bytes"],
-            timed=opts["paging_timed"], slack=opts["paging_slack"],
+            timed=opts["paging_timed"], slack=opts["paging_slack"], two_way=opts["paging_two_way"],
         )
         partition = pager.partition(partition)
 

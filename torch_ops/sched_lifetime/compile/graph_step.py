@@ -4,11 +4,13 @@ combined-1F1B steady state on them, through the multiplexing pass)."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
 
+from ..ep import agree_across_ranks, digest
 from ..nodes import accumulate_grads
 from .multiplex_pass import multiplex
 
@@ -73,9 +75,12 @@ class GraphStep:
     then what the backward saves; the backward takes the saved values then the loss's
     gradient and returns one gradient per forward argument. `step` accumulates the
     parameters' gradients into `.grad` (microbatch order, as eager accumulation does) and
-    returns the losses. `ep_budget`: EP launches in flight (default: the environment, else 1);
-    `explain`: print what each launch of the multiplexed module ran under. Guide:
-    docs/nodes.md#graphstep-the-same-step-on-compiled-graphs.
+    returns the losses. With torch.distributed, the ranks first agree on the microbatch count,
+    the modes and the graphs' orders (`rank_check`, as `train_step`'s): a disagreement raises
+    on every rank instead of hanging in a collective. `ep_budget`: EP launches in flight
+    (default: the environment, else 1); `explain`: print what each launch of the multiplexed
+    module ran under. Guide: docs/nodes.md#graphstep-the-same-step-on-compiled-graphs.
+
 
     Example (bit-exact against eager backward per microbatch):
 
@@ -113,6 +118,12 @@ class GraphStep:
         self._fwd, self._bwd, self._mux = boxed(self.fwd), boxed(self.bwd), boxed(self.mux)
         self.ep_budget = ep_budget
         self._ends: Optional[tuple] = None
+        #: Cross-rank agreement of `step` (as `train_step`'s: "new_plan", "every_step" or
+        #: "off", over `rank_group`): the microbatch count, the modes and the graphs' orders.
+        self.rank_check = "new_plan"
+        self.rank_group: Any = None
+        self._rank_agreed: Optional[str] = None
+        self._graphs_digest = digest([g.sched_lifetime["order"] for g in (self.fwd, self.bwd, self.mux)])
 
     def _forward(self, inputs: tuple) -> tuple:
         with torch.no_grad():
@@ -144,6 +155,10 @@ class GraphStep:
             raise ValueError("GraphStep.step needs at least one microbatch")
         if paired_ends and not multiplexed:
             raise ValueError("GraphStep.step: paired_ends needs multiplexed=True")
+        if paired_ends and len(microbatches) == 1:  # a setting that selects nothing: say so
+            warnings.warn("GraphStep.step: paired_ends pairs two microbatches; with 1 the step runs F(0) then B(0) unpaired", stacklevel=2)
+        facts = {"microbatch count": len(microbatches), "multiplexed": multiplexed, "paired_ends": paired_ends, "graphs": self._graphs_digest}
+        agree_across_ranks(self, "GraphStep.step", facts)
         if paired_ends and len(microbatches) >= 2:
             return self._step_paired(microbatches)
         losses = []

@@ -1,8 +1,9 @@
 """The paging pass (option `paging=True`): saved activations of a compiled forward go to host
 memory and come back in the backward. GraphModule in, GraphModule out; what to page is Rust's
 choice (`page_plan`, the same planner as `sl.Pager`), the copies run through the same
-`HostPool` (page stream, pinned buffers allocated once at compile time, freelist in
-page-stream order, device storage released through the lifetime manager).
+`HostPool` (page-outs on the page stream, page-ins on the page-in stream unless
+`paging_two_way=False`, pinned buffers allocated once at compile time, each buffer's copies in
+order: `SlotOrder`, device storage released through the lifetime manager).
 
 At partition time (AOTAutograd's partition function, wrapped) both graphs are known: every
 saved value that is an activation (not a graph input: parameters and user inputs stay) with at
@@ -50,10 +51,12 @@ class GraphPager:
     """One compiled function's paging: the plan, the host pool and the per-step stats."""
 
     def __init__(
-        self, budget: Budget, prefetch: int = 2, buffers: int = 2, min_bytes: int = 1 << 16, timed: bool = False, slack: float = 1.25
+        self, budget: Budget, prefetch: int = 2, buffers: int = 2, min_bytes: int = 1 << 16, timed: bool = False, slack: float = 1.25,
+        two_way: bool = True,
     ) -> None:
         # The values come checked (`compile.check_options`).
         self.budget, self.prefetch, self.buffers, self.min_bytes = budget, prefetch, buffers, min_bytes
+        self.two_way = two_way
         self.key = next(_KEYS)
         _PAGERS[self.key] = self
         self._static_plan: Optional[dict] = None
@@ -64,7 +67,7 @@ class GraphPager:
         self._events: dict[int, Any] = {}  # id of a paged-in tensor -> its copy's event
         self._stats = {"bytes_out": 0, "bytes_in": 0, "copies_out": 0, "copies_in": 0}
         #: Timed: the Pager that calibrates and decides at run time (None: the static plan).
-        self.pager: Optional[Pager] = Pager(budget, min_bytes=min_bytes, prefetch=prefetch, slack=slack) if timed else None
+        self.pager: Optional[Pager] = Pager(budget, min_bytes=min_bytes, prefetch=prefetch, slack=slack, two_way=two_way) if timed else None
         self._index: dict[str, int] = {}  # timed: candidate -> its save index in the forward
         self._open = False
 
@@ -154,7 +157,7 @@ class GraphPager:
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
             with unset_fake_temporarily():
-                self.pool = HostPool([sizes[c] for c in self.chosen for _ in range(self.buffers)], device=dev.pop())
+                self.pool = HostPool([sizes[c] for c in self.chosen for _ in range(self.buffers)], device=dev.pop(), two_way=self.two_way)
 
     # -- rewriting (after Rust's order) --------------------------------------------------
 

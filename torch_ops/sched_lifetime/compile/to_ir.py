@@ -1,5 +1,6 @@
 """FX -> IR: the analysis every pass reads. Call nodes become IR nodes; functional collectives
-(`_c10d_functional.*`) comm launches and their `wait_tensor` the matching wait; views and
+(`_c10d_functional.*`, and the emulated EP link's `sched_lifetime_link.*`, see `ep_link.py`)
+comm launches and their `wait_tensor` the matching wait; views and
 `getitem` noops; ops that write an input mutation edges; RNG and side-effecting ops keep their
 relative order (control edges); `node.meta["custom"]` (as `torch.fx.traceback.annotate` writes
 it) can set a node's source (`"sched_lifetime_source"`) and mark EP regions (`"ep": "dispatch" |
@@ -13,12 +14,13 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-_COLLECTIVES = "_c10d_functional"
+#: Namespaces of launch/wait op pairs: functional collectives, the emulated EP link's ops.
+_COLLECTIVES = ("_c10d_functional", "sched_lifetime_link")
 _SOURCE_KEY = "sched_lifetime_source"
 
 
 def _is_collective(t: Any) -> bool:
-    return isinstance(t, torch._ops.OpOverload) and t.namespace == _COLLECTIVES
+    return isinstance(t, torch._ops.OpOverload) and t.namespace in _COLLECTIVES
 
 
 def _is_wait(t: Any) -> bool:

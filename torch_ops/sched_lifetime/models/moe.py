@@ -288,6 +288,12 @@ class MoELayer(nn.Module):
             send_splits = mine.sum(1).tolist()
             counts = theirs.tolist()
             recv_splits = [sum(row) for row in counts]
+            k = getattr(t, "emulated_ranks", None)
+            if k is not None and self.ep_world == 1:
+                # An emulated EP link of k ranks (`ep_link`): splits per emulated rank's block of
+                # experts, so the rows of the other ranks' experts are the ones that cross.
+                per = self.local // k
+                send_splits = recv_splits = [sum(counts[0][i * per : (i + 1) * per]) for i in range(k)]
             recv = t.all_to_all(send, sum(recv_splits), recv_splits, send_splits, alloc_stream)
             rx = Received(counts, send_splits, recv_splits)
         else:
@@ -332,6 +338,9 @@ class MoEModel(nn.Module):
         self.cfg = cfg
         self.transport: Transport = transport if transport is not None else AllToAll()
         world, rank = self.transport.world, self.transport.rank
+        check = getattr(self.transport, "check", None)  # a transport bound to an expert count
+        if check is not None and cfg.layers > cfg.dense_layers:
+            check(cfg.experts)
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
         self.layers = nn.ModuleList(MoELayer(cfg, i < cfg.dense_layers, world, rank) for i in range(cfg.layers))
         for layer in self.layers:

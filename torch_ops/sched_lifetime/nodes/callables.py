@@ -10,6 +10,8 @@ its function and its transpose. Paged nodes also get their page-out/page-in call
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
@@ -20,6 +22,11 @@ from .state import MicrobatchState
 
 if TYPE_CHECKING:
     from .chunk import Chunk
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    """The address of a tensor's storage (0 for none): what a saved tensor shares with a value."""
+    return t.untyped_storage().data_ptr() if t.layout == torch.strided else 0
 
 
 def forward_fn(chunk: Chunk, n: NodeDef, release_points: bool) -> Callable[..., Any]:
@@ -48,9 +55,19 @@ def forward_fn(chunk: Chunk, n: NodeDef, release_points: bool) -> Callable[..., 
         for i in grad_ix:
             args[i] = args[i].detach().requires_grad_(True)
             leaves.append(args[i])
-        with torch.enable_grad(), pages.saved_tensors_hooks(n.name, n.name in chunk._paged, ctx.fwd):
+        hooks = pages.saved_tensors_hooks(n.name, n.name in chunk._paged, ctx.fwd)
+        probe = n.name not in chunk._probed and isinstance(hooks, contextlib.nullcontext)
+        if probe:  # first forward of a node with no hooks of its own: which storages it saves
+            saved: set[int] = set()
+            hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.add(_storage_id(t)), t)[1], lambda t: t)
+        with torch.enable_grad(), hooks:
             outs = n.fn(*args)
         outs = outs if isinstance(outs, tuple) else (outs,)
+        if probe:
+            chunk._probed.add(n.name)
+            for v, t in [*zip(n.inputs, args), *zip(n.outputs, outs)]:
+                if isinstance(t, torch.Tensor) and _storage_id(t) in saved - {0}:
+                    chunk.autograd_saved.add(v)
         ctx.fwd.saved[n.name] = (leaves, [outs[i] for i in out_ix])
         if n.outputs and n.outputs[-1] == chunk.loss_output and len(n.outputs) == 1:
             ctx.fwd.loss = outs[0].detach()

@@ -58,7 +58,15 @@ class Chunk(ChunkGraph):
         self.deferred_dw: Optional[list[Callable[[], None]]] = None
         #: Paging's tensor side: the host pool, the calibration, the bytes moved.
         self.pages = PageHooks()
+        #: Page-ins on their own stream beside the page-outs (`enable_paging(two_way=)`).
+        self.page_two_way = True
         self._executors: dict[tuple, Executor] = {}
+        #: Values (chunk names) that some node's forward saved for its backward (autograd holds
+        #: their storage): their cross-stream retire drops the reference instead of emptying the
+        #: storage (rule 3 would make that backward read freed memory). Found on each node's
+        #: first forward (`callables.forward_fn`); the executors read this same set.
+        self.autograd_saved: set[str] = set()
+        self._probed: set[str] = set()
         #: The second microbatch's Chunk of a `run_two` pair (same nodes, own context).
         self._twin_chunk: Optional[Chunk] = None
         #: Data-parallel gradient averaging in the step (`enable_grad_reduce`), or None.
@@ -66,6 +74,11 @@ class Chunk(ChunkGraph):
         #: Time every node (`Executor(timing=True)`); `node_times_us` collects the times.
         self.timing = False
         self._times: dict[str, list[float]] = {}
+        #: Cross-rank agreement of `train_step` / `combined_step` (`sched_lifetime.ep.RANK_CHECKS`):
+        #: "new_plan", "every_step" or "off", over `rank_group` (None: the default group).
+        self.rank_check = "new_plan"
+        self.rank_group: Any = None
+        self._rank_agreed: Optional[str] = None
 
     def _rebuild(self) -> None:
         super()._rebuild()
@@ -104,6 +117,7 @@ class Chunk(ChunkGraph):
         min_distance: int = 1,
         prefetch: Optional[int] = 2,
         release: Optional[int] = 4,
+        two_way: bool = True,
     ) -> dict:
         """Page the saved activations of some compute nodes to pinned host memory through page
         nodes of the graph (`F.<node>.page_out` after the node, `B.<node>.page_in` before its
@@ -118,8 +132,10 @@ class Chunk(ChunkGraph):
         its page-out and releases its device storage (a control edge from the page-out's wait:
         the bytes leave the device under the forward, by a point the copy has had that many
         nodes of compute to finish in; None: released only when a host-side query finds the
-        copy done, or at the page-in). Returns the plan."""
-        return enable_paging(self, example, budget, nodes, in_flight, min_bytes, min_distance, prefetch, release)
+        copy done, or at the page-in). `two_way` (CUDA): page-in nodes run on the page-in
+        stream and page-outs on the page stream, so the link's two directions run at once
+        (False: both on the page stream, the baseline). Returns the plan."""
+        return enable_paging(self, example, budget, nodes, in_flight, min_bytes, min_distance, prefetch, release, two_way)
 
     # -- gradients ---------------------------------------------------------------------
 

@@ -113,6 +113,13 @@ class ChunkGraph:
             if n.kind not in ("compute", "comm"):
                 raise ValueError(f"node '{n.name}': kind must be compute or comm, got {n.kind!r}")
             produced.update(n.outputs)
+        written = [v for n in self.nodes for v in n.outputs]
+        if loss_output not in written:
+            # Caught here, not at the first backward (a KeyError on `F.<name>`, far from the cause).
+            raise ValueError(
+                f"loss output '{loss_output}' is written by no node (their outputs: {written}); "
+                "name the value whose gradient starts the backward"
+            )
         # Consumers that take a gradient of each value, in table order.
         self._grad_consumers: dict[str, list[str]] = {}
         for n in self.nodes:

@@ -11,6 +11,7 @@ Rust's `page_plan` which nodes to page, and sizes the pool.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
@@ -21,6 +22,18 @@ from .state import MicrobatchState, _Ctx
 
 if TYPE_CHECKING:
     from .chunk import Chunk
+
+
+def _check_version(node: str, t: Optional[torch.Tensor], version: int) -> None:
+    """Raise as autograd does when a saved tensor was changed in place since its save (`t`:
+    None when nothing holds a paged one any more; then nothing can change it and the backward
+    reads its host copy)."""
+    if t is not None and t._version != version:
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"a {tuple(t.shape)} {t.dtype} tensor node '{node}' saved is at version {t._version}; expected version "
+            f"{version} instead (autograd's check, kept on paged nodes). Hint: clone it before changing it in place."
+        )
 
 
 class PageHooks:
@@ -41,6 +54,9 @@ class PageHooks:
         #: Bytes moved by the page nodes (out == in once every paged microbatch has run its
         #: backward).
         self.stats = {"bytes_out": 0, "bytes_in": 0}
+        # While calibrating: per node, the largest activation left out for being under
+        # `min_bytes` (what the warning of a plan that pages nothing quotes).
+        self.calib_small: dict[str, int] = {}
 
     def saved_tensors_hooks(self, name: str, paged: bool, st: Optional[MicrobatchState]) -> Any:
         """`saved_tensors_hooks` for a paged node's forward (activations of at least
@@ -64,21 +80,27 @@ class PageHooks:
         # state weakly.
         ref = weakref.ref(st) if st is not None else None
 
+        # Each packed tuple ends with the tensor's version and what to read it from: autograd's
+        # in-place check, which these hooks turn off, is done at the unpack (`_check_version`).
         def pack(t: torch.Tensor) -> Any:
             if not pageable(t):
-                return ("keep", t.detach())
+                if calib is not None and not is_weight(t):
+                    self.calib_small[name] = max(self.calib_small.get(name, 0), t.numel() * t.element_size())
+                return ("keep", t.detach(), t._version)
             if calib is not None:
                 calib.setdefault(name, []).append(t.numel() * t.element_size())
                 self.calib_saved.setdefault(name, []).append(t.detach())  # for the host layout
-                return ("keep", t.detach())
+                return ("keep", t.detach(), t._version)
             held = ref().paged.setdefault(name, [])
             held.append(t)
-            return ("paged", ref, name, len(held) - 1)
+            return ("paged", ref, name, len(held) - 1, weakref.ref(t if t._base is None else t._base), t._version)
 
         def unpack(packed: Any) -> torch.Tensor:
             if packed[0] == "keep":
+                _check_version(name, packed[1], packed[2])
                 return packed[1]
-            _, owner_ref, node, i = packed
+            _, owner_ref, node, i, held_ref, version = packed
+            _check_version(node, held_ref(), version)
             owner = owner_ref()
             if owner is None:
                 raise RuntimeError(f"node '{node}': saved activation #{i} unpacked after its microbatch's state was dropped")
@@ -98,10 +120,16 @@ class PageHooks:
                 self.pool.release_queued_before(mark)
 
     def release_paged_out(self, st: MicrobatchState, name: str) -> None:
-        """The compute stream has waited for `name`'s page-in (its sync edge), which the page
-        stream ran after every page-out queued before it: their device storage goes now, with
-        no query (the capture-safe release point; eager also frees on queries)."""
+        """The compute stream has waited for `name`'s page-in (its sync edge), which ran after
+        the page-outs its mark counts (on one page stream every one queued before it; two-way
+        those up to the one that wrote its buffer): their device storage goes now, with no
+        query (the capture-safe release point; eager also frees on queries)."""
         self.pool.release_queued_before(st.page_marks.pop(name))
+
+    def _stream(self) -> Any:
+        """The stream the executor runs the current page node on (None on CPU): the pool
+        copies there, so the node's recorded event covers its copy."""
+        return self.pool.current_stream() if self.pool.device.type == "cuda" else None
 
     def page_out_fn(self, ctx: _Ctx, name: str) -> Callable[..., Any]:
         """The callable of `F.<name>.page_out`: the forward microbatch's held activations of
@@ -116,7 +144,7 @@ class PageHooks:
                     f"saved {got} bytes, calibration saw {self.saved_bytes[name]}: the host pool is sized for the "
                     "calibrated shapes (counted EP dispatch changes them each microbatch: page with a fixed capacity_factor)"
                 )
-            st.paged[name] = self.pool.page_out_group(held, owner=ctx.compute, ordered=True)
+            st.paged[name] = self.pool.page_out_group(held, owner=ctx.compute, ordered=True, stream=self._stream())
             st.page_out_end[name] = self.pool.page_outs
             self.stats["bytes_out"] += sum(h.nbytes for h in st.paged[name])
             return ()
@@ -133,8 +161,8 @@ class PageHooks:
             if handles is None:
                 raise RuntimeError(f"node '{name}': page-in of microbatch {st.index}, which was never paged out")
             self.pool.release_done()  # page-outs whose copy is done give their device storage back
-            st.page_marks[name] = self.pool.mark()
-            st.paged_in[name] = self.pool.page_in_group(handles, alloc_stream=ctx.compute)[0]
+            st.page_marks[name] = self.pool.mark(handles[0].slot if handles else None)
+            st.paged_in[name] = self.pool.page_in_group(handles, alloc_stream=ctx.compute, stream=self._stream())[0]
             self.stats["bytes_in"] += sum(h.nbytes for h in handles)
             return (st.paged_in[name],)
 
@@ -151,9 +179,12 @@ def enable_paging(
     min_distance: int,
     prefetch: Optional[int],
     release: Optional[int],
+    two_way: bool = True,
 ) -> dict:
     """`Chunk.enable_paging`: check the settings, calibrate, choose the paged nodes, put their
     page nodes in the chunk's graph and size the host pool. Returns the plan."""
+    if not isinstance(two_way, bool):
+        raise ValueError(f"two_way must be a bool, got {two_way!r}")
     if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
         raise ValueError(f"in_flight must be an int >= 1, got {in_flight!r}")
     if (budget is None) == (nodes is None):
@@ -177,6 +208,7 @@ def enable_paging(
     pages.min_bytes = min_bytes
     pages.calibrating = calib = {}
     pages.calib_saved = {}
+    pages.calib_small = small = {}
     try:
         chunk.run(fwd=(MicrobatchState(-1), example))
         # Each node's host buffer: its saved tensors laid out by storage (`group_plan`).
@@ -184,19 +216,38 @@ def enable_paging(
     finally:
         pages.calibrating = None
         pages.calib_saved = {}
+        pages.calib_small = {}
     nbytes = {x: sum(calib[x]) for x in compute if calib.get(x)}
     if nodes is not None:
         chosen = [x for x in compute if x in set(nodes) and x in nbytes]
         plan = {"page": chosen, "bytes_paged": sum(nbytes[x] for x in chosen), "bytes_live": sum(nbytes.values())}
+        left = [x for x in compute if x in set(nodes) and x not in nbytes]
+        if left:  # a named node pages nothing: say so once, with the fix
+            largest = max((small.get(x, 0) for x in left), default=0)
+            warnings.warn(
+                f"enable_paging: nodes {left} save no activation of at least min_bytes={min_bytes} bytes (the largest is "
+                f"{largest} bytes): they are not paged; pass a smaller min_bytes to page them",
+                stacklevel=3,
+            )
     else:
         # Forward order saves; the backward reads the last node's first.
         order = [x for x in compute if x in nbytes]
         prefix = [{"name": x, "bytes": nbytes[x], "saved_at": i, "used_at": len(order) - 1 - i} for i, x in enumerate(order)]
         plan = page_plan(prefix, budget, min_distance)
+        if not prefix:  # a budget that selects nothing: say so once, with the fix
+            warnings.warn(
+                f"enable_paging(budget={budget!r}) pages nothing: no compute node saves an activation of at least "
+                f"min_bytes={min_bytes} bytes (the largest is {max(small.values(), default=0)} bytes); pass a smaller min_bytes",
+                stacklevel=3,
+            )
+        elif not plan["page"] and plan["short"]:
+            warnings.warn(f"enable_paging(budget={budget!r}) pages nothing: " + "; ".join(plan["explain"][:4]), stacklevel=3)
     chunk._paged = set(plan["page"])
     pages.saved_bytes = {x: list(calib[x]) for x in chunk._paged}  # what each paged node saves
     chunk._rebuild()
     sizes = [layout[x] for x in sorted(chunk._paged)] * in_flight
-    pages.pool = HostPool(sizes, chunk.device) if sizes else None
+    chunk.page_two_way = two_way
+    chunk._executors.clear()  # the executors put page-ins on the page-in stream, or not
+    pages.pool = HostPool(sizes, chunk.device, two_way=two_way) if sizes else None
     pages.plan = dict(plan, host_bytes=sum(sizes))
     return pages.plan

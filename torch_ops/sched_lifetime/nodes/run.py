@@ -9,10 +9,12 @@ is one F(i+1)+B(i); `train_step` a whole step of n microbatches with gradient ac
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
+from ..ep import agree_across_ranks, digest, schedule_digest
 from ..executor import Executor
 from .graph import ORDERS, _order_schedule, _pair_graph, _two_graph
 from .state import MicrobatchState
@@ -37,7 +39,11 @@ def _executor(fchunk: Optional[Chunk], bchunk: Optional[Chunk], order: str, life
             calls.update(fchunk.callables(True, False, release_points=bchunk is not None))
         if bchunk is not None:
             calls.update(bchunk.callables(False, True))
-        ex = home._executors[key] = Executor(g, s, calls, device=home.device, lifetime=lifetime, timing=timing)
+        # Page-in nodes are the backward chunk's: its pool's setting puts them on a stream.
+        two_way = bchunk.page_two_way if bchunk is not None else True
+        ex = home._executors[key] = Executor(g, s, calls, device=home.device, lifetime=lifetime, timing=timing, two_way_paging=two_way)
+        if fchunk is not None:
+            ex.autograd_saved = fchunk.autograd_saved
     return ex
 
 
@@ -114,6 +120,8 @@ def _twin(chunk: Chunk) -> Chunk:
     context: the other microbatch of a `run_two` pair (made once)."""
     if chunk._twin_chunk is None:
         chunk._twin_chunk = type(chunk)(chunk.nodes, chunk.inputs, chunk.loss_output, chunk.device, chunk.dw_nodes)
+        # Same nodes: what one saves for autograd, the other does (found once, shared).
+        chunk._twin_chunk.autograd_saved, chunk._twin_chunk._probed = chunk.autograd_saved, chunk._probed
     return chunk._twin_chunk
 
 
@@ -140,6 +148,8 @@ def run_two(
         calls = chunk.callables(phase == "F", phase == "B")
         calls.update({phase + "2" + k[1:]: f for k, f in twin.callables(phase == "F", phase == "B").items()})
         ex = chunk._executors[key] = Executor(g, _order_schedule(g, order), calls, device=chunk.device, lifetime=lifetime)
+        if phase == "F":
+            ex.autograd_saved = chunk.autograd_saved  # the twin shares it (`_twin`)
     inputs: dict[str, Any] = {}
     for c, p, item in ((chunk, phase, items[0]), (twin, phase + "2", items[1])):
         if phase == "F":
@@ -153,6 +163,17 @@ def run_two(
     finally:
         for c in (chunk, twin):
             c.ctx.fwd = c.ctx.bwd = None
+
+
+def _rank_facts(chunk: Chunk, order: str, lifetime: str) -> dict:
+    """What decides the collectives of a chunk's step besides the microbatch count: the F+B
+    schedule (graph, order, budgets, costs) and the paging plan (paged nodes, calibrated bytes)."""
+    ex = _executor(chunk, chunk, order, lifetime)
+    paging = chunk.pages.plan
+    return {
+        "schedule": schedule_digest(ex),
+        "paging plan": digest(sorted(chunk._paged), chunk.pages.saved_bytes, paging and paging.get("host_bytes")) if chunk._paged else None,
+    }
 
 
 def combined_step(
@@ -170,7 +191,8 @@ def combined_step(
     `backward`: the state of a microbatch whose forward has run; `grad_scale`: the gradient
     its loss starts from (1/n when accumulating n microbatches). `lifetime`: "scheduled" (the
     lifetime manager) or "record_stream". Returns the executor's values (the forward's
-    outputs as `F.<value>`). Weight gradients are accumulated into `.grad`.
+    outputs as `F.<value>`). Weight gradients are accumulated into `.grad`. With
+    torch.distributed, the ranks first agree on its schedule and paging plan (as `train_step`).
 
     Example:
 
@@ -185,6 +207,7 @@ def combined_step(
         >>> "F.loss" in out, mb1.loss is not None
         (True, True)
     """
+    agree_across_ranks(chunk, "combined_step", {"order": order, "lifetime": lifetime, **_rank_facts(chunk, order, lifetime)})
     return chunk.run(forward, backward, order, lifetime, grad_scale)
 
 
@@ -207,6 +230,14 @@ def train_step(
     with B(i), then B(n-2) with B(n-1) (`run_two`). One more microbatch's activations are live
     in the steady state (three forwards ahead of their backward instead of two). Gradients
     accumulate in microbatch order as without it (bit-exact).
+
+    With torch.distributed, the ranks first agree on what decides the step's collectives (the
+    microbatch count, the schedule, the paging plan) with one small collective over
+    `chunk.rank_group` (None: the default group), and raise on every rank with the same message
+    if they differ, instead of hanging in a collective: when this rank's facts are new
+    (`chunk.rank_check="new_plan"`, the default), on every step (`"every_step"`: when the
+    microbatch count can change on one rank alone), or never (`"off"`); see
+    `sched_lifetime.ep.agree_across_ranks`.
 
     `lifetime`: "scheduled" (the lifetime manager) or "record_stream" (the baseline);
     `on_run`: called after each multiplexed run (the main job samples memory there). A step
@@ -232,6 +263,10 @@ def train_step(
         raise ValueError(f"order must be one of {ORDERS} (or 'ours:<rules,budgets>'), got {order!r}")
     if paired_ends and not (order == "ours" or order.startswith("ours:")):
         raise ValueError(f"paired_ends needs one of our orders ('ours' or 'ours:...'), got {order!r}")
+    if paired_ends and n == 1:  # a setting that selects nothing: say so
+        warnings.warn("train_step: paired_ends pairs two microbatches; with 1 the step runs F(0) then B(0) unpaired", stacklevel=2)
+    facts = {"microbatch count": n, "order": order, "lifetime": lifetime, "paired_ends": bool(paired_ends and n >= 2)}
+    agree_across_ranks(chunk, "train_step", {**facts, **_rank_facts(chunk, order, lifetime)})
     scale = 1.0 / n
     states = [MicrobatchState(i) for i in range(n)]
     reduce = chunk.grad_reduce
@@ -273,10 +308,7 @@ def train_step(
         # A step cut short gives its host buffers back (page-outs never paged in), so the next
         # step finds the pool whole; the original error is what the caller sees.
         if chunk.pages.pool is not None:
-            try:
-                chunk.pages.pool.drain()
-            finally:
-                chunk.pages.pool.reclaim()
+            chunk.pages.pool.abandon()  # the compute stream waits for the copies in flight first
         raise
     if chunk.pages.pool is not None:  # page-outs still holding device storage: the step ends here
         chunk.pages.pool.drain()

@@ -4,7 +4,8 @@
     paged      which saved tensors can be paged, and what a page-out keeps of one (`Paged`)
     groups     how a node's saved tensors share one host buffer (`group_plan`)
     slots      host buffers allocated once and their FIFO freelist (`HostSlots`)
-    streams    the page stream, reached cheaply: switches, waits, copy-done events
+    slot_order the freelist's rule across the page streams: a buffer's copies in order (`SlotOrder`)
+    streams    the page streams, reached cheaply: switches, waits, copy-done events
     release    when a page-out's device storage is released (`Releases`)
     pool       the pinned host pool: the page copies themselves (`HostPool`)
     calibrate  what the calibration steps record (`Calibration`)
@@ -18,9 +19,10 @@ from .calibrate import Calibration
 from .groups import GROUP_ALIGN, GroupPlan, _contiguous, _dense, _extent, group_plan
 from .paged import Paged, _check_restorable, is_weight, restorable
 from .pager import Pager
-from .plan import Budget, _budget_text, explain_plan, link_rates, page_plan
+from .plan import Budget, LinkRates, _budget_text, explain_plan, link_rates, page_plan
 from .pool import HostPool, wait_us
 from .release import Releases
+from .slot_order import SlotOrder
 from .slots import HostSlots
 from .streams import PageStreams
 
@@ -31,10 +33,12 @@ __all__ = [
     "GroupPlan",
     "HostPool",
     "HostSlots",
+    "LinkRates",
     "PageStreams",
     "Paged",
     "Pager",
     "Releases",
+    "SlotOrder",
     "explain_plan",
     "group_plan",
     "is_weight",

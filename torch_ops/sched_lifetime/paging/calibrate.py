@@ -4,11 +4,13 @@ A `Pager`'s first step records every tensor autograd saves (metadata only: its d
 shape, dtype, whether a weight or restorable) and the backward order of its first use: the live
 prefix Rust plans from. Timed on CUDA, that first step also measures the memory line (the most
 memory allocated between saves and unpacks) and a second step the time line (an event at every
-save and unpack), to which `timing` adds the link's measured rates.
+save and unpack), to which `timing` adds the link's measured rates (for a two-way pager, both
+directions at once too: Rust then plans page-outs that end in the backward).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -22,9 +24,10 @@ class Calibration:
     (save index -> the backward unpack that first reads it) and, when `timed` on CUDA, the
     memory line of the first step and the time line of the second (`timing_pass`)."""
 
-    def __init__(self, timed: bool, slack: float) -> None:
+    def __init__(self, timed: bool, slack: float, two_way: bool = True) -> None:
         self.timed = timed
         self.slack = slack  # copies planned that many times slower than measured
+        self.two_way = two_way  # page-outs and page-ins on two streams: the plan gets the two-way rate
         self.saved: list[dict] = []
         self.first_use: dict[int, int] = {}
         self.timing_pass = False  # the memory line is measured: this step measures the time line
@@ -76,6 +79,9 @@ class Calibration:
             if c["bytes"] < min_bytes or c["weight"] or not c["restorable"] or i not in self.first_use:
                 continue
             prefix.append({"name": f"#{i}", "bytes": c["bytes"], "saved_at": i, "used_at": self.first_use[i]})
+        small = [c["bytes"] for c in self.saved if c["bytes"] < min_bytes and not c["weight"]]
+        if not prefix and small:  # a setting that selects nothing: say so once, with the fix
+            warnings.warn(f"Pager: nothing to page: every saved activation is under min_bytes={min_bytes} bytes (the largest is {max(small)}); pass a smaller min_bytes")
         # used_at counts backward steps from the boundary: the first unpack is step 0.
         return prefix
 
@@ -123,13 +129,16 @@ class Calibration:
                 f"the first {len(self.saved)} and {len(peaks['unpack'])}; make a new Pager for a new shape"
             )
         rates = link_rates(self.saved[0]["device"])
-        return {
+        out = {
             "save_us": [saves[0].elapsed_time(e) * 1e3 for e in saves],
             "unpack_us": [unpacks[0].elapsed_time(e) * 1e3 for e in unpacks],
-            "d2h_bytes_per_us": rates[0],
-            "h2d_bytes_per_us": rates[1],
+            "d2h_bytes_per_us": rates.d2h,
+            "h2d_bytes_per_us": rates.h2d,
             "slack": self.slack,
             "save_peak": peaks["save"],
             "unpack_peak": peaks["unpack"],
             "tail_peak": self._tail,
         }
+        if self.two_way:
+            out["both_bytes_per_us"] = rates.both
+        return out

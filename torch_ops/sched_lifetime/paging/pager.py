@@ -13,15 +13,21 @@ The first step calibrates: it records the live prefix (every tensor autograd sav
 its save order and the backward order of its first use) and asks Rust (`page_plan`) what to
 page. Host buffers are then allocated once (pinned on CUDA), never during a step. Later steps
 copy the chosen tensors to their host buffer when autograd saves them and back when the
-backward unpacks them; the rest stay on the device. On CUDA the copies run on the page stream
-(`SideStreams`), the device storage of a paged-out tensor is released through the lifetime
-manager (owner: the compute stream, retired on the page stream with `drop_reference`), and the
-host buffers come from a `HostPool` whose freelist is updated in page-stream order: a buffer is
-given back right after the page-in that reads it is queued, so the next page-out into it is
-queued behind that read on the same stream (no host sync). On CPU the copies are plain.
+backward unpacks them; the rest stay on the device. On CUDA page-outs run on the page stream
+and page-ins on the page-in stream (`SideStreams`; `two_way=False`: both on the page stream), so
+the backward's page-ins run beside page-outs still draining from the forward. The device
+storage of a paged-out tensor is released through the lifetime manager (owner: the compute
+stream, retired on the page stream with `drop_reference`), and the host buffers come from a
+`HostPool`: a buffer is given back right after the page-in that reads it is queued, and the
+next page-out into it waits for that read on the GPU (`SlotOrder`: an event per buffer, no host
+sync). On CPU the copies are plain.
 
 A step whose saved tensors differ from the calibration (count, shape or dtype) raises: no
-silent fallback. `stats()` gives bytes out and in (equal every step) and the host bytes held;
+silent fallback. A saved tensor changed in place after its save raises at its unpack, as
+autograd's version check does in eager (saved_tensors_hooks turn that check off): every kept
+one, and a paged one while anything still holds it (else its host copy is the value saved). A step that raises between page-outs and page-ins loses nothing: the compute
+stream waits for the copies in flight, every page-out's storage is released and every host
+buffer comes back (`HostPool.abandon`); the next step runs as usual. `stats()` gives bytes out and in (equal every step) and the host bytes held;
 `per_step()` per step: bytes out and in, host bytes in use at once, page-outs in flight at once,
 and (`measure_waits=True`) the time the compute stream waited on page-ins.
 """
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import weakref
 from typing import Any, Iterator, Optional
 
 import torch
@@ -49,6 +56,20 @@ def _check_settings(budget: Budget, drain_distance: int, prefetch: int, slack: f
         raise ValueError(f"prefetch must be an int >= 0 (backward unpacks ahead), got {prefetch!r}")
     if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not slack >= 1:
         raise ValueError(f"slack must be a number >= 1, got {slack!r}")
+
+
+
+def _check_version(packed: tuple) -> None:
+    """Raise as autograd does when a saved tensor was changed in place since its save. A kept
+    one is held; a paged one is checked while anything still holds it (its view family's base):
+    once nothing does, nothing can change it, and the backward reads its host copy."""
+    t = packed[2] if packed[0] == "keep" else packed[2]()
+    if t is not None and t._version != packed[3]:
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"saved tensor #{packed[1]} of this step ({tuple(t.shape)} {t.dtype}) is at version {t._version}; expected "
+            f"version {packed[3]} instead (autograd's check, kept under sl.Pager). Hint: clone the tensor before changing it in place."
+        )
 
 
 class Pager:
@@ -85,6 +106,7 @@ class Pager:
         timed: bool = True,
         slack: float = 1.25,
         measure_waits: bool = False,
+        two_way: bool = True,
     ) -> None:
         """`timed` (CUDA): calibration takes two steps, the first measuring the memory timeline
         (the most memory allocated between saves and unpacks: it resets the peak memory
@@ -97,10 +119,13 @@ class Pager:
         compute stream's waits on page-ins with events (`per_step()`). Untimed (and
         on CPU): the budget alone chooses, a page-out is released when found done or once more
         than `drain_distance` copies are in flight, and page-ins are queued `prefetch` unpacks
-        ahead."""
+        ahead. `two_way` (CUDA): page-ins on their own stream, beside the page-outs (the
+        link's two directions at once; a timed plan is made with the two-way rate and may let
+        page-outs end in the backward); False: one page stream for both (the baseline)."""
         _check_settings(budget, drain_distance, prefetch, slack)
         self.prefetch = prefetch
-        self._calib = Calibration(bool(timed), float(slack))
+        self.two_way = bool(two_way)
+        self._calib = Calibration(bool(timed), float(slack), self.two_way)
         self._launch_at: dict[int, int] = {}
         self._release_at: list[int] = []  # save index of each release, ascending
         self._released0 = 0
@@ -146,7 +171,7 @@ class Pager:
             pool.release_done()  # untimed: every save is a chance to free what the link has copied
         if self.plan is None:  # calibrating: record, keep
             self._calib.save(i, t)
-            return ("keep", i, t)
+            return ("keep", i, t, t._version)
         shapes = self._shapes
         if i >= len(shapes) or t.shape != shapes[i][0] or t.dtype != shapes[i][1]:
             raise RuntimeError(
@@ -154,12 +179,12 @@ class Pager:
                 f"{shapes[i] if i < len(shapes) else 'nothing'}; make a new Pager for a new shape"
             )
         if i not in self._page or not restorable(t):
-            packed: Any = ("keep", i, t)
+            packed: Any = ("keep", i, t, t._version)
         else:
             p = pool.page_out(t)
             self._handles[i] = p
             self._stats["bytes_out"] += p.nbytes
-            packed = ("paged", i)
+            packed = ("paged", i, weakref.ref(t if t._base is None else t._base), t._version)
         if self._release_at and i >= self._next_release:  # the plan's release points up to this save
             rel = self._release_at
             k = bisect.bisect_right(rel, i)
@@ -169,6 +194,8 @@ class Pager:
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         kind, i = packed[0], packed[1]
+        if len(packed) > 3:  # autograd's version check, which saved_tensors_hooks turn off
+            _check_version(packed)
         if self.plan is None:
             self._calib.unpack(i, self._unpacks)
             self._unpacks += 1
@@ -250,8 +277,17 @@ class Pager:
                 self._per_step.append({"step": self._stats["steps"], "bytes_out": moved_out, "bytes_in": moved_in, **self.pool.take_figures()})
         finally:
             if self.pool is not None:
-                self.pool.drain()
-                self.pool.reclaim()  # a step cut short (an exception) leaves nothing taken
+                if ok:
+                    self.pool.drain()
+                    self.pool.reclaim()
+                else:  # cut short: copies in flight are waited for, nothing stays taken
+                    try:
+                        self.pool.abandon()  # before the unwaited page-ins' tensors are dropped
+                    finally:
+                        for _, ev in self._ready.values():
+                            self.pool.recycle(ev)
+                        self._ready.clear()
+                        self._handles.clear()
 
     def _calibrate(self) -> None:
         cal = self._calib
@@ -271,7 +307,7 @@ class Pager:
             sizes, dev = cal.host_buffers(page)
             # A timed plan places every release; the count-based drain is only a backstop.
             drain = len(page) if timing is not None else self.drain_distance
-            self.pool = HostPool(sizes, dev, drain)
+            self.pool = HostPool(sizes, dev, drain, two_way=self.two_way)
             self.pool.measure_waits = self.measure_waits and dev.type == "cuda"
             self.pool.take_figures()  # figures start with the first paged step
             self._stats["host_bytes"] = self.pool.bytes

@@ -1,15 +1,16 @@
 """Rust's paging plan: the budget, the measured timing it is made with, and its explanation.
 
 `page_plan` hands Rust a live prefix (every saved tensor's bytes, save order and first backward
-use), a budget and, when measured, the step's timeline and the link's rates (`link_rates`); Rust
-answers with the tensors to page and, timed, where each page-out is released and each page-in
-launched. `explain_plan` prints the answer.
+use), a budget and, when measured, the step's timeline and the link's rates (`link_rates`: each
+direction alone and, for a two-way pager, both at once); Rust answers with the tensors to page
+and, timed, where each page-out is released and each page-in launched. `explain_plan` prints
+the answer.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
@@ -31,9 +32,11 @@ def page_plan(prefix: list[dict], budget: Budget, min_distance: int = 1, timing:
     saved tensor, its bytes, its save order in the forward and its first use in the backward)
     under `budget` (fraction of the live bytes, bytes, or a dict), furthest backward use first,
     never within `min_distance` backward steps of its use. With a measured `timing`
-    (`{"save_us", "unpack_us", "d2h_bytes_per_us", "h2d_bytes_per_us", "slack"}`) only what
-    hides under the forward and lowers the planned peak, with release and page-in points
-    (`release_at`, `launch_at`). What `Pager` and `Chunk.enable_paging` call.
+    (`{"save_us", "unpack_us", "d2h_bytes_per_us", "h2d_bytes_per_us", "slack"}`, and for
+    page-outs and page-ins on two streams `"both_bytes_per_us"`) only what hides under the
+    forward and lowers the planned peak, with release and page-in points (`release_at`: a save
+    index, or the number of saves plus an unpack index for a two-way page-out released in the
+    backward; `launch_at`). What `Pager` and `Chunk.enable_paging` call.
 
     Example:
 
@@ -54,9 +57,23 @@ def explain_plan(plan: dict) -> str:
     return "\n".join([head + (" SHORT of target" if plan["short"] else "")] + plan["explain"])
 
 
-def link_rates(dev: torch.device, mib: int = 64, reps: int = 2) -> tuple[float, float]:
+class LinkRates(NamedTuple):
+    """The link's measured copy rates between the device and pinned host memory, bytes per us."""
+
+    #: Device -> host, alone.
+    d2h: float
+    #: Host -> device, alone.
+    h2d: float
+    #: A device -> host and a host -> device copy at once, on two streams: both directions'
+    #: bytes together (what a two-way pager's copies get while both run).
+    both: float
+
+
+def link_rates(dev: torch.device, mib: int = 64, reps: int = 2) -> LinkRates:
     """Measured device -> pinned host and pinned host -> device copy rates (bytes per us) of one
-    `mib` MiB buffer, `reps` copies each after a warm-up, timed with CUDA events."""
+    `mib` MiB buffer, `reps` copies each after a warm-up, timed with CUDA events; then both
+    directions at once (`reps` copies each way on two streams, two buffers per side: no copy
+    reads what the other writes), timed from a common start to the later end."""
     torch.cuda.synchronize(dev)
     n = mib << 20
     d, h = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, pin_memory=True)
@@ -70,4 +87,19 @@ def link_rates(dev: torch.device, mib: int = 64, reps: int = 2) -> tuple[float, 
         b.record()
         b.synchronize()
         rates.append(reps * n / (a.elapsed_time(b) * 1e3))
-    return rates[0], rates[1]
+    d2, h2 = torch.empty_like(d), torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    streams = (torch.cuda.Stream(dev), torch.cuda.Stream(dev))
+    start = torch.cuda.Event(enable_timing=True)
+    ends = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+    for timed in (False, True):  # a warm-up, then the measurement
+        start.record()
+        for s, (dst, src), end in zip(streams, ((h, d), (d2, h2)), ends):
+            s.wait_event(start)
+            with torch.cuda.stream(s):
+                for _ in range(reps if timed else 1):
+                    dst.copy_(src, non_blocking=True)
+            end.record(s)
+        for end in ends:
+            end.synchronize()
+    both = 2 * reps * n / (max(start.elapsed_time(e) for e in ends) * 1e3)  # the copies are done: the buffers may go
+    return LinkRates(rates[0], rates[1], both)

@@ -1,11 +1,13 @@
-"""The pinned host pool: page copies between device tensors and host buffers on the page stream (`HostPool`).
+"""The pinned host pool: page copies between device tensors and host buffers on the page streams (`HostPool`).
 
-`HostPool` is built from three parts, each with its own state: `HostSlots` (the buffers and
-their FIFO freelist), `PageStreams` (the page stream and the host-cost caches of a copy) and
-`Releases` (page-outs whose device storage is still held, built on `PageStreams`). This module
-queues the copies themselves: one tensor (`page_out`, `page_in_launch`), or a node's saved
-tensors as one group laid out by `group_plan` (`page_out_group`, `page_in_group`), and the
-compute stream's wait on a page-in (`page_wait`, timed with `measure_waits`).
+`HostPool` is built from four parts, each with its own state: `HostSlots` (the buffers and
+their FIFO freelist), `PageStreams` (the page streams and the host-cost caches of a copy),
+`Releases` (page-outs whose device storage is still held, built on `PageStreams`) and
+`SlotOrder` (the freelist's rule across the two page streams: a buffer's copies in order). This
+module queues the copies themselves: one tensor (`page_out`, `page_in_launch`), or a node's
+saved tensors as one group laid out by `group_plan` (`page_out_group`, `page_in_group`), each
+between `SlotOrder.before` and `after`, and the compute stream's wait on a page-in
+(`page_wait`, timed with `measure_waits`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from .groups import _contiguous, group_plan
 from .paged import Paged, _check_restorable
 from .release import Releases
+from .slot_order import SlotOrder
 from .slots import HostSlots
 
 
@@ -31,14 +34,16 @@ def wait_us(marks: list[tuple]) -> float:
 class HostPool(HostSlots, Releases):
     """Host buffers allocated once (pinned when they serve a GPU), handed out from a freelist per
     byte size. Page copies take a buffer for a page-out and give it back right after queueing the
-    page-in that reads it; both copies run on the page stream, and the freelist is FIFO, so a
-    buffer is rewritten only by a copy queued on the page stream after the copy that last read
-    it: the stream's order is the freelist's order, with no host synchronisation. A step never
-    allocates host memory: an empty freelist is an error (the pool was sized at calibration).
+    page-in that reads it. Page-outs run on the page stream and page-ins on the page-in stream
+    (`two_way`; else both on the page stream), and a buffer is rewritten or read only after its
+    last copy has finished: `SlotOrder`'s per-buffer events, stream-order waits with no host
+    synchronisation (on one stream, the stream's order). The freelist is FIFO, so the buffer
+    handed out is the one whose last copy is most likely done. A step never allocates host
+    memory: an empty freelist is an error (the pool was sized at calibration).
     `sizes`: one entry per buffer, in bytes; `device`: the device whose tensors it pages
     (pinned buffers for CUDA); `drain_distance`: page-outs that may hold device storage at once
-    before the oldest is waited on and released. `Pager` and `Chunk.enable_paging` make their
-    own; use one directly to page tensors by hand.
+    before the oldest is waited on and released; `two_way`: page-ins on their own stream.
+    `Pager` and `Chunk.enable_paging` make their own; use one directly to page tensors by hand.
 
     Example:
 
@@ -53,12 +58,14 @@ class HostPool(HostSlots, Releases):
         (True, 0)
     """
 
-    def __init__(self, sizes: list[int], device: Any = "cpu", drain_distance: int = 16) -> None:
+    def __init__(self, sizes: list[int], device: Any = "cpu", drain_distance: int = 16, two_way: bool = True) -> None:
         if drain_distance < 0:
             raise ValueError(f"drain_distance must be >= 0, got {drain_distance}")
         device = torch.device(device)
         HostSlots.__init__(self, sizes, pin=device.type == "cuda")
-        Releases.__init__(self, device, drain_distance)
+        Releases.__init__(self, device, drain_distance, two_way)
+        #: The freelist's rule across the page streams (CUDA; a CPU copy is done when queued).
+        self.slot_order: Any = SlotOrder(len(self._bufs)) if device.type == "cuda" else None
         # Per-step figures (`take_figures`; the others are `HostSlots`' and `Releases`'): when
         # `measure_waits`, (before, after) timing events around each compute-stream wait on a
         # page-in.
@@ -67,21 +74,27 @@ class HostPool(HostSlots, Releases):
 
     def page_out(self, t: torch.Tensor, owner: Any = None) -> Paged:
         """Copy `t` into a free host buffer (on the page stream after the compute stream's work
-        so far). On CUDA the device storage is kept alive by a lifetime manager until the copy
-        is done: at a later save, unpack or page-out whose host-side check finds the copy
-        finished (`release_done`), or, with more than `drain_distance` copies in flight, at
-        once, the compute stream waits on the copy's event and the reference is dropped (rule
-        1, no record_stream, no host sync; the event query makes this path eager-only, as
-        saved_tensors_hooks are). `owner`: the stream `t` was produced on (default: the current
-        stream; a page node running on the page stream passes the compute stream)."""
+        so far, and after the buffer's last copy). On CUDA the device storage is kept alive by a
+        lifetime manager until the copy is done: at a later save, unpack or page-out whose
+        host-side check finds the copy finished (`release_done`), or, with more than
+        `drain_distance` copies in flight, at once, the compute stream waits on the copy's
+        event and the reference is dropped (rule 1, no record_stream, no host sync; the event
+        query makes this path eager-only, as saved_tensors_hooks are). `owner`: the stream `t`
+        was produced on (default: the current stream; a page node running on the page stream
+        passes the compute stream)."""
         _check_restorable(t)
         nbytes = t.numel() * t.element_size()
         slot = self.take(nbytes)
         buf = self.view(slot, tuple(t.shape), t.dtype, t.stride())
+        self._wrote[slot] = self.page_outs
         if t.is_cuda:
             comp, page = owner if owner is not None else self.current_stream(), self.page_stream
             self._after(page, comp)
-            self._hold([t], self._copy_on(page, buf, t.detach()), comp, page)
+            order = self.slot_order
+            order.before(slot, page)
+            done = self._copy_on(page, buf, t.detach())
+            order.after(slot, page)
+            self._hold([t], done, comp, page)
         else:
             buf.copy_(t.detach())
             self.page_outs += 1
@@ -95,23 +108,26 @@ class HostPool(HostSlots, Releases):
         return out
 
     def page_in_launch(self, p: Paged, alloc_stream: Any = None) -> tuple:
-        """Queue the copy back (on the page stream after the compute stream's work so far) into
-        a tensor with the paged-out one's shape and strides, allocated on the compute stream;
-        returns it with the event to wait on before
-        reading it (None on CPU). The buffer goes back to the freelist at once: the next
-        page-out that takes it is queued behind this copy on the page stream. `alloc_stream`:
-        the consumer's stream (default: the current stream)."""
+        """Queue the copy back (on the page-in stream after the compute stream's work so far, and
+        after the page-out that wrote the buffer) into a tensor with the paged-out one's shape
+        and strides, allocated on the compute stream; returns it with the event to wait on
+        before reading it (None on CPU). The buffer goes back to the freelist at once: the next
+        page-out that takes it waits for this copy (`SlotOrder`). `alloc_stream`: the
+        consumer's stream (default: the current stream)."""
         buf = self.view_of(p)
         ev = None
         if p.device.type == "cuda":
-            comp, page = alloc_stream if alloc_stream is not None else self.current_stream(), self.page_stream
+            comp, page = alloc_stream if alloc_stream is not None else self.current_stream(), self.page_in_stream
             prev = self._on(comp)
             try:
                 out = torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=p.device)
             finally:
                 self._back(prev)
             self._after(page, comp)
+            order = self.slot_order
+            order.before(p.slot, page)
             ev = self._copy_on(page, out, buf)
+            order.after(p.slot, page)
         else:
             out = torch.empty_strided(p.shape, p.stride, dtype=p.dtype).copy_(buf)
         self.give(p.slot)
@@ -119,24 +135,28 @@ class HostPool(HostSlots, Releases):
             out.requires_grad_(True)
         return out, ev
 
-    def page_out_group(self, ts: Sequence[torch.Tensor], owner: Any = None, ordered: bool = False) -> list[Paged]:
+    def page_out_group(self, ts: Sequence[torch.Tensor], owner: Any = None, ordered: bool = False, stream: Any = None) -> list[Paged]:
         """`page_out` of a node's saved tensors into one buffer laid out by `group_plan` (the
         pool was sized with it), with one copy-done event and one lifetime manager for them
         all (the host cost of one page-out, not one per tensor). `ordered`: the caller has
         already made the page stream wait for the work that produced `ts` (the executor's sync
         edge from the producing node), so the page stream does not also wait for everything
-        queued on `owner` since."""
+        queued on `owner` since. `stream`: the stream to copy on (default: the page stream;
+        a page node passes the one the executor runs it on). Every page-out of a pool runs on
+        one stream (`mark` counts on their order)."""
         for t in ts:
             _check_restorable(t)
         plan = group_plan(ts)
         slot = self.take(plan.nbytes)
         buf = self._bufs[slot]
+        self._wrote[slot] = self.page_outs
         cuda = bool(ts) and ts[0].is_cuda
         comp = page = None
         if cuda:
-            comp, page = owner if owner is not None else self.current_stream(), self.page_stream
+            comp, page = owner if owner is not None else self.current_stream(), stream if stream is not None else self.page_stream
             if not ordered:
                 self._after(page, comp)
+            self.slot_order.before(slot, page)
         with self._switched(page):
             for kind, i, start, n, off in plan.segments:
                 t = ts[i].detach()
@@ -148,6 +168,7 @@ class HostPool(HostSlots, Releases):
         if cuda:
             done = self._event()
             done.record(page)
+            self.slot_order.after(slot, page)
             self._hold(ts, done, comp, page)
         else:
             self.page_outs += 1
@@ -156,13 +177,14 @@ class HostPool(HostSlots, Releases):
             for t, (off, packed) in zip(ts, plan.places)
         ]
 
-    def page_in_group(self, ps: Sequence[Paged], alloc_stream: Any = None) -> tuple:
+    def page_in_group(self, ps: Sequence[Paged], alloc_stream: Any = None, stream: Any = None) -> tuple:
         """`page_in_launch` of a `page_out_group`'s tensors: one device block allocated on the
         compute stream (the consumer's), one host->device copy of the whole buffer; each tensor
         comes back on the block's storage with its strides (views of one storage alias again),
-        a packed one scattered into its own tensor on the page stream. Returns the tensors and
-        the event to wait on (None on CPU). The buffer goes back to the freelist at once (the
-        next page-out into it queues behind this copy)."""
+        a packed one scattered into its own tensor on the page-in stream (`stream`: the stream
+        to copy on instead; a page node passes the one the executor runs it on). Returns the
+        tensors and the event to wait on (None on CPU). The buffer goes back to the freelist at
+        once (the next page-out into it waits for this copy: `SlotOrder`)."""
         if not ps:
             return [], None
         slot = ps[0].slot
@@ -173,20 +195,30 @@ class HostPool(HostSlots, Releases):
         host = self._bufs[slot]
         comp = page = None
         if cuda:
-            comp, page = alloc_stream if alloc_stream is not None else self.current_stream(), self.page_stream
-        with self._switched(comp):
+            comp = alloc_stream if alloc_stream is not None else self.current_stream()
+            page = stream if stream is not None else self.page_in_stream
+        # When every tensor comes back packed, no output keeps the block alive: it is freed when
+        # this call returns, while the page stream may still copy into and out of it. Allocated
+        # on the page stream, it goes back to the page stream's pool, where later work queues
+        # behind these copies; otherwise the outputs are views of it and keep it until consumed.
+        scratch = all(p.packed for p in ps)
+        with self._switched(page if scratch else comp):
             block = torch.empty(host.numel(), dtype=torch.uint8, device=dev)
-            storage = block.untyped_storage()
+        storage = block.untyped_storage()
 
-            def on_block(p: Paged, stride: tuple) -> torch.Tensor:
-                return torch.empty(0, dtype=p.dtype, device=dev).set_(storage, p.offset // p.dtype.itemsize, p.shape, stride)
+        def on_block(p: Paged, stride: tuple) -> torch.Tensor:
+            return torch.empty(0, dtype=p.dtype, device=dev).set_(storage, p.offset // p.dtype.itemsize, p.shape, stride)
 
+        with self._switched(comp):
             outs = [torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=dev) if p.packed else on_block(p, p.stride) for p in ps]
         ev = None
         if cuda:
             self._after(page, comp)
+            self.slot_order.before(slot, page)
         with self._switched(page):
             block.copy_(host, non_blocking=cuda)
+            if cuda:
+                self.slot_order.after(slot, page)  # the scatters below read the device block only
             for o, p in zip(outs, ps):
                 if p.packed:
                     o.copy_(on_block(p, _contiguous(p.shape)))
@@ -196,6 +228,22 @@ class HostPool(HostSlots, Releases):
         self.give(slot)
         outs = [o.detach().requires_grad_(True) if p.requires_grad else o for o, p in zip(outs, ps)]
         return outs, ev
+
+    def abandon(self) -> None:
+        """A step cut short between page-outs and page-ins: the current (compute) stream waits
+        for every copy queued on the page streams (a page-in launched but never waited on still
+        writes a block the allocator may hand out again once its tensor is dropped), then every
+        page-out's device storage is released and every buffer given back. Stream-order waits,
+        no host sync; the next step finds the pool whole."""
+        try:
+            if self.device.type == "cuda":
+                comp, out, inn = self.current_stream(), self.page_stream, self.page_in_stream
+                self._after(comp, out)
+                if inn != out:
+                    self._after(comp, inn)
+            self.drain()
+        finally:
+            self.reclaim()
 
     def page_wait(self, ev: Any) -> None:
         """The compute stream waits for a page-in (no host sync). With `measure_waits`, timing

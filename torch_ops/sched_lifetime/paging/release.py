@@ -3,14 +3,15 @@
 A page-out's device storage must outlive its copy to the host, which runs on the page stream.
 Instead of `record_stream`, a `LifetimeManager` holds it (owner: the stream that produced it,
 retired on the page stream with `drop_reference`) until a release point: a host-side check
-that finds the copy done, a calibrated plan's release point, a page-in that the page stream ran
-after it, or too many copies in flight. There the owner stream waits on the copy's event (free
-when it is done: no host sync) and the reference is dropped (DESIGN.md §2, rule 1).
+that finds the copy done, a calibrated plan's release point, a page-in the compute stream
+waited for that proves the copy done (`mark`), or too many copies in flight. There the owner
+stream waits on the copy's event (free when it is done: no host sync) and the reference is
+dropped (DESIGN.md §2, rule 1).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -23,12 +24,13 @@ class Releases(PageStreams):
     were queued on the page stream (`page_outs`, `mark`), and the ways to release them; a
     released page-out's copy-done event becomes a spare (`PageStreams._event`)."""
 
-    def __init__(self, device: Any = "cpu", drain_distance: int = 16) -> None:
-        PageStreams.__init__(self, device)
+    def __init__(self, device: Any = "cpu", drain_distance: int = 16, two_way: bool = True) -> None:
+        PageStreams.__init__(self, device, two_way)
         # Page-outs whose device storage is still held: (manager, copy-done event, owner stream,
         # page-out number), in page-stream order.
         self._retiring: list[tuple[LifetimeManager, Any, Any, int]] = []
         self.page_outs = 0  # page-outs queued so far (numbers them; `mark` reads it)
+        self._wrote: dict[int, int] = {}  # host slot -> the number of the last page-out into it
         self.drain_distance = drain_distance
         self.released = 0  # page-outs whose device storage was released, in all
         self.forced_drains = 0  # releases forced by `drain_distance` (the compute stream may stall)
@@ -78,15 +80,19 @@ class Releases(PageStreams):
         while self._retiring and self._retiring[0][1].query():
             self._drain_one()
 
-    def mark(self) -> int:
-        """The page-outs queued on the page stream so far: taken when a page-in is queued, every
-        page-out numbered below it runs before that page-in on the page stream."""
+    def mark(self, slot: Optional[int] = None) -> int:
+        """Taken when a page-in of host slot `slot` is queued: the page-outs numbered below it
+        are done once that page-in is. On one page stream, every page-out queued so far (the
+        stream runs them before the page-in); two-way, those up to the one that wrote `slot`
+        (the page-in waited for it: `SlotOrder`; page-outs run in order on their stream)."""
+        if self.two_way and slot is not None:
+            return self._wrote.get(slot, -1) + 1
         return self.page_outs
 
     def release_queued_before(self, mark: int) -> None:
         """Release every page-out numbered below `mark` (a page-in's `mark`), once the compute
-        stream has waited for that page-in: the page stream ran them before it, so the wait
-        each release queues finds its copy done. No query, no host sync: capture-safe."""
+        stream has waited for that page-in: their copies are done by then, so the wait each
+        release queues finds its copy done. No query, no host sync: capture-safe."""
         while self._retiring and self._retiring[0][3] < mark:
             self._drain_one()
 

@@ -1,8 +1,9 @@
 """Host buffers allocated once and handed out from a FIFO freelist per byte size (`HostSlots`).
 
 The bookkeeping half of `HostPool`: which buffer is free, taken or given back, and the tensor
-views of a buffer; no stream and no copy here. The pool queues every copy on the page stream,
-so the freelist's FIFO order is the page stream's order (DESIGN.md §4).
+views of a buffer; no stream and no copy here. A buffer given back may still be read by the
+page-in queued just before: the copies into and out of a buffer are kept in order by the pool
+(`SlotOrder`, slot_order.py), not by the freelist (DESIGN.md §4).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class HostSlots:
 
     def reclaim(self) -> None:
         """Give back every buffer still taken (a page-out never paged in, e.g. a step cut
-        short). Safe without a sync: whatever copy comes next into it is queued on the page
-        stream behind the page-out that wrote it."""
+        short). Safe without a sync: whatever copy comes next into it waits for the page-out
+        that wrote it (`SlotOrder`; on the same stream, the stream's order)."""
         for slot in sorted(self._taken):
             self.give(slot)

@@ -1,10 +1,12 @@
-"""The page stream, reached cheaply: stream switches, stream-order waits and copy-done events (`PageStreams`).
+"""The page streams, reached cheaply: stream switches, stream-order waits and copy-done events (`PageStreams`).
 
-Every page copy of a pool is queued on one page stream (`SideStreams.page`). What a copy needs
-around it (the current stream, a switch onto the page stream and back, a wait for the compute
-stream's work so far, an event recorded after it) is cached here: through `torch.cuda`'s
-Python API a page copy costs tens of microseconds of host time. CUDA only; on CPU the pool
-copies without any of it.
+Page-outs (device -> host) are queued on the page stream (`SideStreams.page`) and page-ins
+(host -> device) on the page-in stream (`SideStreams.page_in`), so the link's two directions run
+at once; `two_way=False` queues both on the page stream (one direction at a time, the baseline).
+What a copy needs around it (the current stream, a switch onto a page stream and back, a wait
+for the compute stream's work so far, an event recorded after it) is cached here: through
+`torch.cuda`'s Python API a page copy costs tens of microseconds of host time. CUDA only; on
+CPU the pool copies without any of it.
 """
 
 from __future__ import annotations
@@ -18,23 +20,34 @@ from ..executor import SideStreams
 
 
 class PageStreams:
-    """The page stream of `device` and the host-cost caches of the copies queued on it: the
+    """The page streams of `device` and the host-cost caches of the copies queued on them: the
     last current stream seen (by its raw id), one re-recorded event for stream-order waits
-    (`_after`) and spare copy-done events (`_event`, `recycle`)."""
+    (`_after`) and spare copy-done events (`_event`, `recycle`). `two_way`: page-ins on their
+    own stream (else on the page stream, behind the page-outs)."""
 
-    def __init__(self, device: Any = "cpu") -> None:
+    def __init__(self, device: Any = "cpu", two_way: bool = True) -> None:
         self.device = torch.device(device)
+        self.two_way = bool(two_way)
         self._mark: Any = None  # the event `_after` re-records (made at its first use)
         self._page: Any = None
+        self._page_in: Any = None
         self._cur: tuple = (None, None)
         self._spare: list = []
 
     @property
     def page_stream(self) -> Any:
-        """The stream every page copy of this pool runs on (None on CPU)."""
+        """The stream this pool's page-outs run on (None on CPU)."""
         if self._page is None and self.device.type == "cuda":
             self._page = SideStreams.of(self.device).page
         return self._page
+
+    @property
+    def page_in_stream(self) -> Any:
+        """The stream this pool's page-ins run on: the page-in stream, or with `two_way` off the
+        page stream (None on CPU)."""
+        if self._page_in is None and self.device.type == "cuda":
+            self._page_in = SideStreams.of(self.device).page_in if self.two_way else self.page_stream
+        return self._page_in
 
     def current_stream(self) -> Any:
         """`torch.cuda.current_stream(device)`, without building a new Stream when it has not

@@ -13,7 +13,9 @@ running), max allocated, max reserved, pending-free peak (allocator snapshot).
 Launch: with 2+ GPUs it spawns 2 ranks over NCCL itself (or run it under
 `torchrun --standalone --nproc-per-node 2 -m sched_lifetime train`); on CPU it spawns 2 gloo
 ranks (real numerics; memory figures simulated by the Rust model and labelled so); with one
-GPU it runs EP=1 and says what it cannot show.
+GPU it runs one process on the emulated EP link (`--ep-link host[:K]`, `ep_link.py`: EP=K,
+default 8, its traffic through pinned host memory; "comm" is then the link's copies, and the
+table says the link is emulated). `--ep-link nccl` on one GPU runs EP=1 (a local copy).
 
 Modules, one job each: `arms` (the arm table, `Arm`), `capture` (whole-step CUDA graphs and
 their pools), `loop` (the ranks' loop), `figures` (measures, plots, the table), `cli` (options

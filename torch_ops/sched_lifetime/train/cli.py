@@ -1,5 +1,6 @@
 """The main job's command line: `python -m sched_lifetime train`'s options, their checks, and
-the launch (2 ranks spawned over NCCL or gloo, one under torchrun, or EP=1 on one GPU)."""
+the launch (2 ranks spawned over NCCL or gloo, one under torchrun, or one process on the
+emulated EP link: `--ep-link host[:K]`, the default on a machine with one GPU)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import argparse
 import os
 import socket
 import sys
+import time
 from typing import Optional
 
 import torch
 
 from .arms import arms_help, check_arms, default_arms
-from .loop import worker
+from .loop import say, worker
 
 
 def _free_port() -> int:
@@ -46,7 +48,7 @@ def parser() -> argparse.ArgumentParser:
         epilog="guide: docs/main-job.md",
         formatter_class=_HelpFormatter,
     )
-    p.add_argument("--config", default=None, help="tiny (CPU default), tiny_dense, h200 (GPU default)")
+    p.add_argument("--config", default=None, help="tiny (CPU default), tiny_dense, h200 (GPU default)")  # checked in `check_args`
     p.add_argument("--layers", type=int, default=0, help="override the config's layer count (0: the config's)")
     p.add_argument("--steps", type=int, default=3, help="timed optimizer steps per arm, interleaved across arms (after one warm-up step)")
     p.add_argument("--microbatches", type=int, default=4, help="microbatches per step (gradient accumulation; the steady state multiplexes F(i+1) with B(i))")
@@ -62,16 +64,66 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--page-prefetch", type=int, default=2, help="arm ours+page: a page-in may start this many backward nodes before its consumer (0: at once)")
     p.add_argument("--page-release", type=int, default=4, help="arm ours+page: the forward compute node this many nodes after a paged one waits for its page-out and releases its storage (0: only when a query finds the copy done)")
     p.add_argument("--costs", default=None, help='JSON {"node": us} (e.g. a previous run\'s durations.json) for arm ours+search')
+    p.add_argument(
+        "--ep-link", default=None, metavar="nccl|host[:K]",
+        help="EP transport: nccl (all-to-all over torch.distributed, NCCL on GPUs or gloo on CPU; the default with 2+ GPUs or "
+        "on CPU) or host[:K] (one process emulating EP=K, default 8: the (K-1)/K share of each all-to-all crosses device -> "
+        "pinned host -> device on the copy engines; the default on a machine with exactly one GPU; with --cpu, numerics only)",
+    )
     return p
 
 
+def resolve_ep_link(args: argparse.Namespace, use_cuda: bool) -> str:
+    """`--ep-link` resolved ("nccl" or "host[:K]", default by the machine) and checked against
+    the config's experts; SystemExit naming the setting when it cannot run."""
+    from ..ep_link import HostLinkAllToAll
+    from ..models import CONFIGS
+
+    link = args.ep_link
+    if link is None:
+        one_gpu = use_cuda and torch.cuda.device_count() == 1 and "RANK" not in os.environ
+        link = "host" if one_gpu else "nccl"
+    if link == "nccl":
+        return link
+    try:
+        cfg = CONFIGS.get(args.config)
+        HostLinkAllToAll.from_spec(link, device="cpu", num_experts=cfg.experts if cfg is not None else None)
+    except ValueError as e:
+        raise SystemExit(f"--ep-link {link}: {e}") from None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise SystemExit(f"--ep-link {link} emulates EP in one process; run it without torchrun (or with one process), not WORLD_SIZE={os.environ['WORLD_SIZE']}")
+    return link
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every option checked here, before any process is spawned (`p.error`: the usage and the
+    message, exit status 2), so a mistake never surfaces as a traceback from inside a rank."""
+    from ..models import CONFIGS
+
+    if args.config not in CONFIGS:
+        p.error(f"--config {args.config!r} is not a config; valid: {', '.join(CONFIGS)}")
+    for name, lo in (("steps", 1), ("microbatches", 1), ("world", 1), ("layers", 0), ("nccl_channels", 0), ("page_prefetch", 0), ("page_release", 0)):
+        if getattr(args, name) < lo:
+            p.error(f"--{name.replace('_', '-')} must be at least {lo}, got {getattr(args, name)}")
+    if not args.lr > 0:
+        p.error(f"--lr must be > 0, got {args.lr}")
+    if not 0 <= args.page_budget <= 1:
+        p.error(f"--page-budget is a fraction of the saved activations, in [0, 1]; got {args.page_budget}")
+    if args.costs and not os.path.isfile(args.costs):
+        p.error(f"--costs {args.costs!r}: no such file")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    """Parse, check the arms, set the environment, and run every rank."""
-    args = parser().parse_args(argv)
+    """Parse, check the options and the arms, set the environment, and run every rank."""
+    p = parser()
+    args = p.parse_args(argv)
+    args.started = time.time()  # progress lines count from here (the ranks get it too)
     use_cuda = torch.cuda.is_available() and not args.cpu
     if args.config is None:
         args.config = "h200" if use_cuda else "tiny"
+    check_args(p, args)
     check_arms([a for a in args.arms.split(",") if a], use_cuda, bool(args.costs))
+    args.ep_link = resolve_ep_link(args, use_cuda)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     # Deterministic cuBLAS (must be set before the first cuBLAS call).
@@ -79,6 +131,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.nccl_channels:
         # Fewer NCCL channels: a slower, inter-node-like link (and fewer SMs taken from compute).
         os.environ["NCCL_MIN_NCHANNELS"] = os.environ["NCCL_MAX_NCHANNELS"] = str(args.nccl_channels)
+    if args.ep_link != "nccl":  # the emulated link: one process, no group
+        worker(0, 1, args, None)
+        return 0
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None)
         return 0
@@ -92,5 +147,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     import torch.multiprocessing as mp
 
+    say(args, f"starting {world} {'NCCL' if use_cuda else 'gloo'} ranks (each imports torch, then builds the arms: several seconds)")
     mp.spawn(worker, args=(world, args, _free_port()), nprocs=world, join=True)
     return 0

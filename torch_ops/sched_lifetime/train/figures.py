@@ -26,15 +26,57 @@ def _is_page_copy(e: Any) -> bool:
     return n.startswith("Memcpy") and ("DtoH" in n or "HtoD" in n)
 
 
-def exposed_comm_us(prof: Any) -> tuple[float, float]:
-    """(exposed, total) NCCL kernel time in us from a profiler's CUDA kernel events."""
-    return _exposed_us(prof, _is_nccl, lambda e: False)
+def _is_pinned_copy(e: Any) -> bool:
+    """A device<->pinned host copy (the emulated link's, the pager's): not a loss's `.cpu()`."""
+    return _is_page_copy(e) and "Pinned" in e.name
 
 
-def exposed_page_us(prof: Any) -> tuple[float, float]:
+def link_copy_ids(prof: Any) -> set:
+    """Ids of the device copies the emulated EP link queued in a profile: the CUDA runtime
+    calls made inside its `LINK_RANGE` ranges (same thread), whose device activity carries the
+    same correlation id. Empty when nothing ran eagerly on the link (a graph replay)."""
+    from ..ep_link import LINK_RANGE
+
+    ranges: dict[int, list] = {}
+    calls = []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        if e.name == LINK_RANGE:
+            ranges.setdefault(e.thread, []).append((e.time_range.start, e.time_range.end))
+        elif e.name.startswith("cudaMemcpy"):
+            calls.append(e)
+    return {c.id for c in calls if any(s <= c.time_range.start and c.time_range.end <= t for s, t in ranges.get(c.thread, ()))}
+
+
+def _link_split(prof: Any, paged: bool) -> tuple[Any, Any]:
+    """(is a link copy, is a page copy) for the emulated link's profile. Without page nodes
+    every pinned copy is the link's; with them, the link's are told by `link_copy_ids` (a
+    captured step has no page nodes)."""
+    if not paged:
+        return _is_pinned_copy, lambda e: False
+    ids = link_copy_ids(prof)
+    return (lambda e: _is_pinned_copy(e) and e.id in ids), (lambda e: _is_pinned_copy(e) and e.id not in ids)
+
+
+def exposed_comm_us(prof: Any, link: Any = None, paged: bool = False) -> tuple[float, float]:
+    """(exposed, total) NCCL kernel time in us from a profiler's CUDA kernel events. With
+    `link` (the emulated EP link), its device<->pinned host copies instead (page copies, when
+    `paged`, are neither comm nor compute)."""
+    if link is None:
+        return _exposed_us(prof, _is_nccl, lambda e: False)
+    is_link, is_page = _link_split(prof, paged)
+    return _exposed_us(prof, is_link, is_page)
+
+
+def exposed_page_us(prof: Any, link: Any = None) -> tuple[float, float]:
     """(exposed, total) device<->host copy time in us: copy time with no compute kernel running
-    (NCCL kernels are not compute here: a page copy under an all-to-all alone is exposed)."""
-    return _exposed_us(prof, _is_page_copy, _is_nccl)
+    (NCCL kernels, or the emulated `link`'s copies, are not compute here: a page copy under an
+    all-to-all alone is exposed)."""
+    if link is None:
+        return _exposed_us(prof, _is_page_copy, _is_nccl)
+    is_link, is_page = _link_split(prof, True)
+    return _exposed_us(prof, is_page, is_link)
 
 
 def union(iv: list) -> list:
@@ -169,11 +211,13 @@ def simulate_memory(arms: dict, microbatches: int, step: int, plot: Optional[str
     )
 
 
-def format_table(rows: dict, cfg: Any, args: argparse.Namespace, use_cuda: bool, world: int) -> str:
-    """The main job's table: one line per arm (parity, step time, comm, memory), then notes."""
+def format_table(rows: dict, cfg: Any, args: argparse.Namespace, use_cuda: bool, world: int, link: Optional[str] = None) -> str:
+    """The main job's table: one line per arm (parity, step time, comm, memory), then notes.
+    `link`: the emulated EP link's description (`HostLinkAllToAll.describe`), said in the header."""
     mib = float(1 << 20)
-    nccl = f", NCCL channels {args.nccl_channels}" if args.nccl_channels else ""
-    where = f"{'CUDA' if use_cuda else 'CPU'}, EP={world}, config {args.config}, {args.microbatches} microbatches, {args.steps} timed steps{nccl}"
+    nccl = f", NCCL channels {args.nccl_channels}" if args.nccl_channels and link is None else ""
+    ep = f"EP={world}" if link is None else link
+    where = f"{'CUDA' if use_cuda else 'CPU'}, {ep}, config {args.config}, {args.microbatches} microbatches, {args.steps} timed steps{nccl}"
     lines = [f"MEASURED ({where})", f"{'arm':<13}{'parity':>8}{'step ms':>10}{'vs seq':>8}{'exposed comm ms':>17}{'comm ms':>9}{'max alloc MiB':>15}{'max resv MiB':>14}{'pending MiB':>13}"]
     base = rows.get("sequential", next(iter(rows.values())))["step_ms"]
     for a, r in rows.items():
@@ -188,6 +232,9 @@ def format_table(rows: dict, cfg: Any, args: argparse.Namespace, use_cuda: bool,
         comm = f"{r['exposed_comm_us'] / 1e3:>17.2f}{r['comm_us'] / 1e3:>9.2f}" if "comm_us" in r else f"{'(GPU only)':>17}{'':>9}"
         lines.append(f"{a:<13}{'equal' if r['parity'] else 'DIFFER':>8}{r['step_ms']:>10.2f}{base / r['step_ms']:>8.3f}{comm}{mem}")
     for a, r in rows.items():
+        if "link_bytes_each_way" in r and r.get("comm_us"):
+            b = r["link_bytes_each_way"]
+            lines.append(f"{a}: the link moved {b / mib:.0f} MiB each way in one step, {b / r['comm_us'] / 1e3:.1f} GB/s over its copy time")
         if "page_us" in r:
             lines.append(
                 f"{a}: page copies {r['page_us'] / 1e3:.2f} ms in one step, {r['exposed_page_us'] / 1e3:.2f} ms of it with no compute kernel running"
@@ -204,7 +251,14 @@ def format_table(rows: dict, cfg: Any, args: argparse.Namespace, use_cuda: bool,
             lines.append("ours, top kernels in one step: " + "; ".join(f"{k} {v:.1f} ms" for k, v in rows["ours"]["top_kernels_ms"]))
     if not use_cuda:
         lines.append("CPU: step times are host times of real numerics; stream overlap, exposed comm and allocator figures need a GPU.")
-    elif world == 1:
+    if link is not None:
+        lines.append(
+            "EMULATED EP: one process, all experts computed here; each all-to-all's crossing rows go device -> pinned host -> device "
+            "(copy engines) with the bytes rank 0 of that EP group would send; 'comm' is those copies' time, not NCCL's"
+            if use_cuda
+            else "EMULATED EP on CPU: the crossing rows are copied through host buffers (numerics only)"
+        )
+    elif use_cuda and world == 1:
         lines.append("One GPU: EP=1, the all-to-all is a local copy; overlap of NCCL traffic needs 2 GPUs (torchrun --standalone --nproc-per-node 2 -m sched_lifetime train).")
     return "\n".join(lines)
 

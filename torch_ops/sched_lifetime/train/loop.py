@@ -27,6 +27,15 @@ from .figures import (
 )
 
 
+def say(args: argparse.Namespace, msg: str) -> None:
+    """A progress line on rank 0 (unless `--quiet`), with the seconds since the command started:
+    long work (spawn, model build, warm-up, capture) is never silent."""
+    if not getattr(args, "progress", True) or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    start = getattr(args, "started", None)
+    print(f"[{time.time() - start:6.1f} s] {msg}" if start is not None else msg, flush=True)
+
+
 def worker(rank: int, world: int, args: argparse.Namespace, port: Optional[int]) -> None:
     """One rank of the main job: device and process group set up, `run`, rank 0 prints."""
     use_cuda = torch.cuda.is_available() and not args.cpu
@@ -42,8 +51,9 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: Optional[int])
         from ..models import moe as moe_mod
 
         moe_mod.deterministic_sdpa(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16)
-    if world > 1 or "RANK" in os.environ:
+    if world > 1 or ("RANK" in os.environ and _link_spec(args) is None):
         dist.init_process_group("nccl" if use_cuda else "gloo", device_id=torch.device("cuda", torch.cuda.current_device()) if use_cuda else None)
+    say(args, f"{world} rank(s) up ({'NCCL' if use_cuda else 'gloo'})" if world > 1 else "running on one process")
     try:
         out = run(args, use_cuda)
         if (not dist.is_initialized() or dist.get_rank() == 0) and out is not None:
@@ -65,9 +75,15 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
     cfg = CONFIGS[args.config]
     if args.layers:
         cfg = replace(cfg, layers=args.layers)
-    group = ep_mod.new_ep_group() if dist.is_initialized() else None
-    transport = ep_mod.AllToAll(group)
+    spec = _link_spec(args)
+    if spec is not None:  # one process emulating EP=K over host memory (`ep_link`)
+        group = None
+        transport: Any = ep_mod.HostLinkAllToAll.from_spec(spec, device=device)
+    else:
+        group = ep_mod.new_ep_group() if dist.is_initialized() else None
+        transport = ep_mod.AllToAll(group)
     rank0 = transport.rank == 0
+    say(args, f"building {len(args.arms.split(','))} arms on config {args.config} ({cfg.layers} layers, {cfg.experts} experts)")
     arms = build_arms(args, cfg, transport, device, rank0)
     first = next(iter(arms.values()))
     # Every rank must issue the same collectives in the same order.
@@ -77,10 +93,13 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
         if use_cuda:
             torch.cuda.synchronize()
 
-    grads_ok, failed = _warm_up(arms, first, args.microbatches, sync)
+    grads_ok, failed = _warm_up(arms, first, args.microbatches, sync, args)
+    say(args, f"timed steps: {args.steps} round(s), every arm one step a round")
     _timed_steps(arms, first, grads_ok, args, sync, rank0)
     parity = _parity(arms, first, grads_ok, device)
     rows: dict[str, dict] = {a: {"parity": parity[a], "step_ms": statistics.median(arm.times)} for a, arm in arms.items()}
+    if use_cuda:
+        say(args, "each arm measured alone: memory, then a profiled step")
     histories = _measure_alone(arms, rows, args, sync, device, rank0) if use_cuda else {}
     for a, why in failed.items():
         rows[a] = {"parity": False, "step_ms": float("nan"), "failed": why}
@@ -96,7 +115,15 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
     _node_times(arms, args, rank0)
     plot = os.path.join(args.out, "memory_over_time_simulated.png") if args.out and rank0 else None
     simulated = simulate_memory(arms, args.microbatches, args.steps + 4, plot) if not use_cuda else None
-    return {"table": format_table(rows, cfg, args, use_cuda, transport.world) + (simulated or ""), "json": {"config": cfg.as_dict(), "world": transport.world, "rows": rows}} if rank0 else None
+    link = transport.describe() if spec is not None else None
+    table = format_table(rows, cfg, args, use_cuda, transport.world, link) + (simulated or "")
+    return {"table": table, "json": {"config": cfg.as_dict(), "world": transport.world, "ep_link": spec or "nccl", "link": link, "rows": rows}} if rank0 else None
+
+
+def _link_spec(args: argparse.Namespace) -> Optional[str]:
+    """The emulated link's setting (`--ep-link host[:K]`), or None for the real EP group."""
+    spec = getattr(args, "ep_link", None)
+    return spec if spec not in (None, "nccl") else None
 
 
 def build_arms(args: argparse.Namespace, cfg: Any, transport: Any, device: torch.device, rank0: bool) -> dict[str, Arm]:
@@ -130,10 +157,12 @@ def _schedules(arms: dict[str, Arm]) -> dict:
     return tables
 
 
-def _warm_up(arms: dict[str, Arm], first: Arm, microbatches: int, sync: Callable[[], None]) -> tuple[dict[str, bool], dict[str, str]]:
+def _warm_up(arms: dict[str, Arm], first: Arm, microbatches: int, sync: Callable[[], None], args: Optional[argparse.Namespace] = None) -> tuple[dict[str, bool], dict[str, str]]:
     """Step 0 on every arm (not timed), then the captured arms' capture step. Returns the
     gradient parity so far and the arms dropped (a capture failure drops the arm, not the run)."""
-    for arm in arms.values():
+    for a, arm in arms.items():
+        if args is not None:
+            say(args, f"warm-up step (not timed): {a}")
         arm.step(0, microbatches)
     sync()
     grads_ok = {a: same_grads(arm, first) for a, arm in arms.items()}
@@ -141,6 +170,8 @@ def _warm_up(arms: dict[str, Arm], first: Arm, microbatches: int, sync: Callable
     for a, arm in list(arms.items()):
         if arm.captured:
             try:
+                if args is not None:
+                    say(args, f"capturing the step of {a} in a CUDA graph")
                 arm.step(1, microbatches)  # captures, then replays
                 arm.losses.pop()
                 arm.model.load_state_dict(first.model.state_dict())  # back in step with the others
@@ -208,13 +239,18 @@ def _measure_alone(arms: dict[str, Arm], rows: dict, args: argparse.Namespace, s
         rows[a].update(max_allocated=torch.cuda.max_memory_allocated(), max_reserved=torch.cuda.max_memory_reserved(), pending_free_peak=pend[0])
         from torch.profiler import ProfilerActivity, profile
 
+        link = arm.model.transport if getattr(arm.model.transport, "emulated_ranks", None) else None
+        if link is not None:
+            link.reset_moved()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             arm.step(args.steps + 2, args.microbatches)
             sync()
-        exp, tot = exposed_comm_us(prof)
+        exp, tot = exposed_comm_us(prof, link, arm.spec.paged)
         rows[a].update(exposed_comm_us=exp, comm_us=tot, top_kernels_ms=top_kernels(prof))
+        if link is not None and not arm.captured:  # a replay runs no Python: nothing counted
+            rows[a]["link_bytes_each_way"] = link.moved().d2h
         if arm.spec.paged:
-            pexp, ptot = exposed_page_us(prof)
+            pexp, ptot = exposed_page_us(prof, link)
             rows[a].update(exposed_page_us=pexp, page_us=ptot, page_stats=dict(arm.chunk.page_stats))
         if args.out and rank0 and (a in ("ours", "sequential") or arm.spec.paged):
             prof.export_chrome_trace(os.path.join(args.out, f"trace_{a.replace('+', '_')}.json"))

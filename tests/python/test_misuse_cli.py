@@ -1,0 +1,81 @@
+"""The command line's checks (issue 30): every option is checked before any rank is spawned,
+with the usage and a message naming the option and what it takes; and the main job says what
+it is doing from its first second."""
+
+import pytest
+import torch
+
+from sched_lifetime.__main__ import main as cli_main
+from sched_lifetime.train import cli
+
+
+@pytest.fixture
+def no_spawn(monkeypatch):
+    """Fail the test if a rank would start."""
+    import torch.multiprocessing as mp
+
+    def refuse(*a, **k):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(mp, "spawn", refuse)
+    monkeypatch.setattr(cli, "worker", refuse)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--config", "huge"], "--config 'huge' is not a config; valid: tiny, tiny_dense, h200"),
+        (["--steps", "0"], "--steps must be at least 1, got 0"),
+        (["--microbatches", "0"], "--microbatches must be at least 1, got 0"),
+        (["--world", "0"], "--world must be at least 1, got 0"),
+        (["--layers", "-1"], "--layers must be at least 0, got -1"),
+        (["--lr", "0"], "--lr must be > 0, got 0.0"),
+        (["--page-budget", "1.5"], "--page-budget is a fraction of the saved activations, in [0, 1]; got 1.5"),
+        (["--page-prefetch", "-2"], "--page-prefetch must be at least 0, got -2"),
+        (["--costs", "/nonexistent/durations.json"], "--costs '/nonexistent/durations.json': no such file"),
+    ],
+)
+def test_train_options_are_checked_before_any_rank_starts(argv, message, no_spawn, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--cpu", *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: sched_lifetime train" in err and message in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU message")
+@pytest.mark.parametrize("cmd", ["ab", "demo"])
+def test_ab_on_cuda_without_a_gpu_says_so(cmd, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli_main([cmd, "--device", "cuda", "--n", "1", "--mib", "1", "--steps", "1"])
+    assert info.value.code == 2
+    assert "--device cuda: no CUDA GPU is available here (torch.cuda.is_available() is False); use --device cpu" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device, message", [("gpu", "--device 'gpu' is not a device; use cuda, cuda:N or cpu"), ("meta", "--device 'meta': the A/B runs on cuda or cpu")])
+def test_ab_device_must_be_one_it_runs_on(device, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli_main(["ab", "--device", device])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_train_says_what_it_does_from_the_start(capsys):
+    """One rank, one arm, one step: a progress line (seconds since the start) before each long
+    phase: the ranks up, the arms built, each warm-up step, the timed steps; then the table."""
+    assert cli.main(["--cpu", "--world", "1", "--layers", "1", "--steps", "1", "--microbatches", "2", "--arms", "sequential"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    import re
+
+    phases = ["running on one process", "building 1 arms on config tiny", "warm-up step (not timed): sequential", "timed steps: 1 round(s)"]
+    where = [next(i for i, line in enumerate(out) if re.match(r"\[ *\d+\.\d s\] " + re.escape(p), line)) for p in phases]
+    assert where == sorted(where) and where[0] == 0, out
+    assert any(line.startswith("step 1 sequential") for line in out) and any("MEASURED" in line for line in out), out
+
+
+def test_train_says_it_is_starting_the_ranks_before_spawning_them(monkeypatch, capsys):
+    import torch.multiprocessing as mp
+
+    seen = []
+    monkeypatch.setattr(mp, "spawn", lambda *a, **k: seen.append(capsys.readouterr().out))
+    assert cli.main(["--cpu", "--world", "2"]) == 0
+    assert len(seen) == 1 and "] starting 2 gloo ranks" in seen[0], seen

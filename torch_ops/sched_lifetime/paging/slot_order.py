@@ -1,0 +1,76 @@
+"""A host buffer's copies kept in order across the two page streams (`SlotOrder`): the freelist's rule.
+
+The rule: a host buffer (a slot of the pool) is rewritten or read only after the last copy that
+touched it has finished. A page-in reading slot X finishes before a later page-out writes X; a
+page-out writing X finishes before a page-in reads X. On one page stream this came free: the
+freelist hands a buffer out again only after queueing the copy that last read it, and the stream
+runs copies in the order they were queued. Page-outs and page-ins on two streams (one per
+direction of the link, so both directions run at once) lose that order, and it is kept here:
+
+- after every copy that touches slot X, X's event is recorded on that copy's stream;
+- before the next copy that touches X, if it is queued on another stream than X's last copy,
+  that stream waits on X's event (a stream-order wait: no host sync). On the same stream, the
+  stream's own order suffices and no wait is queued.
+
+One event per slot is enough: a wait takes the record the event has when the wait is queued,
+and the event is recorded again only after the next copy, which already waits on the record
+before. The events are made with the pool, never during a CUDA graph capture.
+
+Captures: an event recorded outside a capture cannot be waited on inside it, nor one recorded in
+a capture outside it (or in another capture). A slot's last copy is remembered with the epoch it
+was queued in (a new epoch each time the copies see capturing start or stop); across epochs the
+wait is left out, and the order comes from the step's edges instead: a step ends with the
+compute stream after every copy it queued (each page-in is waited on, each page-out drained, and
+a step cut short waits for both page streams: `HostPool.abandon`), and a captured step replays
+behind the compute stream's earlier work, the eager work after it behind the whole replay.
+
+`HostPool` (pool.py) calls `before` and `after` around each of its copies; the stream and event
+objects are whatever it passes (anything with `wait_event(event)` and `record(stream)`), so the
+bookkeeping is tested on the CPU with stand-ins (tests/python/test_paging_slot_order.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+
+def _capturing() -> bool:
+    import torch
+
+    return torch.cuda.is_current_stream_capturing()
+
+
+class SlotOrder:
+    """Per slot, the stream and capture epoch of its last copy and an event recorded after it;
+    `before` queues the wait the rule needs, `after` records."""
+
+    def __init__(self, slots: int, event: Optional[Callable[[], Any]] = None, capturing: Callable[[], bool] = _capturing) -> None:
+        if event is None:
+            import torch
+
+            event = torch.cuda.Event
+        self._events = [event() for _ in range(slots)]  # made now: never during a capture
+        self._last: list[Optional[tuple[Any, int]]] = [None] * slots  # (stream, epoch) of the slot's last copy
+        self._capturing = capturing
+        self._was_capturing = False
+        self._epoch = 0
+        #: Waits queued so far (a copy on another stream than its slot's last one).
+        self.waits = 0
+
+    def before(self, slot: int, stream: Any) -> None:
+        """A copy touching `slot` is about to be queued on `stream`: if the slot's last copy ran
+        on another stream (in this epoch), `stream` waits for it."""
+        cap = bool(self._capturing())
+        if cap != self._was_capturing:  # a capture starts or ends: earlier records are not waited on
+            self._was_capturing = cap
+            self._epoch += 1
+        last = self._last[slot]
+        if last is not None and last[1] == self._epoch and last[0] != stream:
+            stream.wait_event(self._events[slot])
+            self.waits += 1
+
+    def after(self, slot: int, stream: Any) -> None:
+        """A copy touching `slot` was queued on `stream` (after `before`): record the slot's event
+        behind it."""
+        self._events[slot].record(stream)
+        self._last[slot] = (stream, self._epoch)
