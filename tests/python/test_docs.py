@@ -22,6 +22,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from contextlib import redirect_stdout
 
 import pytest
@@ -33,7 +34,7 @@ PAGES = [README] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
 TROUBLESHOOTING = os.path.join(ROOT, "docs", "troubleshooting.md")
 
 #: `pytest.raises(match=...)` patterns of errors a test injects on purpose (not met in use).
-INJECTED = {"node 'F.mlp': injected", "boom", "panic in sched_lifetime.*deliberate 7"}
+INJECTED = {"node 'F.mlp': injected", "(?s)injected.*in node 'F.mlp'", "boom", "boom in the backward", "panic in sched_lifetime.*deliberate 7"}
 
 
 def _rel(path: str) -> str:
@@ -79,7 +80,9 @@ def test_python_blocks_run(page, tmp_path, monkeypatch):
                 continue
             assert marker in ("", "<!-- cuda -->"), f"{page}:{line}: unknown marker {marker!r}"
             try:
-                with redirect_stdout(io.StringIO()):
+                with redirect_stdout(io.StringIO()), warnings.catch_warnings():
+                    # An example that selects nothing (the library warns so) shows nothing.
+                    warnings.filterwarnings("error", message=".*(nothing to page|pages nothing|paired_ends pairs two)")
                     exec(compile(code, f"{page}:{line}", "exec"), namespace)
             except Exception as e:
                 raise AssertionError(f"{page}:{line}: the block raised {type(e).__name__}: {e}") from e
