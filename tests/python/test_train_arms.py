@@ -1,6 +1,6 @@
-"""The main job's arm table (`sched_lifetime.train.arms`): the README's arm table and the
-`--arms` help are generated from it, the lookups the loop uses are derived from it, and each
-`Arm` runs under its row's order, lifetime and options."""
+"""The main job's arm table (`sched_lifetime.train.arms`): the arm table of docs/main-job.md
+and the `--arms` help are generated from it, the lookups the loop uses are derived from it, and
+each `Arm` runs under its row's order, lifetime and options."""
 
 import os
 
@@ -11,16 +11,17 @@ from sched_lifetime.train import arms as arms_mod
 from sched_lifetime.train.arms import ARM_TABLE, SPECS, Arm, check_arms, default_arms, markdown_table, with_markdown_table
 from sched_lifetime.train.cli import parser
 
-README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "README.md")
+#: Where the arm table lives (the main job's guide; the README links to it).
+MAIN_JOB_DOC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "docs", "main-job.md")
 
 
-def test_readme_arm_table_is_the_generated_one():
-    with open(README) as f:
+def test_main_job_doc_arm_table_is_the_generated_one():
+    with open(MAIN_JOB_DOC) as f:
         text = f.read()
     assert markdown_table() in text, (
-        "README.md's arm table differs from sched_lifetime.train.arms.ARM_TABLE; regenerate it with\n"
+        "docs/main-job.md's arm table differs from sched_lifetime.train.arms.ARM_TABLE; regenerate it with\n"
         "PYTHONPATH=torch_ops python -c \"from sched_lifetime.train import with_markdown_table as w; "
-        "t = open('README.md').read(); open('README.md', 'w').write(w(t))\""
+        "p = 'docs/main-job.md'; t = open(p).read(); open(p, 'w').write(w(t))\""
     )
     assert with_markdown_table(text) == text
 

@@ -1,16 +1,17 @@
-"""Command line:
+"""Command line (`python -m sched_lifetime --help`, or `sched-lifetime` once installed):
 
-    python -m sched_lifetime train [--config tiny|h200 --steps --microbatches --arms --out]
-                                                  the main job: trains the embedded MoE model
-                                                  (sequential, B-then-F, ours, ours with
-                                                  record_stream) and prints one table
-    python -m sched_lifetime demo                 the lifetime A/B: the lifetime A/B
-                                                  (measured on a GPU; numerics on CPU) and the
-                                                  simulated memory of the same pipeline and of
-                                                  the Megatron hero case
-    python -m sched_lifetime ab [--n --mib --lag --steps --json]
-    python -m sched_lifetime simulate FILE|scenario:NAME [--trace OUT.json] [--plot MEM.png] [--json OUT]
-                                                  [--durations US.json]
+    python -m sched_lifetime train [options]     the main job: train the embedded MoE model under
+                                                 several arms side by side and print one table
+                                                 (`train --help`; docs/main-job.md)
+    python -m sched_lifetime demo [options]      the lifetime A/B, then the simulated memory of the
+                                                 same pipeline and of the Megatron hero case
+    python -m sched_lifetime ab [options]        the lifetime A/B alone: record_stream vs scheduled
+                                                 release on a lagging two-stream pipeline
+    python -m sched_lifetime simulate PLAN       a simulator program (JSON or scenario:NAME) under
+                                                 both policies, SIMULATED
+    python -m sched_lifetime simulate-schedule GRAPH
+                                                 a scheduler graph under our order or a given one,
+                                                 SIMULATED
 """
 
 from __future__ import annotations
@@ -109,6 +110,47 @@ def _demo(args: argparse.Namespace) -> int:
     return rc
 
 
+def parser() -> argparse.ArgumentParser:
+    """The top-level command line and its subcommands (`train` has its own parser,
+    `sched_lifetime.train.cli.parser`: `main` hands it everything after `train`)."""
+    p = argparse.ArgumentParser(
+        prog="python -m sched_lifetime",
+        description="sched_lifetime: scheduled cross-stream tensor lifetime and F/B multiplexing for MoE training",
+        epilog="guides: docs/ in the repository (docs/main-job.md for `train`)",
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("train", help="the main job: train the embedded MoE model under several arms side by side (see `train --help`)")
+    for cmd, helptext in (
+        ("ab", "record_stream vs scheduled release on a lagging two-stream pipeline"),
+        ("demo", "the A/B plus the simulated memory of the same pipeline and the Megatron hero case"),
+    ):
+        ab = sub.add_parser(cmd, help=helptext, description=helptext)
+        ab.add_argument("--n", type=int, default=16, help="tensors per step (default 16)")
+        ab.add_argument("--mib", type=int, default=64, help="MiB per tensor (default 64)")
+        ab.add_argument("--lag", type=int, default=2_000_000, help="consumer delay in GPU cycles (default 2e6, ~1 ms)")
+        ab.add_argument("--steps", type=int, default=5, help="steps per arm, interleaved (default 5)")
+        ab.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+        ab.add_argument("--json", default=None, help="also write the A/B figures here")
+    s = sub.add_parser(
+        "simulate", help="simulate a plan (JSON file or scenario:NAME) under both policies",
+        description="SIMULATED: a simulator program under record_stream and under the lifetime manager",
+    )
+    s.add_argument("plan", help="plan JSON file, or scenario:megatron_hero|lagging_pipeline|random:SEED|chain:N")
+    s.add_argument("--trace", default=None, help="write a Chrome trace (open in Perfetto)")
+    s.add_argument("--plot", default=None, help="write a memory-over-time PNG (matplotlib)")
+    s.add_argument("--json", default=None, help="write both reports")
+    s.add_argument("--durations", default=None, help='JSON {"node": us} overriding node durations (e.g. measured on a GPU)')
+    ss = sub.add_parser(
+        "simulate-schedule", help="SIMULATED makespan and memory of a graph under our order or a given one",
+        description="SIMULATED: makespan, exposed comm and max reserved of a scheduler graph under our order or a given one",
+    )
+    ss.add_argument("graph", help="graph JSON file, or scenario:moe_chunk:LAYERS:RATIO")
+    ss.add_argument("--order", default=None, help="JSON list of node names (default: our schedule)")
+    ss.add_argument("--costs", default=None, help='JSON {"node": us} (default: graph costs, else per-kind)')
+    ss.add_argument("--policy", default="scheduled", help="scheduled (the lifetime manager, default) or record_stream")
+    return p
+
+
 def _check_device(p: argparse.ArgumentParser, device: str | None) -> None:
     """`--device`: a device torch knows, and a GPU when it names one."""
     if device is None:
@@ -134,31 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         from . import train
 
         return train.main(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m sched_lifetime")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("train", help="train the embedded MoE model under several arms (see `train --help`)")
-    for cmd, helptext in (
-        ("ab", "record_stream vs scheduled release on a lagging two-stream pipeline"),
-        ("demo", "the A/B plus the simulated memory of the same pipeline and the Megatron hero case"),
-    ):
-        ab = sub.add_parser(cmd, help=helptext)
-        ab.add_argument("--n", type=int, default=16, help="tensors per step (default 16)")
-        ab.add_argument("--mib", type=int, default=64, help="MiB per tensor (default 64)")
-        ab.add_argument("--lag", type=int, default=2_000_000, help="consumer delay in GPU cycles (default 2e6, ~1 ms)")
-        ab.add_argument("--steps", type=int, default=5)
-        ab.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-        ab.add_argument("--json", default=None, help="also write the A/B figures here")
-    s = sub.add_parser("simulate", help="simulate a plan (JSON file or scenario:NAME) under both policies")
-    s.add_argument("plan", help="plan JSON file, or scenario:megatron_hero|lagging_pipeline|random:SEED|chain:N")
-    s.add_argument("--trace", default=None, help="write a Chrome trace (open in Perfetto)")
-    s.add_argument("--plot", default=None, help="write a memory-over-time PNG (matplotlib)")
-    s.add_argument("--json", default=None, help="write both reports")
-    s.add_argument("--durations", default=None, help='JSON {"node": us} overriding node durations (e.g. measured on a GPU)')
-    ss = sub.add_parser("simulate-schedule", help="SIMULATED makespan and memory of a graph under our order or a given one")
-    ss.add_argument("graph", help="graph JSON file, or scenario:moe_chunk:LAYERS:RATIO")
-    ss.add_argument("--order", default=None, help="JSON list of node names (default: our schedule)")
-    ss.add_argument("--costs", default=None, help='JSON {"node": us} (default: graph costs, else per-kind)')
-    ss.add_argument("--policy", default="scheduled")
+    p = parser()
     args = p.parse_args(argv)
     if args.cmd == "simulate-schedule":
         return _simulate_schedule(args)

@@ -48,12 +48,68 @@ def _load_direct(path: str):
 
 direct = _load_direct(LIBRARY)
 
+ops.__doc__ = """The library's ops, `torch.ops.sched_lifetime.*`, registered from C++ with Rust behind them.
+
+Typed lifetime ops (tensor lists and `Stream`s, so they trace under torch.compile and record
+into CUDA graphs): `create(str) -> int`, `bind(int, Tensor[], Stream)`,
+`retire(int, Tensor(a!)[], Stream, int action)`, `retire_owned(...)`,
+`passthrough(int, Tensor[])`, `acquire(int, Stream) -> int`, `finalize(int) -> int[]`,
+`stats(int) -> int[]`, `destroy(int)`. JSON ops (JSON text in and out): `info`, `schedule`,
+`schedule_order`, `validate`, `lower`, `simulate`, `simulate_schedule`, `scenario`,
+`page_plan`. `sl.LifetimeManager` and the functions of `sched_lifetime` wrap them; call the ops
+directly from FX graphs or C++-free custom code.
+
+Example:
+
+    >>> import torch, sched_lifetime as sl
+    >>> cpu = sl.current_stream(torch.device("cpu"))
+    >>> h = sl.ops.create("mb0")                   # a manager handle
+    >>> x = torch.ones(4)
+    >>> sl.ops.bind(h, [x], cpu)
+    >>> sl.ops.retire(h, [x], cpu, sl.ACTIONS["empty_storage"])   # same stream: released at once
+    >>> stats = dict(zip(sl.STATS_FIELDS, sl.ops.finalize(h)))
+    >>> stats["immediate"], x.untyped_storage().nbytes()
+    (1, 0)
+    >>> sl.ops.destroy(h)
+"""
+
+
+class Info(dict):
+    """What Rust defines and Python must not copy (`torch.ops.sched_lifetime.info()`, parsed):
+    `actions` (name -> code) and `default_action`, `budget` (launch-budget range, defaults
+    and environment variables), `roles` (stream roles), `stats_fields`, `policies` and `modes`
+    (simulator), `scheduler_rules`, `storage_emptying_actions`.
+
+    Example:
+
+        >>> import sched_lifetime as sl
+        >>> sl.INFO["budget"]["ep_var"], sl.INFO["budget"]["default_ep"]
+        ('SCHED_LIFETIME_EP_LAUNCH_BUDGET', 1)
+        >>> sl.INFO["roles"]
+        ['compute', 'ep', 'page']
+    """
+
+
+class StatsFields(tuple):
+    """Names of the counters a lifetime manager's `stats()` / `finalize()` return, in the order
+    the ops return them (defined in Rust).
+
+    Example:
+
+        >>> import sched_lifetime as sl
+        >>> sl.STATS_FIELDS[:3]
+        ('bound', 'bound_now', 'retired_empty_storage')
+        >>> "fallback_record_stream" in sl.STATS_FIELDS
+        True
+    """
+
+
 #: What Rust defines and Python must not copy: action names and codes, the launch-budget
 #: range and variables, stream roles, stats fields, simulator policies and modes.
-INFO: dict = json.loads(ops.info())
+INFO: Info = Info(json.loads(ops.info()))
 
 #: Names of the counters `stats` returns, in order (defined in Rust).
-STATS_FIELDS: tuple[str, ...] = tuple(INFO["stats_fields"])
+STATS_FIELDS: StatsFields = StatsFields(INFO["stats_fields"])
 
 
 def _no_output(*args: object) -> None:

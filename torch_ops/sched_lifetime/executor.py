@@ -53,9 +53,18 @@ TWO_WAY_CAPTURE = ('two-way paging (page-ins on their own stream) is not support
 _EMPTYING = frozenset(INFO["storage_emptying_actions"])
 
 class SideStreams:
-    """The high-priority EP and page streams of one device, created once and reused: `page` for
-    page-outs (device -> host), `page_in` for page-ins (host -> device), at the same priority,
-    so the link's two directions run at once."""
+    """The high-priority EP and page streams of one device, created once and reused: `ep` for
+    EP launches, `page` for page-outs (device -> host), `page_in` for page-ins (host -> device),
+    at the same priority, so the link's two directions run at once (on CPU all are the one CPU
+    stream). Make them before a CUDA graph capture (`SideStreams.of(device)`).
+
+    Example:
+
+        >>> import torch, sched_lifetime as sl
+        >>> side = sl.SideStreams.of(torch.device("cpu"))
+        >>> side is sl.SideStreams.of(torch.device("cpu")), side.ep is side.page is side.page_in
+        (True, True)
+    """
 
     _lock = threading.Lock()
     _by_device: dict[torch.device, "SideStreams"] = {}
@@ -103,6 +112,21 @@ class Executor:
     page-outs on `SideStreams.page` (False: both on the page stream). The schedule has one page
     role and relies on no order between a page-out and a page-in node (they share no value);
     what they share, host buffers, the pool keeps in order (`paging.SlotOrder`).
+    Guide: docs/nodes.md (the executor under the node API) and docs/scheduler.md (graphs).
+
+    Example (CPU; a launch's callable runs on the EP stream, its wait takes none):
+
+        >>> import torch, sched_lifetime as sl
+        >>> graph = {"sources": [{"name": "F", "phase": "F"}], "inputs": ["x"], "nodes": [
+        ...     {"name": "attn", "source": "F", "kind": "compute", "inputs": ["x"], "outputs": ["a"]},
+        ...     {"name": "a2a", "source": "F", "kind": "comm_launch", "inputs": ["a"], "outputs": ["d"]},
+        ...     {"name": "a2a.wait", "source": "F", "kind": "comm_wait", "launch": "a2a"},
+        ...     {"name": "mlp", "source": "F", "kind": "compute", "inputs": ["d"], "outputs": ["y"]}]}
+        >>> fns = {"attn": torch.tanh, "a2a": lambda a: a * 2, "mlp": torch.relu}
+        >>> ex = sl.Executor(graph, sl.schedule(graph), fns, device="cpu")
+        >>> out = ex.run({"x": torch.ones(2)})
+        >>> sorted(out), out["y"].tolist()
+        (['y'], [1.5231883525848389, 1.5231883525848389])
     """
 
     def __init__(

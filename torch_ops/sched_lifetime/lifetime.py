@@ -22,8 +22,23 @@ from ._ops import INFO, STATS_FIELDS, direct, ops
 _bind, _retire, _passthrough = ops.bind.default, ops.retire.default, ops.passthrough.default
 _retire_owned = ops.retire_owned.default
 
+class Actions(dict):
+    """Retire actions by name, with their integer codes across the FFI (from Rust):
+    `empty_storage` (a forward input: `untyped_storage().resize_(0)` at the drain; the
+    default), `drop_reference` (an incoming gradient: hold one reference, drop it at the
+    drain, never resize), `preserve` (storage someone else owns: EP library buffers,
+    symmetric memory; only the reference is dropped).
+
+    Example:
+
+        >>> import sched_lifetime as sl
+        >>> sorted(sl.ACTIONS.items())
+        [('drop_reference', 1), ('empty_storage', 0), ('preserve', 2)]
+    """
+
+
 #: Action names accepted by `retire`, with their integer codes across the FFI (from Rust).
-ACTIONS: dict[str, int] = dict(INFO["actions"])
+ACTIONS: Actions = Actions(INFO["actions"])
 _DEFAULT_ACTION: int = ACTIONS[INFO["default_action"]]
 _direct_release, _direct_retire = direct.release, direct.retire  # module-level: one lookup fewer per call
 #: Codes of the actions that empty a tensor's storage at its release (from Rust).
@@ -37,7 +52,15 @@ Tensors = Union[torch.Tensor, Iterable[torch.Tensor]]
 
 
 def current_stream(device: torch.device) -> torch.Stream:
-    """The stream work on `device` is issued to now (the CPU has exactly one)."""
+    """The stream work on `device` is issued to now (the CPU has exactly one, made once).
+
+    Example:
+
+        >>> import torch, sched_lifetime as sl
+        >>> s = sl.current_stream(torch.device("cpu"))
+        >>> isinstance(s, torch.Stream), s is sl.current_stream(torch.device("cpu"))
+        (True, True)
+    """
     global _CPU_STREAM
     if device.type == "cpu":
         if _CPU_STREAM is None:
@@ -104,6 +127,23 @@ class LifetimeManager:
     and enqueues the owner's wait on this plan's event, then releases what it can. The manager
     records its plan event on the consumer stream at each cross-stream `retire`, so no caller
     event is needed for safety; an `event` given to `acquire`/`finalize` is waited on as well.
+    One manager per plan (a microbatch's chunk); `finalize` at the plan's end raises if a bound
+    tensor was never retired. A tensor retired without a binding takes the
+    `record_stream(consumer)` fallback (counted in `stats()["fallback_record_stream"]`).
+    Guide: docs/lifetime.md.
+
+    Example (CPU: one stream, so a retire releases at once; on CUDA pass the streams):
+
+        >>> import torch, sched_lifetime as sl
+        >>> mgr = sl.LifetimeManager("mb0 forward")
+        >>> x = torch.ones(1024)
+        >>> mgr.bind(x)                      # owner: the current stream
+        >>> mgr.retire(x, action="empty_storage")
+        >>> x.untyped_storage().nbytes()     # released
+        0
+        >>> mgr.finalize()["retired_empty_storage"]
+        1
+        >>> mgr.close()
     """
 
     def __init__(self, name: Optional[str] = None) -> None:

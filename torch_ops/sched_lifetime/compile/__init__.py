@@ -115,7 +115,23 @@ def check_options(options: Optional[dict]) -> dict:
 
 
 def backend(gm: fx.GraphModule, example_inputs: list, options: Optional[dict] = None) -> Callable:
-    """The torch.compile backend (registered as "sched_lifetime")."""
+    """The torch.compile backend, registered as `backend="sched_lifetime"` (on import, and
+    through the package's `torch_dynamo_backends` entry point after `pip install`).
+    AOTAutograd's forward and backward graphs (no Inductor) are scheduled by Rust and rebuilt
+    in that order: collectives launched early and waited late, optionally paged activations
+    (`paging=True`) and CUDA-graph capture (`cudagraphs=True`). `options`: see `OPTIONS`
+    (an unknown name or a bad value is a ValueError listing the valid ones). Guide:
+    docs/compile.md.
+
+    Example:
+
+        >>> import torch, sched_lifetime as sl
+        >>> model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        >>> compiled = torch.compile(model, backend="sched_lifetime", options={"overlap": True})
+        >>> compiled(torch.randn(8, 16)).sum().backward()
+        >>> [h["phase"] for h in sl.compile.history[-2:]]     # what the backend built
+        ['fwd', 'bwd']
+    """
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 

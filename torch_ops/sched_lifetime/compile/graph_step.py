@@ -77,7 +77,32 @@ class GraphStep:
     parameters' gradients into `.grad` (microbatch order, as eager accumulation does) and
     returns the losses. With torch.distributed, the ranks first agree on the microbatch count,
     the modes and the graphs' orders (`rank_check`, as `train_step`'s): a disagreement raises
-    on every rank instead of hanging in a collective."""
+    on every rank instead of hanging in a collective. `ep_budget`: EP launches in flight
+    (default: the environment, else 1); `explain`: print what each launch of the multiplexed
+    module ran under. Guide: docs/nodes.md#graphstep-the-same-step-on-compiled-graphs.
+
+
+    Example (bit-exact against eager backward per microbatch):
+
+        >>> import torch, sched_lifetime as sl
+        >>> class Net(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+        ...     def forward(self, x, y):
+        ...         return torch.nn.functional.mse_loss(self.b(torch.relu(self.a(x))), y)
+        >>> _ = torch.manual_seed(0)
+        >>> net = Net()
+        >>> mbs = [(torch.randn(8, 16), torch.randn(8, 16)) for _ in range(3)]
+        >>> step = sl.GraphStep(net, mbs[0])
+        >>> losses = step.step(mbs)                 # F(0), F(1)+B(0), F(2)+B(1), B(2)
+        >>> ours = [p.grad.clone() for p in net.parameters()]
+        >>> net.zero_grad()
+        >>> for mb in mbs:
+        ...     net(*mb).backward()
+        >>> all(torch.equal(a, p.grad) for a, p in zip(ours, net.parameters()))
+        True
+    """
 
     def __init__(self, model: torch.nn.Module, example_inputs: tuple, ep_budget: Optional[int] = None, explain: bool = False) -> None:
         self.model = model

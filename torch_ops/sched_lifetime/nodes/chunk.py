@@ -23,8 +23,29 @@ from .state import MicrobatchState, _Ctx
 class Chunk(ChunkGraph):
     """A model chunk as nodes, with the graph tables and callables the executor runs.
 
-    `loss_output`: the value whose gradient starts the backward (given as the backward
-    source's graph input `B.g.<loss_output>`)."""
+    `nodes`: the `NodeDef`s in forward order; `inputs`: the chunk's input value names (a
+    microbatch is a dict of them); `loss_output`: the value whose gradient starts the backward
+    (given as the backward source's graph input `B.g.<loss_output>`); `dw_nodes`: separate
+    weight-gradient nodes the scheduler may defer (True), or dW computed with dI in one call
+    (False: fewer nodes, a cheaper host path). `run`, `combined_step` and `train_step` run it;
+    `enable_paging` and `enable_grad_reduce` add paging and the in-step gradient all-reduce.
+    Guide: docs/nodes.md.
+
+    Example:
+
+        >>> import torch, sched_lifetime as sl
+        >>> l1, l2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+        >>> chunk = sl.Chunk([
+        ...     sl.NodeDef("l1", "compute", ["x"], ["h"], lambda x: torch.relu(l1(x)), list(l1.parameters()), grad_outputs=["h"]),
+        ...     sl.NodeDef("l2", "compute", ["h", "y"], ["loss"], lambda h, y: (l2(h) - y).square().mean(),
+        ...                list(l2.parameters()), grad_inputs=["h"], grad_outputs=["loss"]),
+        ... ], inputs=["x", "y"], loss_output="loss", device=torch.device("cpu"))
+        >>> [n["name"] for n in chunk.graph(forward=False, backward=True)["nodes"]]
+        ['B.l2', 'B.l2.dw', 'B.l1.dw']
+        >>> losses = sl.train_step(chunk, [{"x": torch.randn(4, 8), "y": torch.randn(4, 1)} for _ in range(2)])
+        >>> len(losses), l1.weight.grad.shape
+        (2, torch.Size([8, 8]))
+    """
 
     def __init__(
         self, nodes: Sequence[NodeDef], inputs: Sequence[str], loss_output: str, device: torch.device, dw_nodes: bool = True

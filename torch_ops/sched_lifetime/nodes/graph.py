@@ -32,6 +32,26 @@ class NodeDef:
     comm node, `fn(*inputs, alloc_stream=...)` returns `(outputs, ctx)` and
     `transpose(ctx, *grads_of_grad_outputs, alloc_stream=...)` returns the grads of
     `grad_inputs`; its outputs in `consumer_alloc` are allocated on the consumer stream.
+
+    A forward value that crosses streams (a compute output a comm node reads, a comm output a
+    compute node reads) has its storage emptied after its last forward consumer: so a comm
+    output that a later node's backward keeps must be in `consumer_alloc` (owned by the
+    compute stream, never emptied), and a compute node whose output feeds a comm node must not
+    need that output in its own backward (end it with a Linear or a permutation, not an
+    activation that saves its result). Guide: docs/nodes.md.
+
+    Example (a compute node with weights, and an all-to-all stand-in with its transpose):
+
+        >>> import torch, sched_lifetime as sl
+        >>> lin = torch.nn.Linear(8, 8)
+        >>> up = sl.NodeDef("up", "compute", ["x"], ["h"], lin, list(lin.parameters()), grad_outputs=["h"])
+        >>> a2a = sl.NodeDef(
+        ...     "dispatch", "comm", ["h"], ["d"],
+        ...     fn=lambda h, alloc_stream=None: ((h.clone(),), None),       # (outputs, ctx)
+        ...     transpose=lambda ctx, g, alloc_stream=None: (g.clone(),),   # grads of grad_inputs
+        ...     grad_inputs=["h"], grad_outputs=["d"], consumer_alloc=["d"])
+        >>> up.kind, a2a.kind
+        ('compute', 'comm')
     """
 
     name: str

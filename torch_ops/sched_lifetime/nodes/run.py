@@ -184,8 +184,29 @@ def combined_step(
     lifetime: str = "scheduled",
     grad_scale: float = 1.0,
 ) -> dict[str, Any]:
-    """F of one microbatch with B of another, in the scheduler's order (or a baseline's). With
-    torch.distributed, the ranks first agree on its schedule and paging plan (`train_step`)."""
+    """F of one microbatch with B of another, multiplexed in one schedule: the steady state
+    of combined 1F1B (Megatron-LM's `--overlap-moe-expert-parallel-comm`), in the
+    scheduler's order (`order="ours"`, or `"ours:<rules,budgets>"`) or a baseline's
+    (`"b_then_f"`, `"sequential"`). `forward`: (its `MicrobatchState`, its chunk inputs);
+    `backward`: the state of a microbatch whose forward has run; `grad_scale`: the gradient
+    its loss starts from (1/n when accumulating n microbatches). `lifetime`: "scheduled" (the
+    lifetime manager) or "record_stream". Returns the executor's values (the forward's
+    outputs as `F.<value>`). Weight gradients are accumulated into `.grad`. With
+    torch.distributed, the ranks first agree on its schedule and paging plan (as `train_step`).
+
+    Example:
+
+        >>> import sched_lifetime as sl
+        >>> from sched_lifetime.models import CONFIGS, MoEModel
+        >>> model = MoEModel(CONFIGS["tiny"])
+        >>> chunk = model.chunk()
+        >>> mb0, mb1 = sl.MicrobatchState(0), sl.MicrobatchState(1)
+        >>> _ = chunk.run((mb0, model.batch(0, 0)), None)                     # warm-up F(0)
+        >>> out = sl.combined_step(chunk, (mb1, model.batch(0, 1)), mb0)      # F(1) with B(0)
+        >>> _ = chunk.run(None, mb1)                                           # cool-down B(1)
+        >>> "F.loss" in out, mb1.loss is not None
+        (True, True)
+    """
     agree_across_ranks(chunk, "combined_step", {"order": order, "lifetime": lifetime, **_rank_facts(chunk, order, lifetime)})
     return chunk.run(forward, backward, order, lifetime, grad_scale)
 
@@ -216,7 +237,25 @@ def train_step(
     if they differ, instead of hanging in a collective: when this rank's facts are new
     (`chunk.rank_check="new_plan"`, the default), on every step (`"every_step"`: when the
     microbatch count can change on one rank alone), or never (`"off"`); see
-    `sched_lifetime.ep.agree_across_ranks`."""
+    `sched_lifetime.ep.agree_across_ranks`.
+
+    `lifetime`: "scheduled" (the lifetime manager) or "record_stream" (the baseline);
+    `on_run`: called after each multiplexed run (the main job samples memory there). A step
+    cut short by an exception gives back any paging buffers, so the next step works. Guide:
+    docs/nodes.md.
+
+    Example (bit-exact against plain `loss.backward()` per microbatch):
+
+        >>> import torch, sched_lifetime as sl
+        >>> from sched_lifetime.models import CONFIGS, MoEModel
+        >>> model, ref = MoEModel(CONFIGS["tiny"]), MoEModel(CONFIGS["tiny"])
+        >>> mbs = [model.batch(0, i) for i in range(3)]
+        >>> losses = sl.train_step(model.chunk(), mbs, order="ours")
+        >>> for mb in mbs:
+        ...     (ref(**mb) / 3).backward()
+        >>> all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+        True
+    """
     n = len(microbatches)
     if n == 0:
         raise ValueError("train_step needs at least one microbatch")

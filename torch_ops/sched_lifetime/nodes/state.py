@@ -16,7 +16,17 @@ import torch
 @dataclass
 class MicrobatchState:
     """What one microbatch's forward keeps for its backward: per node, the detached leaf
-    inputs and the outputs of its autograd graph (compute), or the comm's context."""
+    inputs and the outputs of its autograd graph (compute), or the comm's context. Make one
+    per microbatch (`index` names it in errors) and hand it to `Chunk.run` / `combined_step`;
+    `train_step` makes its own. `loss` is set by the forward.
+
+    Example:
+
+        >>> import sched_lifetime as sl
+        >>> st = sl.MicrobatchState(0)
+        >>> st.index, st.saved, st.loss
+        (0, {}, None)
+    """
 
     index: int
     saved: dict[str, Any] = field(default_factory=dict)

@@ -73,7 +73,28 @@ def _check_version(packed: tuple) -> None:
 
 
 class Pager:
-    """Pages saved activations out to host memory and back (see the module docstring)."""
+    """Pages saved activations out to pinned host memory during the forward and back before
+    their backward use, through `saved_tensors_hooks` around an ordinary forward + backward;
+    Rust chooses what to page (see the module docstring; guide: docs/paging.md). The first
+    step calibrates (two when timed on CUDA); later steps page. `budget`: a fraction of the
+    calibrated live prefix (float in [0, 1]), bytes (int), or `{"fraction": f}` /
+    `{"bytes": n}`.
+
+    Example (CPU: plain copies, the same arithmetic):
+
+        >>> import torch, sched_lifetime as sl
+        >>> _ = torch.manual_seed(0)
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+        >>> pager = sl.Pager(budget=0.5, timed=False, min_bytes=1024)
+        >>> for step in range(3):                 # step 0 calibrates, steps 1-2 page
+        ...     with pager.step():
+        ...         model(torch.randn(32, 64)).square().mean().backward()
+        >>> st = pager.stats()
+        >>> st["steps"], st["bytes_out"] == st["bytes_in"] > 0
+        (3, True)
+        >>> print(pager.explain().splitlines()[0])
+        paging 2 tensors, 40960 of 81920 bytes (target 40960)
+    """
 
     def __init__(
         self,

@@ -28,11 +28,26 @@ def _budget_text(budget: Budget) -> str:
 
 
 def page_plan(prefix: list[dict], budget: Budget, min_distance: int = 1, timing: Optional[dict] = None) -> dict:
-    """Rust's choice for a live prefix (`[{"name", "bytes", "saved_at", "used_at"}]`); with a
-    measured `timing` (`{"save_us", "unpack_us", "d2h_bytes_per_us", "h2d_bytes_per_us",
-    "slack"}`, and for page-outs and page-ins on two streams `"both_bytes_per_us"`) only what
-    hides, with release and page-in points (`release_at`: a save index, or the number of saves
-    plus an unpack index for a two-way page-out released in the backward; `launch_at`)."""
+    """Rust's choice for a live prefix (`[{"name", "bytes", "saved_at", "used_at"}]`: every
+    saved tensor, its bytes, its save order in the forward and its first use in the backward)
+    under `budget` (fraction of the live bytes, bytes, or a dict), furthest backward use first,
+    never within `min_distance` backward steps of its use. With a measured `timing`
+    (`{"save_us", "unpack_us", "d2h_bytes_per_us", "h2d_bytes_per_us", "slack"}`, and for
+    page-outs and page-ins on two streams `"both_bytes_per_us"`) only what hides under the
+    forward and lowers the planned peak, with release and page-in points (`release_at`: a save
+    index, or the number of saves plus an unpack index for a two-way page-out released in the
+    backward; `launch_at`). What `Pager` and `Chunk.enable_paging` call.
+
+    Example:
+
+        >>> import sched_lifetime as sl
+        >>> prefix = [{"name": f"t{i}", "bytes": 1 << 20, "saved_at": i, "used_at": 2 - i} for i in range(3)]
+        >>> plan = sl.page_plan(prefix, budget=0.5)
+        >>> plan["page"], plan["bytes_paged"], plan["short"]
+        (['t0', 't1'], 2097152, False)
+        >>> plan["explain"][2]
+        't2: kept (target of 1572864 bytes met)'
+    """
     return json.loads(ops.page_plan(json.dumps(prefix), _budget_text(budget), int(min_distance), "" if timing is None else json.dumps(timing)))
 
 

@@ -40,6 +40,22 @@ class HostPool(HostSlots, Releases):
     synchronisation (on one stream, the stream's order). The freelist is FIFO, so the buffer
     handed out is the one whose last copy is most likely done. A step never allocates host
     memory: an empty freelist is an error (the pool was sized at calibration).
+    `sizes`: one entry per buffer, in bytes; `device`: the device whose tensors it pages
+    (pinned buffers for CUDA); `drain_distance`: page-outs that may hold device storage at once
+    before the oldest is waited on and released; `two_way`: page-ins on their own stream.
+    `Pager` and `Chunk.enable_paging` make their own; use one directly to page tensors by hand.
+
+    Example:
+
+        >>> import torch, sched_lifetime as sl
+        >>> pool = sl.HostPool([4096, 4096], "cpu")
+        >>> x = torch.arange(1024, dtype=torch.float32)
+        >>> handle = pool.page_out(x)             # a buffer taken, the copy queued
+        >>> pool.in_use()
+        1
+        >>> y = pool.page_in(handle)              # back, and the buffer free again
+        >>> torch.equal(x, y), pool.in_use()
+        (True, 0)
     """
 
     def __init__(self, sizes: list[int], device: Any = "cpu", drain_distance: int = 16, two_way: bool = False) -> None:

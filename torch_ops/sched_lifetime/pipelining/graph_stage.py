@@ -58,7 +58,20 @@ class GraphStage(_DualPipeHook, nn.Module):
     and for OVERLAP_F_B the forward graph of one stage multiplexed with the backward graph of
     another (`compile.multiplex`, built once per pair). `example_inputs`: one microbatch's
     inputs (the graphs are specialized to their shapes). The module's parameters stay its own;
-    their gradients are accumulated into `.grad`."""
+    their gradients are accumulated into `.grad`. `ep_budget`: EP launches in flight (default:
+    the environment, else 1). Use it where `ScheduleDualPipeV` refuses a `torch.compile`d
+    stage module. Guide: docs/pipelining.md.
+
+    Example:
+
+        >>> import torch
+        >>> from sched_lifetime.pipelining import GraphStage
+        >>> mod = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+        >>> stage = GraphStage(mod, (torch.randn(4, 8),))
+        >>> stage(torch.randn(4, 8, requires_grad=True)).sum().backward()
+        >>> mod[0].weight.grad is not None
+        True
+    """
 
     def __init__(self, module: nn.Module, example_inputs: tuple, ep_budget: Optional[int] = None) -> None:
         from ..compile import boxed, capture_graphs, compile_graphs
@@ -96,5 +109,6 @@ class GraphStage(_DualPipeHook, nn.Module):
 
     @staticmethod
     def dw_builder() -> Callable[[], None]:
-        """Nothing is deferred: the compiled backward computes the weight gradients too."""
+        """`PipelineStage(dw_builder=...)`'s hook: called right after a backward, returns
+        what runs that backward's deferred weight gradients."""
         return lambda: None

@@ -60,7 +60,23 @@ class NodeStage(_DualPipeHook, nn.Module):
     "ours" (the scheduler's) or a baseline ("b_then_f", "sequential"); `lifetime`:
     "scheduled" or "record_stream" (the executor's modes); `dw_nodes`: separate dW nodes the
     scheduler can place under transfers and a pipeline can defer to BACKWARD_WEIGHT (True), or
-    dW computed with dI in one autograd call (False: a cheaper host path, no dI/dW split)."""
+    dW computed with dI in one autograd call (False: a cheaper host path, no dI/dW split).
+    Wrap each stage module before `PipelineStage(...)`, then call `enable_overlap(schedule)`;
+    deepseek-ai's DualPipe finds `overlapped_forward_backward` on it. Reentrant activation
+    checkpointing inside the module is refused (non-reentrant composes). Guide:
+    docs/pipelining.md.
+
+    Example (one stage alone: forward and backward run the nodes through the executor):
+
+        >>> import torch
+        >>> from sched_lifetime.pipelining import NodeStage, describe
+        >>> layers = [torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8)]
+        >>> stage = NodeStage(torch.nn.Sequential(*layers), nodes=describe(layers))
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> stage(x).sum().backward()
+        >>> x.grad.shape, layers[0].weight.grad is not None
+        (torch.Size([4, 8]), True)
+    """
 
     def __init__(
         self,

@@ -18,7 +18,18 @@ def enable_overlap(schedule: Any) -> bool:
     emit OVERLAP_F_B (single-stage schedules such as Schedule1F1B, or multi-stage ones whose
     order has none): the runtime's default path runs them, and the stages are ordinary
     modules there. Raises when the schedule emits OVERLAP_F_B but a stage is neither kind
-    (nothing to multiplex)."""
+    (nothing to multiplex). Guide: docs/pipelining.md.
+
+    Example (needs a process group; two ranks under torchrun on GPUs, see the guide for a
+    one-process CPU run):
+
+        >>> from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV  # doctest: +SKIP
+        >>> stages = [PipelineStage(NodeStage(m), k, 4, dev) for k, m in my_stage_modules]  # doctest: +SKIP
+        >>> sched = ScheduleDualPipeV(stages, n_microbatches=8, loss_fn=loss_fn)  # doctest: +SKIP
+        >>> enable_overlap(sched)  # doctest: +SKIP
+        True
+        >>> sched.step(tokens, target=labels, losses=losses)  # doctest: +SKIP
+    """
     from torch.distributed.pipelining.schedules import OVERLAP_F_B
 
     stages = list(getattr(schedule, "_stages", None) or [schedule._stage])

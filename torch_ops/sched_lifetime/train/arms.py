@@ -3,8 +3,9 @@
 Each row of `ARM_TABLE` names an arm, the order string and lifetime policy its steps run under,
 its options (whole-step CUDA graph, page nodes, paired warm-up/cool-down, all-reduce after the
 step), whether `--arms` runs it by default, and what it shows. The loop builds each `Arm` from
-its row; the CLI's `--arms` help (`arms_help`) and the README's arm table (`markdown_table`) are
-rendered from the same rows, so adding an arm is one row here.
+its row; the CLI's `--arms` help (`arms_help`) and the arm table of docs/main-job.md
+(`markdown_table`) are rendered from the same rows, so adding an arm is one row here, then
+regenerating that table (tests/python/test_train_arms.py says how when it differs).
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ class ArmSpec:
     reduce_after: bool = False
     #: Needs `--costs` (node costs in us) for its order.
     needs_costs: bool = False
-    #: README only: why the arm exists, what it costs, what it was measured against.
+    #: Docs only (docs/main-job.md's arm table): why the arm exists, what it costs, what it was
+    #: measured against.
     notes: str = ""
 
     def options(self) -> list[str]:
-        """The options this arm turns on, by field name (the README table's column)."""
+        """The options this arm turns on, by field name (the arm table's column)."""
         return [k for k in ("captured", "paged", "paired_ends", "reduce_after", "needs_costs") if getattr(self, k)]
 
 
@@ -90,7 +92,7 @@ ARM_TABLE: tuple[ArmSpec, ...] = (
         order="ours:page_budget=8",
         paged=True,
         notes="`chunk.enable_paging(budget=--page-budget or nodes=--page-nodes, prefetch=--page-prefetch, "
-        "release=--page-release)`; page launch budget 8: with the default 2 the 0.12 / prefetch 6 run below cost 1.357x "
+        "release=--page-release)`; page launch budget 8: with the default 2, budget 0.12 / prefetch 6 on 2 x H200 cost 1.357x "
         "instead of 1.076x; the table adds its page-copy time and how much of it ran with no compute kernel; "
         "trace `trace_ours_page.json`",
     ),
@@ -143,7 +145,7 @@ def arms_help() -> str:
 
 
 def markdown_table() -> str:
-    """The README's arm table (markdown), one row per arm in table order."""
+    """The arm table of docs/main-job.md (markdown), one row per arm in table order."""
     rows = ["| arm | what runs | order | lifetime | options | default |", "|---|---|---|---|---|---|"]
     for s in ARM_TABLE:
         what = s.summary + (f" ({s.notes})" if s.notes else "")
@@ -153,12 +155,13 @@ def markdown_table() -> str:
 
 
 def with_markdown_table(readme: str) -> str:
-    """`readme` with its arm table (the lines from `| arm | what runs |` to the first line not
-    starting with `|`) replaced by `markdown_table()`."""
+    """`readme` (a Markdown document: docs/main-job.md) with its arm table (the lines from
+    `| arm | what runs |` to the first line not starting with `|`) replaced by
+    `markdown_table()`."""
     lines = readme.splitlines(keepends=True)
     start = next((i for i, l in enumerate(lines) if l.startswith("| arm | what runs |")), None)
     if start is None:
-        raise ValueError("no arm table (a line starting '| arm | what runs |') in the README")
+        raise ValueError("no arm table (a line starting '| arm | what runs |') in the document")
     end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
     return "".join(lines[:start]) + markdown_table() + "".join(lines[end:])
 

@@ -39,16 +39,24 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 def parser() -> argparse.ArgumentParser:
     """The options of `python -m sched_lifetime train`."""
-    p = argparse.ArgumentParser(prog="sched_lifetime train", description="train the embedded MoE model under several arms", formatter_class=_HelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="sched_lifetime train",
+        description=(
+            "the main job: train the embedded MoE model under several arms side by side (same weights, same tokens), "
+            "then print one table: parity against sequential, step time, exposed communication, memory"
+        ),
+        epilog="guide: docs/main-job.md",
+        formatter_class=_HelpFormatter,
+    )
     p.add_argument("--config", default=None, help="tiny (CPU default), tiny_dense, h200 (GPU default)")  # checked in `check_args`
-    p.add_argument("--layers", type=int, default=0)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--layers", type=int, default=0, help="override the config's layer count (0: the config's)")
+    p.add_argument("--steps", type=int, default=3, help="timed optimizer steps per arm, interleaved across arms (after one warm-up step)")
+    p.add_argument("--microbatches", type=int, default=4, help="microbatches per step (gradient accumulation; the steady state multiplexes F(i+1) with B(i))")
     p.add_argument("--arms", default=default_arms(), help=arms_help())
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--world", type=int, default=2, help="EP ranks to spawn when not under torchrun")
+    p.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate")
+    p.add_argument("--world", type=int, default=2, help="EP ranks to spawn when not under torchrun (default 2; one GPU runs EP=1)")
     p.add_argument("--cpu", action="store_true", help="run on CPU (gloo) even with a GPU")
-    p.add_argument("--out", default=None, help="directory for train.json and the trace")
+    p.add_argument("--out", default=None, help="directory for train.json, durations.json, traces and the memory plot")
     p.add_argument("--nccl-channels", type=int, default=0, help="limit NCCL to this many channels (0: NCCL's choice)")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress line per step")
     p.add_argument("--page-budget", type=float, default=0.5, help="arm ours+page: fraction of a microbatch's saved activations to page")

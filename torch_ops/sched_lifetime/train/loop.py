@@ -114,6 +114,10 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
     for a, why in failed.items():
         rows[a] = {"parity": False, "step_ms": float("nan"), "failed": why}
     if histories:
+        # The data behind the plot, for scripts/figures.py (`import-run`): per arm, one step's
+        # (ms, allocated bytes, freed-but-pending bytes) after each allocator event.
+        with open(os.path.join(args.out, "memory_over_time.json"), "w") as f:
+            json.dump({a: [[round(t, 3), x, p] for t, x, p in tl] for a, tl in histories.items()}, f)
         try:
             plot_allocator(histories, os.path.join(args.out, "memory_over_time.png"))
         except Exception as e:  # a plot never costs the run
@@ -291,7 +295,7 @@ def _measure_alone(arms: dict[str, Arm], rows: dict, args: argparse.Namespace, s
         if arm.spec.paged:
             pexp, ptot = exposed_page_us(prof, link)
             rows[a].update(exposed_page_us=pexp, page_us=ptot, page_stats=dict(arm.chunk.page_stats))
-        if args.out and rank0 and (a == "ours" or arm.spec.paged):
+        if args.out and rank0 and (a in ("ours", "sequential") or arm.spec.paged):
             prof.export_chrome_trace(os.path.join(args.out, f"trace_{a.replace('+', '_')}.json"))
         if arm.captured:
             rows[a]["graph_pool"] = arm.graph_pool
