@@ -51,7 +51,6 @@ T = "tests/python/"
 #: (fast ones first: `-x` stops at the first failure, so a killed mutant costs little).
 _DIST = T + "test_train_dist.py::test_every_arm_bit_exact_against_sequential_over_two_gloo_ranks[tiny-0.0]"
 _RUN = T + "test_nodes_run.py::"
-_C = T + "test_compile.py::"
 TARGETS: dict[str, list[str]] = {
     f"{PKG}/nodes/": [
         T + "test_nodes_graph.py", T + "test_nodes_grads.py",
@@ -70,19 +69,8 @@ TARGETS: dict[str, list[str]] = {
         T + "test_train_arms.py", T + "test_train_figures.py", T + "test_train_reference.py", _DIST,
         T + "test_train_dist.py::test_main_job_loop_over_two_gloo_ranks_prints_the_table_and_writes_its_files",
     ],
-    f"{PKG}/compile/": [
-        _C + n for n in (
-            "test_options_are_checked", "test_a_bad_ep_budget_is_refused_naming_the_option", "test_ep_budget_bounds_the_launches_in_flight_in_every_compile_path",
-            "test_graph_step_hands_its_ep_budget_to_every_pass", "test_graph_step_refuses_a_non_scalar_loss", "test_graph_step_paired_ends_needs_multiplexing",
-            "test_contract_errors_name_the_node", "test_views_are_noops_and_in_place_ops_mutate", "test_multiplexed_forward_and_backward_graphs_equal_separate_runs",
-            "test_multiplexed_graphs_of_one_phase_equal_separate_runs", "test_backward_frees_each_saved_activation_at_its_last_use",
-            "test_rewritten_graphs_trace_again_with_fake_tensors", "test_cudagraphs_on_cpu_graphs_is_an_error_saying_why", "test_entry_point_is_declared",
-            "test_bit_exact_against_eager_and_aot_eager", "test_paging_is_bit_exact_and_moves_the_saved_activations", "test_paging_backward_reads_the_host_copy",
-            "test_timed_paging_refuses_a_second_forward_before_the_backward", "test_paging_the_embedded_moe_model_is_bit_exact",
-            "test_graph_breaks_fall_back_to_eager_for_that_region", "test_min_cut_partition_saves_what_aot_eager_saves",
-            "test_graph_step_steady_state_on_compiled_graphs_with_ep_over_two_gloo_ranks",  # the slowest last (2 ranks)
-        )
-    ],
+    # File order (some tests rely on what an earlier one set up); the 2-rank EP test, 65 s, left out.
+    f"{PKG}/compile/": [T + "test_compile.py -k 'not moe_model_with_ep'"],
     f"{PKG}/paging.py": [T + "test_paging.py"],
 }
 
@@ -327,6 +315,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--tests", default=None, help="pytest arguments to run for every mutant (default: the file's focused tests in TARGETS)")
     ap.add_argument("--timeout", type=float, default=0, help="seconds per mutant (default: 3x the clean run of its tests + 60)")
+    ap.add_argument("--start", type=int, default=0, help="skip the first N mutants of the sample (a run cut short, resumed)")
+    ap.add_argument("--no-clean", action="store_true", help="skip the unmutated run of each test set (you ran them; give --timeout)")
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
     ap.add_argument("--lines", default=None, help="only mutants on these lines of the files, e.g. 40-75")
     ap.add_argument("--only", default=None, help="run the one mutant with this id (file:line:col, as --list prints)")
@@ -353,7 +343,8 @@ def main() -> int:
         print(f"{len(mutants)} mutants in {len(files)} files")
         return 0
     if a.sample and len(mutants) > a.sample and not a.only:
-        mutants = sorted(random.Random(a.seed).sample(mutants, a.sample), key=lambda m: (m.file, m.start))
+        mutants = random.Random(a.seed).sample(mutants, a.sample)  # in random order: a run cut short is still a random sample
+    mutants = mutants[a.start :]
     d = scratch()
     print(f"{len(mutants)} mutants; scratch copy {d}", flush=True)
     clean: dict[str, float] = {}
@@ -362,6 +353,8 @@ def main() -> int:
         for i, m in enumerate(mutants):
             tests = [a.tests] if a.tests else tests_for(m.file)
             key = " ".join(tests)
+            if key not in clean and a.no_clean:
+                clean[key] = (a.timeout or 600) / 3
             if key not in clean:  # the unmutated tests must pass first; their time sets the limit
                 status, secs, tail = run_tests(d, tests, 3600)
                 if status != "passed":
@@ -387,6 +380,9 @@ def main() -> int:
                     f.write(src)
             line = src.splitlines()[m.line - 1].decode().strip()
             results.append({**asdict(m), "id": m.id, "verdict": verdict, "seconds": round(secs, 1), "source": line})
+            if a.json:  # as it goes: a run cut short keeps what it found
+                with open(a.json, "w") as f:
+                    json.dump(results, f, indent=1)
             print(f"[{i + 1}/{len(mutants)}] {verdict:<9} {m.id:<28} {m.what:<16} {secs:5.0f} s  {line[:90]}", flush=True)
     finally:
         if not a.keep:

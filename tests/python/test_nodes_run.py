@@ -174,3 +174,15 @@ def test_b_then_f_issues_every_backward_node_before_every_forward_node():
     assert _b_before_f(called), called
     planned, called = _sources_in_issue_order("ours")
     assert not _b_before_f(planned) and not _b_before_f(called), planned
+
+
+def test_timing_times_every_node_of_forward_only_and_backward_only_runs():
+    """`chunk.timing` (the main job's durations.json): a sequential step runs a forward alone
+    and a backward alone; every node of both graphs gets a time."""
+    m = MoEModel(replace(CONFIGS["tiny"], capacity_factor=1.0))
+    ch = m.chunk()
+    ch.timing = True
+    train_step(ch, [m.batch(0, i) for i in range(2)], "sequential")
+    want = {n["name"] for g in (ch.graph(True, False), ch.graph(False, True)) for n in g["nodes"]}
+    times = ch.node_times_us()
+    assert set(times) == want and all(t >= 0 for t in times.values())
