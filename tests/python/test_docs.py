@@ -66,6 +66,18 @@ def _cleanup() -> None:
         dist.destroy_process_group()
 
 
+@pytest.fixture(autouse=True)
+def _leave_no_trace():
+    """The examples compile graphs in this process: `sched_lifetime.compile.history` (kept to
+    its last 64) is put back as it was, so a later test reading the entries it adds still finds
+    them (test_ep_link counts from `len(history)`)."""
+    from sched_lifetime import compile as slc
+
+    before = list(slc.history)
+    yield
+    slc.history[:] = before
+
+
 @pytest.mark.parametrize("page", [_rel(p) for p in PAGES])
 def test_python_blocks_run(page, tmp_path, monkeypatch):
     blocks = python_blocks(os.path.join(ROOT, page))
