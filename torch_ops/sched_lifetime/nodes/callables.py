@@ -24,6 +24,19 @@ if TYPE_CHECKING:
     from .chunk import Chunk
 
 
+def _unpack_checked(packed: tuple) -> torch.Tensor:
+    """The probe's unpack: autograd's in-place check, which saved-tensor hooks turn off (a
+    detached tensor shares its base's version counter)."""
+    t, version = packed
+    if t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"a saved {tuple(t.shape)} {t.dtype} tensor is at version {t._version}; expected version {version} instead. "
+            "Hint: clone the tensor before changing it in place."
+        )
+    return t
+
+
 def _storage_id(t: torch.Tensor) -> int:
     """The address of a tensor's storage (0 for none): what a saved tensor shares with a value."""
     return t.untyped_storage().data_ptr() if t.layout == torch.strided else 0
@@ -61,7 +74,7 @@ def forward_fn(chunk: Chunk, n: NodeDef, release_points: bool) -> Callable[..., 
             saved: set[int] = set()
             # Packed detached: the tensor itself would tie a saved output back to its grad_fn
             # (a reference cycle through C++ that the collector never frees).
-            hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.add(_storage_id(t)), t.detach())[1], lambda t: t)
+            hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.add(_storage_id(t)), (t.detach(), t._version))[1], _unpack_checked)
         with torch.enable_grad(), hooks:
             outs = n.fn(*args)
         outs = outs if isinstance(outs, tuple) else (outs,)
