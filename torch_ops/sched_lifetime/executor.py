@@ -343,9 +343,10 @@ class Executor:
                 continue
             if managers:
                 if self.autograd_saved and action in _EMPTYING:
-                    held = [t for v, t in live if v.split(".", 1)[-1] in self.autograd_saved]
+                    saved = [v.split(".", 1)[-1] in self.autograd_saved for v, _ in live]
+                    held = [t for (_, t), kept in zip(live, saved) if kept]
                     if held:
-                        live = [(v, t) for v, t in live if v.split(".", 1)[-1] not in self.autograd_saved]
+                        live = [vt for vt, kept in zip(live, saved) if not kept]
                         self.kept_for_autograd += len(held)
                         managers[plan].retire(held, streams[consumer_role], "drop_reference", owner_stream=streams[owner_role])
                         if not live:
