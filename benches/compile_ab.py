@@ -27,7 +27,7 @@ import torch.distributed as dist
 import sched_lifetime
 from sched_lifetime.ep import FunctionalAllToAll, new_ep_group
 from sched_lifetime.models.moe import CONFIGS, MoEModel, deterministic_sdpa, with_overrides
-from sched_lifetime.train import exposed_comm_us
+from sched_lifetime.train import exposed_comm_us, median_exposed
 from sched_lifetime.train.reference import EXACT, all_ranks, compare, same_order_expected
 
 CFGS = {"tiny": with_overrides(CONFIGS["tiny"], capacity_factor=1.0), "h200": CONFIGS["h200"]}
@@ -91,8 +91,12 @@ def graph_step_ab(cfg, group, dev, a, rank, sync, ref_model) -> dict:
     return rows
 
 
+PROFILE_STEPS = 5
+
+
 def _profiled(step, sync, cuda: bool) -> tuple[float, float, int]:
-    """One step under the profiler, from an empty cache: (exposed comm us, comm us, max reserved)."""
+    """PROFILE_STEPS steps, each alone under the profiler, from an empty cache: the median
+    step's (exposed comm us, comm us) and the max reserved over all of them."""
     if not cuda:
         step()
         return 0.0, 0.0, 0
@@ -100,11 +104,14 @@ def _profiled(step, sync, cuda: bool) -> tuple[float, float, int]:
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
-        sync()
-    exposed, total = exposed_comm_us(prof)
-    return exposed, total, torch.cuda.max_memory_reserved()
+    steps = []
+    for _ in range(PROFILE_STEPS):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            sync()
+        steps.append(exposed_comm_us(prof))
+    m = median_exposed(steps, "comm")
+    return m["exposed_comm_us"], m["comm_us"], torch.cuda.max_memory_reserved()
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ its plot, and the printed table."""
 import argparse
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from sched_lifetime.train.figures import (
@@ -12,6 +13,7 @@ from sched_lifetime.train.figures import (
     exposed_comm_us,
     exposed_page_us,
     format_table,
+    median_exposed,
     plot_allocator,
     top_kernels,
     union,
@@ -168,7 +170,7 @@ def test_format_table_on_cpu_rows():
 
 
 def test_format_table_says_the_link_is_emulated():
-    args = argparse.Namespace(nccl_channels=2, config="h200", microbatches=8, steps=3)
+    args = argparse.Namespace(nccl_channels=2, config="h200", microbatches=8, steps=3, profile_steps=5)
     rows = {
         "sequential": {"parity": True, "step_ms": 20.0, "exposed_comm_us": 8000.0, "comm_us": 10000.0, "link_bytes_each_way": 1 << 30,
                        "max_allocated": 1 << 30, "max_reserved": 2 << 30, "pending_free_peak": 0},
@@ -177,4 +179,16 @@ def test_format_table_says_the_link_is_emulated():
     lines = format_table(rows, SimpleNamespace(), args, use_cuda=True, world=1, link=link).splitlines()
     assert lines[0] == f"MEASURED (CUDA, {link}, config h200, 8 microbatches, 3 timed steps)"  # no NCCL channels: no NCCL
     assert "sequential: the link moved 1024 MiB each way in one step, 107.4 GB/s over its copy time" in lines
+    assert "exposed comm: the median of 5 profiled steps (each profiled alone); comm ms: that step's" in lines
     assert any(line.startswith("EMULATED EP: one process") for line in lines) and not any("One GPU: EP=1" in line for line in lines)
+
+
+def test_median_exposed_takes_the_median_step_and_keeps_every_step():
+    steps = [(30.0, 100.0), (10.0, 90.0), (50.0, 120.0), (20.0, 95.0), (40.0, 110.0)]
+    m = median_exposed(steps, "comm")
+    assert (m["exposed_comm_us"], m["comm_us"]) == (30.0, 100.0)  # one step's pair, not a mix of medians
+    assert m["exposed_comm_steps"] == [list(p) for p in steps]
+    assert median_exposed(steps[:4], "page")["exposed_page_us"] == 20.0  # even count: the lower middle step
+    assert median_exposed([(7.0, 9.0)], "comm")["comm_us"] == 9.0
+    with pytest.raises(ValueError, match="no profiled step"):
+        median_exposed([], "comm")

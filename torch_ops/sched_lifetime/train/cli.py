@@ -56,6 +56,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate")
     p.add_argument("--world", type=int, default=2, help="EP ranks to spawn when not under torchrun (default 2; one GPU runs EP=1)")
     p.add_argument("--cpu", action="store_true", help="run on CPU (gloo) even with a GPU")
+    p.add_argument("--profile-steps", type=int, default=5, help="GPU: steps profiled per arm, each alone; exposed comm is their median (>= 1)")
     p.add_argument("--out", default=None, help="directory for train.json, durations.json, traces and the memory plot")
     p.add_argument("--nccl-channels", type=int, default=0, help="limit NCCL to this many channels (0: NCCL's choice)")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress line per step")
@@ -102,7 +103,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
     if args.config not in CONFIGS:
         p.error(f"--config {args.config!r} is not a config; valid: {', '.join(CONFIGS)}")
-    for name, lo in (("steps", 1), ("microbatches", 1), ("world", 1), ("layers", 0), ("nccl_channels", 0), ("page_prefetch", 0), ("page_release", 0)):
+    for name, lo in (("steps", 1), ("microbatches", 1), ("profile_steps", 1), ("world", 1), ("layers", 0), ("nccl_channels", 0), ("page_prefetch", 0), ("page_release", 0)):
         if getattr(args, name) < lo:
             p.error(f"--{name.replace('_', '-')} must be at least {lo}, got {getattr(args, name)}")
     if not args.lr > 0:

@@ -79,6 +79,18 @@ def exposed_page_us(prof: Any, link: Any = None) -> tuple[float, float]:
     return _exposed_us(prof, is_page, is_link)
 
 
+def median_exposed(steps: list, what: str) -> dict:
+    """The figures of several profiled steps, each an (exposed, total) pair in us: the median
+    step's (by exposed time; the lower middle one for an even count) as `exposed_{what}_us` and
+    `{what}_us`, every step's pair as `exposed_{what}_steps`. Empty `steps` is an error: a
+    figure needs a measurement."""
+    if not steps:
+        raise ValueError(f"exposed {what}: no profiled step (profile at least one)")
+    ranked = sorted(steps, key=lambda p: p[0])
+    exp, tot = ranked[(len(ranked) - 1) // 2]
+    return {f"exposed_{what}_us": exp, f"{what}_us": tot, f"exposed_{what}_steps": [list(p) for p in steps]}
+
+
 def union(iv: list) -> list:
     """The union of (start, end) intervals: disjoint [start, end] lists, sorted."""
     out: list = []
@@ -231,6 +243,8 @@ def format_table(rows: dict, cfg: Any, args: argparse.Namespace, use_cuda: bool,
         )
         comm = f"{r['exposed_comm_us'] / 1e3:>17.2f}{r['comm_us'] / 1e3:>9.2f}" if "comm_us" in r else f"{'(GPU only)':>17}{'':>9}"
         lines.append(f"{a:<13}{'equal' if r['parity'] else 'DIFFER':>8}{r.get('ref', '-'):>8}{r['step_ms']:>10.2f}{base / r['step_ms']:>8.3f}{comm}{mem}")
+    if any("comm_us" in r for r in rows.values()):
+        lines.append(f"exposed comm: the median of {args.profile_steps} profiled steps (each profiled alone); comm ms: that step's")
     lines.append(
         "parity: torch.equal with sequential (every loss, every gradient after every step, the weights); vs ref: the same "
         "against plain autograd (loss.backward() per microbatch, no node API): exact, the worst deviation within tolerance, or DIFFER"
@@ -242,6 +256,7 @@ def format_table(rows: dict, cfg: Any, args: argparse.Namespace, use_cuda: bool,
         if "page_us" in r:
             lines.append(
                 f"{a}: page copies {r['page_us'] / 1e3:.2f} ms in one step, {r['exposed_page_us'] / 1e3:.2f} ms of it with no compute kernel running"
+                " (the median profiled step)"
             )
         if "graph_pool" in r:
             eager = rows.get("ours", {}).get("max_reserved")

@@ -22,6 +22,7 @@ from .figures import (
     allocator_timeline,
     exposed_comm_us,
     exposed_page_us,
+    median_exposed,
     format_table,
     plot_allocator,
     simulate_memory,
@@ -256,8 +257,9 @@ def _against_reference(arms: dict[str, Arm], reference: Reference, vs_ref: dict[
 
 def _measure_alone(arms: dict[str, Arm], rows: dict, args: argparse.Namespace, sync: Callable[[], None], device: torch.device, rank0: bool) -> dict[str, list]:
     """GPU: one more step per arm, measured alone, for memory (allocator peaks, pending frees,
-    the allocator's history on rank 0 with `--out`), then one profiled for exposed
-    communication (and page copies). Fills `rows`; returns the allocator histories."""
+    the allocator's history on rank 0 with `--out`), then `--profile-steps` steps, each profiled
+    alone, for exposed communication (and page copies): the median step's figures, with every
+    step's kept (`exposed_comm_steps`). Fills `rows`; returns the allocator histories."""
     from ..ab import _pending_free_bytes
 
     histories: dict[str, list] = {}
@@ -280,26 +282,37 @@ def _measure_alone(arms: dict[str, Arm], rows: dict, args: argparse.Namespace, s
             finally:
                 torch.cuda.memory._record_memory_history(enabled=None)
         rows[a].update(max_allocated=torch.cuda.max_memory_allocated(), max_reserved=torch.cuda.max_memory_reserved(), pending_free_peak=pend[0])
-        from torch.profiler import ProfilerActivity, profile
-
         link = arm.model.transport if getattr(arm.model.transport, "emulated_ranks", None) else None
-        if link is not None:
-            link.reset_moved()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            arm.step(args.steps + 2, args.microbatches)
-            sync()
-        exp, tot = exposed_comm_us(prof, link, arm.spec.paged)
-        rows[a].update(exposed_comm_us=exp, comm_us=tot, top_kernels_ms=top_kernels(prof))
-        if link is not None and not arm.captured:  # a replay runs no Python: nothing counted
-            rows[a]["link_bytes_each_way"] = link.moved().d2h
+        comm, page = [], []
+        for i in range(args.profile_steps):
+            if link is not None:
+                link.reset_moved()
+            prof = _profiled(lambda i=i: arm.step(args.steps + 2 + i, args.microbatches), sync)
+            comm.append(exposed_comm_us(prof, link, arm.spec.paged))
+            if arm.spec.paged:
+                page.append(exposed_page_us(prof, link))
+            if i == 0:
+                rows[a]["top_kernels_ms"] = top_kernels(prof)
+                if link is not None and not arm.captured:  # a replay runs no Python: nothing counted
+                    rows[a]["link_bytes_each_way"] = link.moved().d2h
+                if args.out and rank0 and (a in ("ours", "sequential") or arm.spec.paged):
+                    prof.export_chrome_trace(os.path.join(args.out, f"trace_{a.replace('+', '_')}.json"))
+        rows[a].update(median_exposed(comm, "comm"))
         if arm.spec.paged:
-            pexp, ptot = exposed_page_us(prof, link)
-            rows[a].update(exposed_page_us=pexp, page_us=ptot, page_stats=dict(arm.chunk.page_stats))
-        if args.out and rank0 and (a in ("ours", "sequential") or arm.spec.paged):
-            prof.export_chrome_trace(os.path.join(args.out, f"trace_{a.replace('+', '_')}.json"))
+            rows[a].update(median_exposed(page, "page"), page_stats=dict(arm.chunk.page_stats))
         if arm.captured:
             rows[a]["graph_pool"] = arm.graph_pool
     return histories
+
+
+def _profiled(step: Callable[[], None], sync: Callable[[], None]) -> Any:
+    """One step under the profiler (CPU and CUDA activity), synced before it ends."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        sync()
+    return prof
 
 
 def _node_times(arms: dict[str, Arm], args: argparse.Namespace, rank0: bool) -> None:
