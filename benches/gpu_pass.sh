@@ -10,13 +10,15 @@
 #   bash benches/gpu_pass.sh cuda2 OUT  # nvidia-h200-x2: the whole cuda suite (1- and 2-GPU tests), host overhead
 #   bash benches/gpu_pass.sh explain OUT  # one H200: timed paging, eager and compiled, with Rust's reasons per tensor
 #   bash benches/gpu_pass.sh capture OUT  # one H200: whole-step graph pools, page nodes captured, min_cut, host overhead
+#   bash benches/gpu_pass.sh link2 OUT  # nvidia-h200: issue 28's analysis: cuda suite, link rate, main job on the link with
+#                                       # 5 profiled steps per arm and durations.json
 #   bash benches/gpu_pass.sh four OUT   # nvidia-h200-x4: DualPipeV as PP=2 x EP=2, handler vs none
 #   bash benches/gpu_pass.sh twopage OUT  # nvidia-h200-x2: EP + page nodes, ours vs ours+page at 3 budgets
 #   bash benches/gpu_pass.sh link OUT   # nvidia-h200: EP=8 on the emulated link (one GPU, issue 28): its rate,
 #                                       # the main job's arms with ours+page, GraphStep vs compiled, its cuda tests
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|page2|page3 OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|page2|page3 OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3 OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3 OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -108,6 +110,18 @@ link)
         --page-budget 0.2 --page-prefetch 6 --quiet --out /tmp/main_job_link
     cp /tmp/main_job_link/train.json "$out/train_link.json" 2>/dev/null
     cp /tmp/main_job_link/durations.json "$out/durations_link.json" 2>/dev/null
+    ;;
+link2)
+    # Issue 28's analysis pass, EMULATED EP=8 on one H200: the whole cuda suite, the link's rate,
+    # then the main job's arms with exposed comm as the median of 5 profiled steps and every
+    # node timed alone (durations.json: the simulator's costs for the schedule's bound). ~8 min.
+    export PYTHONUNBUFFERED=1
+    step cuda_suite 200 "$py" -m pytest -q -m cuda tests/python -rs
+    step link_rate 60 "$py" benches/link_rate.py --k 8 --j 1,16,64 --reps 5
+    step main_job_link 330 "$py" -m sched_lifetime train --ep-link host:8 --config h200 --steps 3 --microbatches 8 \
+        --arms sequential,b_then_f,ours,ours+ends,ours+page --profile-steps 5 \
+        --page-budget 0.2 --page-prefetch 6 --quiet --out /tmp/main_job_link
+    for f in train.json durations.json; do cp "/tmp/main_job_link/$f" "$out/link_$f" 2>/dev/null; done
     ;;
 four)
     step pipeline_ep2 500 torchrun --standalone --nproc-per-node 4 benches/pipeline_ab.py --config pp_h200 --ep 2 --out "$out"
