@@ -11,6 +11,12 @@ same table, each checked on every step against plain eager autograd over the sam
 microbatches. Prints one table (rank 0).
 
     NCCL_MIN_NCHANNELS=2 NCCL_MAX_NCHANNELS=2 torchrun --standalone --nproc-per-node 2 benches/compile_ab.py
+
+With `--ep-link host[:K]` it runs in one process on one GPU over the EMULATED EP link
+(`ep_link.HostLinkAllToAll`: the (K-1)/K share of each all-to-all crosses device -> pinned host
+-> device on the copy engines; "comm" is those copies' time, not NCCL's):
+
+    python benches/compile_ab.py --ep-link host:8 --graph-step 4 --steps 4
 """
 
 from __future__ import annotations
@@ -33,6 +39,21 @@ from sched_lifetime.train.reference import EXACT, all_ranks, compare, same_order
 CFGS = {"tiny": with_overrides(CONFIGS["tiny"], capacity_factor=1.0), "h200": CONFIGS["h200"]}
 
 
+def transport_of(a, group, dev):
+    """The EP transport of every arm: NCCL/gloo functional collectives over `group`, or, with
+    `--ep-link`, the emulated link (one process; its copies count as comm)."""
+    if a.ep_link:
+        from sched_lifetime.ep_link import HostLinkAllToAll
+
+        return HostLinkAllToAll.from_spec(a.ep_link, device=dev)
+    return FunctionalAllToAll(group)
+
+
+def _exposed(prof, a, transport) -> tuple[float, float]:
+    """(exposed, total) comm us of one profiled step: NCCL kernels, or the link's copies."""
+    return exposed_comm_us(prof, transport if a.ep_link else None)
+
+
 def graph_step_ab(cfg, group, dev, a, rank, sync, ref_model) -> dict:
     """GraphStep (compiled forward/backward graphs) over N microbatches: sequential, multiplexed
     and with paired ends, interleaved steps, medians; every step's losses and gradients checked
@@ -41,7 +62,7 @@ def graph_step_ab(cfg, group, dev, a, rank, sync, ref_model) -> dict:
     the table's rows."""
     from sched_lifetime.compile import GraphStep
 
-    m = MoEModel(cfg, transport=FunctionalAllToAll(group), seed=0, device=dev)
+    m = MoEModel(cfg, transport=transport_of(a, group, dev), seed=0, device=dev)
     gs = GraphStep(m, tuple(m.batch(0, 0).values()))
     times: dict[str, list] = {"sequential": [], "multiplexed": [], "paired_ends": []}
     exact = same_order_expected(2)
@@ -77,7 +98,7 @@ def graph_step_ab(cfg, group, dev, a, rank, sync, ref_model) -> dict:
     verdicts = all_ranks(verdicts, device=dev if dev.type == "cuda" else None)
     rows = {}
     for name in times:
-        exposed, total, resv = _profiled(lambda: run(name, 99), sync, dev.type == "cuda")
+        exposed, total, resv = _profiled(lambda: run(name, 99), sync, dev.type == "cuda", lambda p: _exposed(p, a, m.transport))
         rows[f"GraphStep {name}"] = {
             "parity": verdicts[name].within,
             "parity_label": verdicts[name].label(),
@@ -94,7 +115,7 @@ def graph_step_ab(cfg, group, dev, a, rank, sync, ref_model) -> dict:
 PROFILE_STEPS = 5
 
 
-def _profiled(step, sync, cuda: bool) -> tuple[float, float, int]:
+def _profiled(step, sync, cuda: bool, exposed) -> tuple[float, float, int]:
     """PROFILE_STEPS steps, each alone under the profiler, from an empty cache: the median
     step's (exposed comm us, comm us) and the max reserved over all of them."""
     if not cuda:
@@ -109,7 +130,7 @@ def _profiled(step, sync, cuda: bool) -> tuple[float, float, int]:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
             sync()
-        steps.append(exposed_comm_us(prof))
+        steps.append(exposed(prof))
     m = median_exposed(steps, "comm")
     return m["exposed_comm_us"], m["comm_us"], torch.cuda.max_memory_reserved()
 
@@ -121,7 +142,14 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--graph-step", type=int, default=0, metavar="N",
                     help="also: N microbatches per step on compiled graphs (GraphStep), sequential vs multiplexed F(i+1)+B(i) vs paired ends, in the same table")
+    ap.add_argument("--ep-link", default=None, metavar="host[:K]",
+                    help="one process on one GPU over the EMULATED EP link (K emulated ranks, default 8) instead of torchrun + NCCL")
     a = ap.parse_args()
+    if a.ep_link:  # a world of one: the barriers and the parity all-reduce still work
+        from sched_lifetime.train.cli import _free_port
+
+        for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port()))):
+            os.environ.setdefault(k, v)
     assert "sched_lifetime" in torch._dynamo.list_backends(), sched_lifetime.__version__
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -137,7 +165,7 @@ def main() -> None:
     group = new_ep_group()
     arms = {}
     for name, backend in (("eager", None), ("aot_eager", "aot_eager"), ("sched_lifetime", "sched_lifetime")):
-        m = MoEModel(cfg, transport=FunctionalAllToAll(group), seed=0, device=dev)
+        m = MoEModel(cfg, transport=transport_of(a, group, dev), seed=0, device=dev)
         arms[name] = (m, m if backend is None else torch.compile(m, backend=backend))
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     times: dict[str, list] = {k: [] for k in arms}
@@ -169,7 +197,7 @@ def main() -> None:
     rows = {}
     for name, (m, run) in arms.items():
         m.zero_grad(set_to_none=True)
-        exposed, total, resv = _profiled(lambda: run(**m.batch(99, 0)).backward(), sync, cuda)
+        exposed, total, resv = _profiled(lambda: run(**m.batch(99, 0)).backward(), sync, cuda, lambda p, m=m: _exposed(p, a, m.transport))
         rows[name] = {
             "parity": verdicts[name].within,
             "parity_label": verdicts[name].label(),
@@ -183,8 +211,9 @@ def main() -> None:
     if a.graph_step:
         rows.update(graph_step_ab(cfg, group, dev, a, rank, sync, arms["eager"][0]))
     if rank == 0:
-        where = f"2 x {torch.cuda.get_device_name(dev)}" if cuda else "CPU smoke run (no figures)"
-        print(f"EP=2 {where}, config {a.config}, medians of {a.steps} interleaved steps, NCCL channels {os.environ.get('NCCL_MAX_NCHANNELS', 'default')}")
+        where = f"{dist.get_world_size()} x {torch.cuda.get_device_name(dev)}" if cuda else "CPU smoke run (no figures)"
+        ep = f"EMULATED EP ({arms['eager'][0].transport.describe()}):" if a.ep_link else f"EP={dist.get_world_size()}"
+        print(f"{ep} {where}, config {a.config}, medians of {a.steps} interleaved steps, NCCL channels {os.environ.get('NCCL_MAX_NCHANNELS', 'default')}")
         print("backend rows: one microbatch F+B per step, vs aot_eager; GraphStep rows: N microbatches per step, vs GraphStep sequential")
         print(f"parity: every loss and gradient of all {a.steps + 1} steps against plain eager autograd, all ranks "
               "(= bit-exact, a number: the worst deviation within tolerance, DIFF: beyond it)")

@@ -122,6 +122,7 @@ link2)
         --arms sequential,b_then_f,ours,ours+ends,ours+page --profile-steps 5 \
         --page-budget 0.2 --page-prefetch 6 --quiet --out /tmp/main_job_link
     for f in train.json durations.json; do cp "/tmp/main_job_link/$f" "$out/link_$f" 2>/dev/null; done
+    step graph_step_link 200 "$py" benches/compile_ab.py --config h200 --ep-link host:8 --graph-step 4 --steps 4 --out "$out"
     ;;
 four)
     step pipeline_ep2 500 torchrun --standalone --nproc-per-node 4 benches/pipeline_ab.py --config pp_h200 --ep 2 --out "$out"
