@@ -57,6 +57,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--world", type=int, default=2, help="EP ranks to spawn when not under torchrun (default 2; one GPU runs EP=1)")
     p.add_argument("--cpu", action="store_true", help="run on CPU (gloo) even with a GPU")
     p.add_argument("--profile-steps", type=int, default=5, help="GPU: steps profiled per arm, each alone; exposed comm is their median (>= 1)")
+    p.add_argument("--no-traces", dest="traces", action="store_false", help="with --out: no Chrome traces (writing one of a large step takes minutes)")
     p.add_argument("--out", default=None, help="directory for train.json, durations.json, traces and the memory plot")
     p.add_argument("--nccl-channels", type=int, default=0, help="limit NCCL to this many channels (0: NCCL's choice)")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress line per step")

@@ -295,7 +295,7 @@ def _measure_alone(arms: dict[str, Arm], rows: dict, args: argparse.Namespace, s
                 rows[a]["top_kernels_ms"] = top_kernels(prof)
                 if link is not None and not arm.captured:  # a replay runs no Python: nothing counted
                     rows[a]["link_bytes_each_way"] = link.moved().d2h
-                if args.out and rank0 and (a in ("ours", "sequential") or arm.spec.paged):
+                if args.out and args.traces and rank0 and (a in ("ours", "sequential") or arm.spec.paged):
                     prof.export_chrome_trace(os.path.join(args.out, f"trace_{a.replace('+', '_')}.json"))
         rows[a].update(median_exposed(comm, "comm"))
         if arm.spec.paged:
