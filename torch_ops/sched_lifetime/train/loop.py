@@ -108,6 +108,9 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
         a: {"parity": parity[a], "ref": vs_ref[a].label(), "ref_within": vs_ref[a].within, "ref_worst": vs_ref[a].worst, "step_ms": statistics.median(arm.times)}
         for a, arm in arms.items()
     }
+    for a, arm in arms.items():
+        if arm.order == "calibrated":
+            rows[a]["calibration"] = {**arm.chunk.calibration.summary(), "describe": arm.chunk.calibration.describe()}
     if use_cuda:
         say(args, "each arm measured alone: memory, then a profiled step")
     histories = _measure_alone(arms, rows, args, sync, device, rank0) if use_cuda else {}
@@ -138,8 +141,11 @@ def _link_spec(args: argparse.Namespace) -> Optional[str]:
 
 def build_arms(args: argparse.Namespace, cfg: Any, transport: Any, device: torch.device, rank0: bool) -> dict[str, Arm]:
     """The arms of `args.arms`, same weights, with `--costs` and the paged arms' page plans."""
+    from ..calibrate import Calibration
+
     names = [a for a in args.arms.split(",") if a]
-    arms = {a: Arm(a, cfg, transport, device, args.lr) for a in names}
+    steps, smoothing = getattr(args, "calibrate_steps", 1), getattr(args, "calibrate_smoothing", 0.5)
+    arms = {a: Arm(a, cfg, transport, device, args.lr, Calibration(steps, smoothing)) for a in names}
     if args.costs:
         with open(args.costs) as f:
             costs = {str(k): float(v) for k, v in json.load(f).items()}
