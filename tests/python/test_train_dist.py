@@ -222,6 +222,9 @@ def test_main_job_loop_over_two_gloo_ranks_prints_the_table_and_writes_its_files
     cal = res["rows"]["calibrated"]["calibration"]
     assert cal["from_step"] == 0 and cal["steps_done"] == 1 and cal["nodes"] > 0, cal
     assert "calibrated: calibrated order from step 0's costs" in printed, printed
+    text = (out / "calibrated_calibrated.txt").read_text()
+    assert text.startswith("calibrated order from step 0's costs") and " us) [F] ran under: " in text, text
+    assert json.load(open(out / "calibrated_calibrated.json"))["costs_us"].keys() >= {"F.L0.attn", "B.L0.attn"}
     with open(out / "durations.json") as f:
         durations = json.load(f)
     assert durations and all(v >= 0 for v in durations.values()), durations

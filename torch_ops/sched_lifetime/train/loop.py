@@ -126,6 +126,7 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
         except Exception as e:  # a plot never costs the run
             print(f"memory plot skipped: {type(e).__name__}: {e}")
     _node_times(arms, args, rank0)
+    _calibrated_orders(arms, args, rank0)
     plot = os.path.join(args.out, "memory_over_time_simulated.png") if args.out and rank0 else None
     simulated = simulate_memory(arms, args.microbatches, args.steps + 4, plot) if not use_cuda else None
     link = transport.describe() if spec is not None else None
@@ -306,6 +307,28 @@ def _measure_alone(arms: dict[str, Arm], rows: dict, args: argparse.Namespace, s
         if arm.captured:
             rows[a]["graph_pool"] = arm.graph_pool
     return histories
+
+
+def _calibrated_orders(arms: dict[str, Arm], args: argparse.Namespace, rank0: bool) -> None:
+    """With `--out`, per calibrated arm: `calibrated_<arm>.json` (what the calibration agreed:
+    its summary, the costs, the F+B order) and `calibrated_<arm>.txt` (that order, each node's
+    stream and measured cost, then what each launch ran under, with costs)."""
+    from ..calibrate import format_costs
+    from ..schedule import format_explain, schedule_order
+
+    if not args.out or not rank0:
+        return
+    for a, arm in arms.items():
+        if arm.order != "calibrated":
+            continue
+        cal = arm.chunk.calibration
+        graph = arm.chunk.graph(True, True)
+        s = schedule_order(graph, arm.chunk.executor(True, True, arm.order, arm.lifetime)._order)
+        stem = os.path.join(args.out, f"calibrated_{a.replace('+', '_')}")
+        with open(stem + ".json", "w") as f:
+            json.dump({**cal.summary(), "describe": cal.describe(), "costs_us": cal.costs, "order": s["order"]}, f, indent=1)
+        with open(stem + ".txt", "w") as f:
+            f.write(f"{cal.describe()}\n\n{format_costs(s, cal.costs)}\n\n{format_explain(s, cal.costs)}\n")
 
 
 def _node_times(arms: dict[str, Arm], args: argparse.Namespace, rank0: bool) -> None:
