@@ -66,7 +66,7 @@ def test_order_follows_measured_costs_replans_only_on_change_and_later_steps_tim
     slow_comm, fast_comm = _costs(g, 1000.0), _costs(g, 10.0, bump="F.L0.attn")
     want_slow, want_fast = _searched(g, slow_comm), _searched(g, fast_comm)
     assert want_slow != want_fast and sl.schedule(g)["order"] != want_slow, "the two cost tables must decide different orders"
-    chunk.calibration = Calibration(steps=3, smoothing=1.0)
+    chunk.calibration = Calibration(steps=3, smoothing=1.0, background=False)
     seen: list = []
     _fake(chunk.calibration, [slow_comm, slow_comm, fast_comm], seen)
 
@@ -93,6 +93,26 @@ def test_order_follows_measured_costs_replans_only_on_change_and_later_steps_tim
     # `format_costs`: the order beside each node's measured cost.
     text = format_costs(sl.schedule(with_costs(g, chunk.calibration.costs), rules="search"), chunk.calibration.costs)
     assert "F.L0.attn" in text and "1000.0 us" in text
+
+
+def test_background_search_applies_its_orders_two_steps_later_and_stays_bit_exact():
+    """The default: the search runs in a thread while the next step runs the old order; its
+    orders take over at the step after (the same step on every rank)."""
+    model, ref = MoEModel(CONFIGS["tiny"]), MoEModel(CONFIGS["tiny"])
+    chunk = model.chunk()
+    g = chunk.graph(True, True)
+    costs = _costs(g, 1000.0)
+    want, ours = _searched(g, costs), sl.schedule(g)["order"]
+    assert want != ours
+    assert chunk.calibration.background  # the default
+    _fake(chunk.calibration, [costs], [])
+    assert _step(model, ref, chunk, 0)  # timed; the search starts
+    assert chunk.calibration.planning and _pair_executor(chunk)._order == ours
+    assert _step(model, ref, chunk, 1)  # the old order, beside the search
+    assert _pair_executor(chunk)._order == ours and chunk.calibration.from_step is None
+    assert _step(model, ref, chunk, 2)  # the new orders from here
+    assert not chunk.calibration.planning and _pair_executor(chunk)._order == want
+    assert chunk.calibration.describe().startswith("calibrated order from step 0's costs")
 
 
 def test_smoothing_weighs_each_step_and_order_ours_stays_timing_free():
@@ -166,7 +186,7 @@ def _two_rank_worker(rank: int, port: int, out: str) -> None:
     agreed = {k: max(_costs(g, 1000.0)[k], _costs(g, 10.0, bump="F.L0.attn")[k]) for k in mine}
     chunk.calibration = Calibration(steps=1)
     _fake(chunk.calibration, [mine], [])
-    for step in range(2):
+    for step in range(3):  # the search in the background: its orders from step 2 on
         model.zero_grad(set_to_none=True)
         sl.train_step(chunk, [model.batch(step, i) for i in range(3)])
         ref.step(step, 3)

@@ -13,9 +13,10 @@ waits, host clock on CPU; no sync per node or run), and at the step's end (`end_
    order per rank would issue collectives in a different order, a hang);
 3. the costs are smoothed with the earlier calibration steps' (`smoothing`: the weight of the
    new measurement, 1.0 = the latest only);
-4. each calibrated graph is scheduled again under rule `search` with these costs, and its
-   executor is rebuilt only when the order changed; the orders are then checked
-   rank-identical (`ep.check_rank_identical`).
+4. each calibrated graph is scheduled again under rule `search` with these costs (in a
+   background thread beside the next step by default, taking over at the step after it, the
+   same step on every rank), and its executor is rebuilt only when the order changed; the
+   orders are then checked rank-identical (`ep.check_rank_identical`).
 
 Later steps time nothing and re-plan nothing. Before the first calibration step's end (step
 0), `"calibrated"` runs the timing-free order `"ours"`; `order="ours"` stays timing-free
@@ -31,6 +32,7 @@ What decides an order (the costs, which step they came from, how often it re-pla
 from __future__ import annotations
 
 import statistics
+import threading
 from typing import Any, Iterable, Mapping, Optional
 
 import torch
@@ -68,8 +70,13 @@ class Calibration:
 
     `steps`: calibration steps (>= 1): the first `steps` steps are timed and each re-plans at
     its end. `smoothing`: in (0, 1], the weight of a step's measurement against the costs so
-    far (exponential smoothing over the calibration steps). `group`: the process group whose
-    ranks must agree (None: the default group, when torch.distributed is initialized).
+    far (exponential smoothing over the calibration steps). `background` (default True): the
+    search runs in a thread (the op releases the GIL) while the next step runs in the old
+    order, and the new orders apply from the step after it, on every rank at the same step
+    (the calibration step's own extra is then the events, one sync and the agreement); False:
+    the search runs at the calibration step's end and applies from the next step. `group`:
+    the process group whose ranks must agree (None: the default group, when
+    torch.distributed is initialized).
 
     Example (the costs agreed and smoothed, then the order under rule `search`):
 
@@ -80,11 +87,14 @@ class Calibration:
         >>> cal.schedule(graph)["order"] == sl.schedule(graph)["order"]     # no costs yet: "ours"
         True
         >>> costs = cal.end_step([{n["name"]: 100.0 for n in graph["nodes"]}])
-        >>> cal.active, cal.from_step, len(cal.costs) == len(graph["nodes"])
-        (False, 0, True)
+        >>> cal.active, cal.steps_done, len(cal.costs) == len(graph["nodes"])
+        (False, 1, True)
+        >>> from sched_lifetime.calibrate import with_costs
+        >>> cal.schedule(graph)["order"] == sl.schedule(with_costs(graph, cal.costs), rules="search")["order"]
+        True
     """
 
-    def __init__(self, steps: int = 1, smoothing: float = 0.5, group: Any = None) -> None:
+    def __init__(self, steps: int = 1, smoothing: float = 0.5, group: Any = None, background: bool = True) -> None:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"calibration steps must be an int >= 1, got {steps!r} (to time nothing, use order='ours')")
         if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0.0 < float(smoothing) <= 1.0:
@@ -92,6 +102,11 @@ class Calibration:
         self.steps = steps
         self.smoothing = float(smoothing)
         self.group = group
+        self.background = bool(background)
+        # The search in flight: (thread, its result holder, the step whose costs it uses, the
+        # steps begun since it started).
+        self._pending: Optional[list] = None
+        self._measured_step: Optional[int] = None
         #: The agreed, smoothed costs (us, by folded node name); empty before the first step's end.
         self.costs: dict[str, float] = {}
         #: Calibration steps ended so far (the next step is timed while < `steps`).
@@ -158,9 +173,54 @@ class Calibration:
         for n, us in measured.items():
             old = self.costs.get(n)
             self.costs[n] = us if old is None else a * us + (1.0 - a) * old
-        self.from_step = self.steps_done
+        self._measured_step = self.steps_done
         self.steps_done += 1
         return dict(self.costs)
+
+    def plan(self, graphs: Mapping[str, Any]) -> Optional[dict[str, dict]]:
+        """The calibrated schedules of `graphs` (label -> graph table) with the costs as they are
+        now: returned at once (`background=False`), or computed in a thread and returned
+        by `take_plans` (None here)."""
+        costs = dict(self.costs)
+
+        def run(out: dict) -> None:
+            try:
+                out["plans"] = {k: schedule(with_costs(g, costs), rules="search") for k, g in graphs.items()}
+            except BaseException as e:  # raised on the caller's thread by `take_plans`
+                out["error"] = e
+
+        if not self.background:
+            out: dict = {}
+            run(out)
+            if "error" in out:
+                raise out["error"]
+            return out["plans"]
+        holder: dict = {}
+        t = threading.Thread(target=run, args=(holder,), name="sched_lifetime-calibration-search", daemon=True)
+        t.start()
+        self._pending = [t, holder, self._measured_step, 0]
+        return None
+
+    def take_plans(self, wait: bool) -> Optional[dict[str, dict]]:
+        """At a step's start: the background search's schedules once a whole step has run
+        beside it (`wait`: now, whatever the steps; every rank takes them at the same step), else
+        None (one more step begun)."""
+        if self._pending is None:
+            return None
+        if not wait and self._pending[3] < 1:
+            self._pending[3] += 1
+            return None
+        t, holder, _, _ = self._pending
+        t.join()
+        self._pending = None
+        if "error" in holder:
+            raise holder["error"]
+        return holder["plans"]
+
+    @property
+    def planning(self) -> bool:
+        """Whether a background search is in flight (its orders not applied yet)."""
+        return self._pending is not None
 
     def summary(self) -> dict[str, Any]:
         """What the calibrated orders come from: the costs' step, steps, re-plans, end times."""
@@ -192,21 +252,21 @@ def format_costs(result: Mapping[str, Any], costs: Mapping[str, float]) -> str:
     return "\n".join(lines)
 
 
-def replan(cal: Calibration, executors: Mapping[str, Any], rebuild: Any, what: str = "calibrated order") -> None:
-    """After `cal.end_step`: schedule each of `executors` (label -> (graph, executor); labels
-    spelled the same on every rank) again with the new costs; `rebuild(label, schedule)`
-    replaces an executor whose order changed. Then the ranks check that their orders are
-    identical (one collective)."""
+def apply_plans(cal: Calibration, plans: Mapping[str, dict], current: Mapping[str, Optional[list]], rebuild: Any, what: str = "calibrated order") -> None:
+    """The calibrated schedules `plans` (label -> schedule; labels spelled the same on every
+    rank) take over: `rebuild(label, schedule)` for each whose order differs from `current`
+    (label -> the running order, None: no executor). Then the ranks check that their orders
+    are identical (one collective)."""
     from .ep import check_rank_identical, digest
 
-    orders = {}
-    for key, (graph, ex) in executors.items():
-        s = cal.schedule(graph)
-        if list(s["order"]) != list(ex._order):
-            rebuild(key, s)
+    step = cal._measured_step if cal._measured_step is not None else cal.steps_done - 1
+    for label, s in plans.items():
+        if current.get(label) is None or list(s["order"]) != list(current[label]):
+            rebuild(label, s)
             cal.replans += 1
-        orders[key] = list(s["order"])
-    check_rank_identical(f"{what} (after calibration step {cal.from_step})", digest(sorted(orders.items())), cal.group)
+    cal.from_step = step
+    orders = sorted((k, list(s["order"])) for k, s in plans.items())
+    check_rank_identical(f"{what} (from calibration step {step}'s costs)", digest(orders), cal.group)
 
 
 def timed_end(cal: Calibration, executors: Iterable[Any], device: torch.device) -> list[dict[str, float]]:
@@ -219,4 +279,4 @@ def timed_end(cal: Calibration, executors: Iterable[Any], device: torch.device) 
     return runs
 
 
-__all__ = ["CALIBRATED", "Calibration", "fold_name", "format_costs", "replan", "timed_end", "with_costs"]
+__all__ = ["CALIBRATED", "Calibration", "apply_plans", "fold_name", "format_costs", "timed_end", "with_costs"]

@@ -63,6 +63,8 @@ class Chunk(ChunkGraph):
         self._executors: dict[tuple, Executor] = {}
         # Schedules a calibration step chose for executors it dropped (built at the next use).
         self._calibrated: dict[tuple, dict] = {}
+        # Executor keys of the last calibration step, by their rank-independent label.
+        self._cal_keys: dict[str, tuple] = {}
         #: Values (chunk names) that some node's forward saved for its backward (autograd holds
         #: their storage): their cross-stream retire drops the reference instead of emptying the
         #: storage (rule 3 would make that backward read freed memory). Found on each node's

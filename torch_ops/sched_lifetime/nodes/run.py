@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
-from ..calibrate import CALIBRATED, replan, timed_end
+from ..calibrate import CALIBRATED, apply_plans, timed_end
 from ..ep import agree_across_ranks, digest, schedule_digest
 from ..executor import Executor
 from .graph import ORDERS, _order_schedule, _pair_graph, _two_graph, is_ours
@@ -67,24 +67,40 @@ def _label(chunk: Chunk, key: tuple) -> str:
 def end_calibration(chunk: Chunk, order: str) -> None:
     """At a step's end with order `"calibrated"` while calibrating: the step's node times (one
     device sync), agreed across the ranks and smoothed (`Calibration.end_step`), then every
-    calibrated executor of `chunk` scheduled again, rebuilt where its order changed, and the
-    orders checked rank-identical. Nothing once calibration is done."""
+    calibrated executor of `chunk` scheduled again (`Calibration.plan`: now, or in the
+    background, applied by `begin_calibrated_step` two steps on). Nothing once calibration is
+    done."""
     cal = chunk.calibration
     if order != CALIBRATED or not cal.active:
         return
+    _apply_plans(chunk, cal.take_plans(wait=True))  # an earlier calibration step's, first
     t0 = time.perf_counter()
     mine = {k: ex for k, ex in chunk._executors.items() if k[2] == CALIBRATED}
     cal.end_step(timed_end(cal, mine.values(), chunk.device))
     # A label the same on every rank (the keys hold object ids): which sources, which lifetime.
-    keys = {_label(chunk, k): k for k in mine}
+    chunk._cal_keys = {_label(chunk, k): k for k in mine}
+    _apply_plans(chunk, cal.plan({label: mine[k].graph for label, k in sorted(chunk._cal_keys.items())}))
+    cal.end_ms.append((time.perf_counter() - t0) * 1e3)
+
+
+def begin_calibrated_step(chunk: Chunk, order: str) -> None:
+    """At a step's start with order `"calibrated"`: a background search's orders take over
+    once one whole step has run beside it (the same step on every rank)."""
+    if order == CALIBRATED:
+        _apply_plans(chunk, chunk.calibration.take_plans(wait=False))
+
+
+def _apply_plans(chunk: Chunk, plans: Optional[dict]) -> None:
+    if plans is None:
+        return
 
     def rebuild(label: str, s: dict) -> None:
-        key = keys[label]
+        key = chunk._cal_keys[label]
         chunk._calibrated[key] = s  # the next use builds the executor with it
-        del chunk._executors[key]
+        chunk._executors.pop(key, None)
 
-    replan(cal, {label: (mine[k].graph, mine[k]) for label, k in sorted(keys.items())}, rebuild)
-    cal.end_ms.append((time.perf_counter() - t0) * 1e3)
+    current = {label: (chunk._executors[k]._order if k in chunk._executors else None) for label, k in chunk._cal_keys.items()}
+    apply_plans(chunk.calibration, plans, current, rebuild)
 
 
 def _feed_forward(c: Chunk, source: str, fwd: tuple[MicrobatchState, dict[str, Any]], inputs: dict[str, Any]) -> None:
@@ -252,6 +268,7 @@ def combined_step(
         >>> "F.loss" in out, mb1.loss is not None
         (True, True)
     """
+    begin_calibrated_step(chunk, order)
     agree_across_ranks(chunk, "combined_step", {"order": order, "lifetime": lifetime, **_rank_facts(chunk, order, lifetime)})
     out = chunk.run(forward, backward, order, lifetime, grad_scale)
     end_calibration(chunk, order)
@@ -277,8 +294,10 @@ def train_step(
     set) time every node (CUDA events, one sync at the step's end; host clock on CPU), and at
     each such step's end the ranks agree on the costs (one collective: each node's maximum),
     which are smoothed over the calibration steps, and every graph of the step is scheduled
-    again under rule `search` with them; an executor is rebuilt only when its order changed,
-    and the orders are checked rank-identical. Before the first calibration step's end, and
+    again under rule `search` with them, in a background thread while the next step runs the
+    old order (the new orders take over at the step after it, on every rank at once;
+    `chunk.calibration = Calibration(background=False)`: at once, from the next step); an
+    executor is rebuilt only when its order changed, and the orders are checked rank-identical. Before the first calibration step's end, and
     for `order="ours"` always, the order is the timing-free one. Later steps time nothing.
     See `sched_lifetime.calibrate`.
 
@@ -322,6 +341,7 @@ def train_step(
         raise ValueError(f"paired_ends needs one of our orders ('calibrated', 'ours' or 'ours:...'), got {order!r}")
     if paired_ends and n == 1:  # a setting that selects nothing: say so
         warnings.warn("train_step: paired_ends pairs two microbatches; with 1 the step runs F(0) then B(0) unpaired", stacklevel=2)
+    begin_calibrated_step(chunk, order)
     facts = {"microbatch count": n, "order": order, "lifetime": lifetime, "paired_ends": bool(paired_ends and n >= 2)}
     agree_across_ranks(chunk, "train_step", {**facts, **_rank_facts(chunk, order, lifetime)})
     scale = 1.0 / n

@@ -146,7 +146,9 @@ def build_arms(args: argparse.Namespace, cfg: Any, transport: Any, device: torch
 
     names = [a for a in args.arms.split(",") if a]
     steps, smoothing = getattr(args, "calibrate_steps", 1), getattr(args, "calibrate_smoothing", 0.5)
-    arms = {a: Arm(a, cfg, transport, device, args.lr, Calibration(steps, smoothing)) for a in names}
+    # The search at the calibration step's end (the warm-up), so every timed step runs the
+    # calibrated order (train_step's default searches in the background, a step later).
+    arms = {a: Arm(a, cfg, transport, device, args.lr, Calibration(steps, smoothing, background=False)) for a in names}
     if args.costs:
         with open(args.costs) as f:
             costs = {str(k): float(v) for k, v in json.load(f).items()}
