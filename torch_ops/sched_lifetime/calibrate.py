@@ -75,8 +75,8 @@ class Calibration:
     order, and the new orders apply from the step after it, on every rank at the same step
     (the calibration step's own extra is then the events, one sync and the agreement); False:
     the search runs at the calibration step's end and applies from the next step. `group`:
-    the process group whose ranks must agree (None: the default group, when
-    torch.distributed is initialized).
+    the process group whose ranks must agree (None: the chunk's `rank_group`, itself None for
+    the default group, when torch.distributed is initialized).
 
     Example (the costs agreed and smoothed, then the order under rule `search`):
 

@@ -74,6 +74,8 @@ def end_calibration(chunk: Chunk, order: str) -> None:
     if order != CALIBRATED or not cal.active:
         return
     _apply_plans(chunk, cal.take_plans(wait=True))  # an earlier calibration step's, first
+    if cal.group is None:  # the ranks that agree on the step's facts agree on its costs
+        cal.group = chunk.rank_group
     t0 = time.perf_counter()
     mine = {k: ex for k, ex in chunk._executors.items() if k[2] == CALIBRATED}
     cal.end_step(timed_end(cal, mine.values(), chunk.device))
