@@ -16,9 +16,12 @@
 #   bash benches/gpu_pass.sh twopage OUT  # nvidia-h200-x2: EP + page nodes, ours vs ours+page at 3 budgets
 #   bash benches/gpu_pass.sh link OUT   # nvidia-h200: EP=8 on the emulated link (one GPU, issue 28): its rate,
 #                                       # the main job's arms with ours+page, GraphStep vs compiled, its cuda tests
+#   bash benches/gpu_pass.sh calib OUT  # nvidia-h200: measured costs (issue 31): the calibrated order's cuda test,
+#                                       # the family's shapes with the calibrated arm, the main job on the link
+#   bash benches/gpu_pass.sh calib2 OUT # nvidia-h200-x2: the main job over NCCL, ours vs calibrated
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3 OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3 OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calib2 OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calib2 OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -124,11 +127,26 @@ link2)
     for f in train.json durations.json; do cp "/tmp/main_job_link/$f" "$out/link_$f" 2>/dev/null; done
     step graph_step_link 200 "$py" benches/compile_ab.py --config h200 --ep-link host:8 --graph-step 4 --steps 4 --out "$out"
     ;;
+calib)
+    # Issue 31, about 8 minutes: the GPU test (one sync more in the calibrated step, none after,
+    # bit-exact against ours), the family's 27 shapes with the calibrated arm beside ours,
+    # ours:search (the graphs' costs) and the bound, then the main job on the emulated link
+    # (EP=8) with the timing-free and the calibrated order side by side.
+    export PYTHONUNBUFFERED=1
+    step calib_cuda_test 120 "$py" -m pytest -q -m cuda -rs tests/python/test_train_cuda.py -k calibrated
+    step schedule_family_calib 200 "$py" benches/gpu_schedule_ab.py --family all --ratios 0.5,1.0,2.0 --json "$out/family.json"
+    step main_job_link_calib 240 "$py" -m sched_lifetime train --ep-link host:8 --config h200 --steps 3 --microbatches 8 \
+        --arms sequential,ours,calibrated --quiet --out /tmp/main_job_calib
+    cp /tmp/main_job_calib/train.json "$out/train_link_calib.json" 2>/dev/null
+    ;;
+calib2)
+    step main_job_calib 420 bash benches/main_job_2gpu.sh "$out/mj_calib" --arms sequential,ours,calibrated --steps 3 --quiet
+    ;;
 four)
     step pipeline_ep2 500 torchrun --standalone --nproc-per-node 4 benches/pipeline_ab.py --config pp_h200 --ep 2 --out "$out"
     ;;
 *)
-    echo "unknown mode $mode: one, one2, two, two2, cuda2, explain, capture, four, twopage, link, page2 or page3" >&2
+    echo "unknown mode $mode: one, one2, two, two2, cuda2, explain, capture, four, twopage, link, link2, page2, page3, calib or calib2" >&2
     exit 2
     ;;
 esac

@@ -101,6 +101,20 @@ class Runner:
             ex = self.executors[arm] = sl.Executor(
                 self.graph, schedule, self.callables(skip), device="cuda", lifetime="none", single_stream=one_stream
             )
+        return self._timed(ex)
+
+    def measure(self, arm: str, schedule: dict, runs: int = 3) -> list:
+        """Per-node times (us) of `runs` runs of `arm` with executor timing on: what the
+        calibrated order's first step measures (events after each node's waits, one sync)."""
+        self.run(arm, schedule)  # made and warm
+        ex = self.executors[arm]
+        ex.timing = True
+        for _ in range(runs):
+            self._timed(ex)
+        ex.timing = False
+        return ex.take_times()
+
+    def _timed(self, ex) -> float:
         comp = torch.cuda.current_stream()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(comp)
@@ -116,6 +130,7 @@ def main() -> None:
     p.add_argument("--ratios", default="0.5,1.0,2.0")
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--json", default=None)
+    p.add_argument("--calibrate-runs", type=int, default=1, help="family: timed runs of ours the calibrated order's costs come from (1: one step, as train_step's default)")
     p.add_argument(
         "--family",
         default="",
@@ -168,11 +183,13 @@ def main() -> None:
 def family(args, mm_us: float, small_us: float, copy_us: float) -> None:
     """Each family member (issue 8's asymmetric shapes) on real streams: one stream, B-then-F, the
     layer pairing (where the layers pair), ours, ours under rule `search` (costs: the graph's),
-    and the SIMULATED makespan of ours and search beside the measured ones."""
+    the calibrated order (the default of `train_step`: ours timed on these streams, then rule
+    `search` with the measured costs, `sl.Calibration`), and the SIMULATED makespan of ours and
+    search beside the measured ones."""
     members = FAMILY if args.family == "all" else args.family.split(",")
     print(
-        f"{'member':>20}{'ratio':>6}{'bound':>7}{'one str':>8}{'BthenF':>8}{'pairing':>8}{'ours':>7}{'search':>7}"
-        f"{'ours/pair':>10}{'srch/ours':>10}{'sim ours':>9}{'sim srch':>9}   (ms, median of {args.iters})"
+        f"{'member':>20}{'ratio':>6}{'bound':>7}{'one str':>8}{'BthenF':>8}{'pairing':>8}{'ours':>7}{'search':>7}{'calib':>7}"
+        f"{'ours/pair':>10}{'srch/ours':>10}{'cal/srch':>9}{'cal/bnd':>8}{'sim ours':>9}{'sim srch':>9}   (ms, median of {args.iters})"
     )
     rows = []
     for ratio in [float(r) for r in args.ratios.split(",")]:
@@ -192,6 +209,11 @@ def family(args, mm_us: float, small_us: float, copy_us: float) -> None:
             }
             if "pairing" in sc["orders"]:
                 arms["pairing"] = (sc["orders"]["pairing"], False, "")
+            # The calibrated order: one calibration step's node times of ours on these streams
+            # (the graph's own costs are not used), agreed (one process) and searched.
+            cal = sl.Calibration(steps=1)
+            cal.end_step(r.measure("ours", ours, runs=args.calibrate_runs))
+            arms["calibrated"] = (cal.schedule(graph), False, "")
             times = {k: [] for k in arms}
             for _ in range(2):
                 for k, a in arms.items():
@@ -202,14 +224,18 @@ def family(args, mm_us: float, small_us: float, copy_us: float) -> None:
             med = {k: statistics.median(v) for k, v in times.items()}
             sim = {k: sl.simulate_schedule(graph, o["order"])["makespan_us"] / 1e3 for k, o in (("ours", ours), ("search", searched))}
             bound = max(med["compute_only"], med["comm_only"])
-            rows.append({"member": m, "ratio": ratio, **med, "bound": bound, "sim_ours": sim["ours"], "sim_search": sim["search"]})
+            rows.append(
+                {"member": m, "ratio": ratio, **med, "bound": bound, "sim_ours": sim["ours"], "sim_search": sim["search"],
+                 "calibrated_same_as_search": arms["calibrated"][0]["order"] == searched["order"], "measured_costs": cal.costs}
+            )
             pair = med.get("pairing")
             print(
                 f"{m:>20}{ratio:>6.2f}{bound:>7.2f}{med['one_stream']:>8.2f}{med['b_then_f']:>8.2f}"
                 + (f"{pair:>8.2f}" if pair else f"{'-':>8}")
-                + f"{med['ours']:>7.2f}{med['search']:>7.2f}"
+                + f"{med['ours']:>7.2f}{med['search']:>7.2f}{med['calibrated']:>7.2f}"
                 + (f"{med['ours'] / pair:>10.3f}" if pair else f"{'-':>10}")
-                + f"{med['search'] / med['ours']:>10.3f}{sim['ours']:>9.2f}{sim['search']:>9.2f}"
+                + f"{med['search'] / med['ours']:>10.3f}{med['calibrated'] / med['search']:>9.3f}{med['calibrated'] / bound:>8.3f}"
+                + f"{sim['ours']:>9.2f}{sim['search']:>9.2f}"
             )
     if args.json:
         with open(args.json, "w") as f:

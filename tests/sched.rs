@@ -763,3 +763,22 @@ fn cost_rules_order_by_distance_to_launch_source_and_critical_path() {
         }
     }
 }
+
+/// Issue 31: once no move within the window helps, the search tries the same moves anywhere in
+/// the order. On a graph longer than four windows (the family's F4_with_B2 at comm/compute 1.0,
+/// 42 nodes) a source's tail must move past more than a window of the other's nodes: the
+/// windowed moves alone stopped at 8703 us (SIMULATED), the whole-order pass reaches 8403 (a
+/// lower bound is 8000: the critical path).
+#[test]
+fn search_moves_past_the_window_on_graphs_longer_than_four_windows() {
+    use sched_lifetime::scenarios::family;
+    use sched_lifetime::sched::Rules;
+    use sched_lifetime::sim;
+    let g = Graph::new(family::build(&family::member("F4_with_B2", 1.0).unwrap())).unwrap();
+    assert!(g.len() > 32, "{} nodes: the whole order is the window, the test would prove nothing", g.len());
+    let b = Budgets::new(1, 2).unwrap();
+    let s = sim::schedule(&g, b, Rules::parse("search").unwrap()).unwrap();
+    validate(&g, &s).unwrap();
+    let ms = sim::makespan(&g, &s.order).unwrap();
+    assert!(ms < 8500.0, "search {ms} us: the windowed moves alone give 8703");
+}

@@ -77,14 +77,15 @@ def _cases(rank: int) -> dict:
         gs = GraphStep(_Loss(), (torch.randn(3, 4),))
         gs.step([(torch.randn(3, 4),) for _ in range(2 + rank)])
 
-    def agree_once():  # same facts: one check for two steps, then none
+    def agree_once():  # same facts: one check for two steps, then none (the timing-free order:
+        # the calibrated one adds its step-0 agreement on costs and orders, test_calibrate.py)
         m, c = model()
         calls = []
         orig = dist.all_gather_object
         dist.all_gather_object = lambda *a, **k: (calls.append(1), orig(*a, **k))[1]
         try:
             for _ in range(2):
-                train_step(c, [m.batch(0, i) for i in range(2)])
+                train_step(c, [m.batch(0, i) for i in range(2)], order="ours")
         finally:
             dist.all_gather_object = orig
         return f"checks: {len(calls)}"

@@ -21,7 +21,7 @@ def test_every_name_of_the_single_nodes_module_is_still_importable():
     ]
     missing = [x for x in old if not hasattr(nodes_pkg, x)]
     assert not missing, missing
-    assert Chunk.ORDERS == ("ours", "b_then_f", "sequential")
+    assert Chunk.ORDERS == ("calibrated", "ours", "b_then_f", "sequential")
 
 
 def test_dw_nodes_are_wgrad_and_read_what_di_reads():

@@ -39,9 +39,9 @@ def test_markdown_table_has_one_row_per_arm_and_replaces_only_the_table():
 
 
 def test_lookups_are_derived_from_the_table():
-    assert default_arms() == "sequential,b_then_f,ours,ours+record"
+    assert default_arms() == "sequential,b_then_f,ours,calibrated,ours+record"
     assert parser().parse_args([]).arms == default_arms()
-    assert arms_mod.ARMS == {"sequential": ("sequential", "scheduled"), "b_then_f": ("b_then_f", "scheduled"), "ours": ("ours", "scheduled"), "ours+record": ("ours", "record_stream")}
+    assert arms_mod.ARMS == {"sequential": ("sequential", "scheduled"), "b_then_f": ("b_then_f", "scheduled"), "ours": ("ours", "scheduled"), "calibrated": ("calibrated", "scheduled"), "ours+record": ("ours", "record_stream")}
     assert arms_mod.GRAPH_ARMS == {"ours+graph": ("ours", "scheduled"), "ours+graph+record": ("ours", "record_stream")}
     assert list(arms_mod.EXTRA_ARMS) == ["ours+classic", "ours+ep2", "ours+search", "ours+ends", "ours+page", "ours+reduce_after"]
     assert arms_mod.EXTRA_ARMS["ours+page"] == ("ours:page_budget=8", "scheduled")

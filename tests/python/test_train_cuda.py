@@ -127,3 +127,31 @@ def test_page_nodes_captured_in_the_whole_step_replay_bit_exact_with_no_pinned_a
         waits = eager.chunk.pool.slot_order.waits
         assert (waits > 0) == two_way, waits  # two-way: buffers reused across the streams, ordered by events
         print({"paged_nodes": plans[0]["page"], "graph_pool_large": graph.graph_pool_large, "replay_host_blocks": grown})
+
+
+@pytest.mark.cuda
+def test_calibrated_order_times_step_0_with_one_sync_then_nothing_and_stays_bit_exact(monkeypatch):
+    """Issue 31 on the GPU: the calibrated arm's first step times every node with CUDA events
+    and reads them after one device sync (an ordinary step: none); later steps time nothing;
+    losses, gradients and weights equal the timing-free `ours` arm's every step."""
+    from sched_lifetime.train.arms import same_grads
+
+    syncs = []
+    real = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: (syncs.append(1), real(*a, **k))[1])
+    with _arms("ours", "calibrated") as (ours, cal):
+        per_step = []
+        for step in range(3):
+            ours.step(step, 3)
+            before = len(syncs)
+            cal.step(step, 3)
+            per_step.append(len(syncs) - before)
+            assert same_grads(cal, ours) and torch.equal(cal.losses[-1], ours.losses[-1]), step
+        c = cal.chunk.calibration
+        assert c.from_step == 0 and not c.active and c.costs
+        compute = [n["name"] for n in cal.chunk.graph(True, True)["nodes"] if n["kind"] == "compute"]
+        assert all(c.costs[n] > 0 for n in compute), {n: c.costs[n] for n in compute}
+        assert per_step[0] == per_step[1] + 1 and per_step[1] == per_step[2], per_step  # one sync more, then none
+        assert all(not e.timing and not e._runs for e in cal.chunk._executors.values())
+        torch.cuda.synchronize()
+        assert all(torch.equal(p, q) for p, q in zip(cal.model.parameters(), ours.model.parameters()))

@@ -204,7 +204,7 @@ def test_main_job_loop_over_two_gloo_ranks_prints_the_table_and_writes_its_files
     from sched_lifetime.train.cli import main
 
     out = tmp_path / "out"
-    arms = "sequential,ours,ours+ends"
+    arms = "sequential,ours,ours+ends,calibrated"
     assert main(["--cpu", "--steps", "1", "--microbatches", "2", "--arms", arms, "--quiet", "--out", str(out)]) == 0
     printed = capfd.readouterr().out
     assert "MEASURED (CPU, EP=2, config tiny, 2 microbatches, 1 timed steps)" in printed, printed
@@ -217,6 +217,14 @@ def test_main_job_loop_over_two_gloo_ranks_prints_the_table_and_writes_its_files
     assert all(r["ref"] == "exact" and r["ref_within"] and r["ref_worst"] == 0 for r in res["rows"].values()), res["rows"]
     for a in arms.split(","):
         assert any(line.split()[:3] == [a, "equal", "exact"] for line in printed.splitlines()), (a, printed)
+    # The calibrated arm: step 0 (the warm-up) timed, its costs agreed over both ranks, the
+    # order re-planned from the next step on; the table says so.
+    cal = res["rows"]["calibrated"]["calibration"]
+    assert cal["from_step"] == 0 and cal["steps_done"] == 1 and cal["nodes"] > 0, cal
+    assert "calibrated: calibrated order from step 0's costs" in printed, printed
+    text = (out / "calibrated_calibrated.txt").read_text()
+    assert text.startswith("calibrated order from step 0's costs") and " us) [F] ran under: " in text, text
+    assert json.load(open(out / "calibrated_calibrated.json"))["costs_us"].keys() >= {"F.L0.attn", "B.L0.attn"}
     with open(out / "durations.json") as f:
         durations = json.load(f)
     assert durations and all(v >= 0 for v in durations.values()), durations

@@ -36,6 +36,7 @@ from .compile import backend as compile_backend  # registers torch.compile(backe
 from .compile import GraphStep
 from .paging import HostPool, Pager, page_plan
 from .schedule import lower, schedule, schedule_order, simulate_schedule, validate
+from .calibrate import Calibration
 from .sim import compare, scenario_graph, scenario_program, simulate
 from .nodes import Chunk, MicrobatchState, NodeDef, combined_step, train_step
 from .pipelining import GraphStage, NodeStage, enable_overlap
@@ -66,6 +67,7 @@ __all__ = [
     "NodeStage",
     "enable_overlap",
     # scheduler and simulator
+    "Calibration",
     "INFO",
     "STATS_FIELDS",
     "compare",

@@ -105,9 +105,13 @@ class Executor:
     (values dropped after their last use, no cross-stream protection: only for one stream).
     `single_stream`: every node on the compute stream (a serial baseline; no events).
     `keep`: consumed values to return as well (values no node consumes are always returned).
-    `timing`: time every node on its stream (CUDA events made here, or host time on CPU);
-    `node_times_us()` returns the last run's times, by node name, for the simulator's
-    `durations`. Meaningful in a serial order (each node alone on the GPU).
+    `timing` (settable between runs): time every node on its stream (CUDA events recorded
+    after the node's waits, so a node's time is its own work, not what it waited for; host
+    time on CPU). No sync per node or per run: `take_times()` syncs once and returns every
+    timed run's times since the last call (what cost calibration reads at a step's end,
+    `sched_lifetime.calibrate`); `node_times_us()` the last run's. In a serial order each node
+    runs alone on the GPU (the simulator's `durations`); in an overlapped one a node's time
+    includes the contention it met.
     `two_way_paging`: the page role's page-in nodes run on `SideStreams.page_in` and its
     page-outs on `SideStreams.page` (False: both on the page stream). The schedule has one page
     role and relies on no order between a page-out and a page-in node (they share no value);
@@ -219,12 +223,15 @@ class Executor:
         self.autograd_saved: set[str] = set()
         self.kept_for_autograd = 0
         self._plans = sorted({self._source[self._producer[r["value"]]] for r in schedule["retires"]})
-        self._timing = timing
+        #: Time every node of the next runs (see the class docs).
+        self.timing = bool(timing)
         #: Bytes of every tensor value of the last run, when set to a dict (`sized_graph`).
         self.value_bytes: Optional[dict[str, int]] = None
-        self._marks: dict[str, tuple] = {}
-        if timing and self.device.type == "cuda":
-            self._timers = {n: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for n in nodes}
+        # Timed runs not yet read: per run, node -> (start, end) (CUDA events or host seconds).
+        self._runs: list[dict[str, tuple]] = []
+        # CUDA timing events, reused from one `take_times` to the next (none made in capture).
+        self._timer_pool: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._timers_used = 0
         self.last_stats: dict[str, dict[str, int]] = {}
 
     def _stream_key(self, role: str, node: str) -> str:
@@ -257,15 +264,19 @@ class Executor:
                 streams[role].wait_stream(comp)
         # Under a profiler, each node is a labelled range (per-node GPU times for the simulator).
         labels = torch.autograd.profiler._is_profiler_enabled
+        marks: Optional[dict[str, tuple]] = None
+        if self.timing:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("Executor timing is not supported under CUDA graph capture: turn it off (executor.timing = False) before capturing")
+            marks = {}
+            self._runs.append(marks)
         try:
             for name in self._order:
-                if self._timing:
-                    self._timed_issue(name, streams, env, managers)
-                elif labels:
+                if labels:
                     with torch.profiler.record_function(name):
-                        self._issue(name, streams, env, managers)
+                        self._issue(name, streams, env, managers, marks)
                 else:
-                    self._issue(name, streams, env, managers)
+                    self._issue(name, streams, env, managers, marks)
             # Side streams rejoin compute: the caller's later work sees everything.
             for role in self._side_roles:
                 if streams[role] is not comp:
@@ -278,29 +289,43 @@ class Executor:
                 m.close()
         return env
 
-    def _timed_issue(self, name: str, streams: dict, env: dict, managers: dict) -> None:
-        s = streams[self._role[name]]
+    def _start_mark(self, s: torch.Stream) -> Any:
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        if self._timers_used == len(self._timer_pool):
+            self._timer_pool.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+        pair = self._timer_pool[self._timers_used]
+        self._timers_used += 1
+        pair[0].record(s)
+        return pair
+
+    def _end_mark(self, start: Any, s: torch.Stream) -> tuple:
+        if self.device.type != "cuda":
+            return (start, time.perf_counter())
+        start[1].record(s)
+        return start
+
+    def take_times(self, sync: bool = True) -> list[dict[str, float]]:
+        """Every timed run's node times (us, by node name) since the last call, oldest first,
+        and forget them. On CUDA one device sync for all of them (`sync=False`: the caller has
+        synchronized already)."""
+        runs, self._runs = self._runs, []
         if self.device.type == "cuda":
-            start, end = self._timers[name]
-            start.record(s)
-            self._issue(name, streams, env, managers)
-            end.record(s)
-            self._marks[name] = (start, end)
-        else:
-            t0 = time.perf_counter()
-            self._issue(name, streams, env, managers)
-            self._marks[name] = (t0, time.perf_counter())
+            if sync and runs:
+                torch.cuda.synchronize(self.device)
+            out = [{n: a.elapsed_time(b) * 1e3 for n, (a, b) in marks.items()} for marks in runs]
+            self._timers_used = 0
+            return out
+        return [{n: (b - a) * 1e6 for n, (a, b) in marks.items()} for marks in runs]
 
     def node_times_us(self) -> dict[str, float]:
         """Each node's time in the last timed run, in microseconds (synchronizes the GPU)."""
-        if not self._timing:
+        if not self.timing:
             raise RuntimeError("node times need Executor(..., timing=True)")
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            return {n: a.elapsed_time(b) * 1e3 for n, (a, b) in self._marks.items()}
-        return {n: (b - a) * 1e6 for n, (a, b) in self._marks.items()}
+        runs = self.take_times()
+        return runs[-1] if runs else {}
 
-    def _issue(self, name: str, streams: dict, env: dict, managers: dict) -> None:
+    def _issue(self, name: str, streams: dict, env: dict, managers: dict, marks: Optional[dict] = None) -> None:
         node = self._nodes[name]
         role = self._role[name]
         s = streams[role]
@@ -309,6 +334,8 @@ class Executor:
                 managers[plan].acquire(streams[owner])
         for p in self._syncs_into.get(name, ()):
             s.wait_event(self._events[p])
+        # Timed from after its waits: the node's own work.
+        start = self._start_mark(s) if marks is not None else None
         kind = node["kind"]
         if kind in ("comm_wait", "page_wait"):
             pass  # the sync edge from the launch is the wait
@@ -335,6 +362,8 @@ class Executor:
                 env[v] = t
                 if self.value_bytes is not None and isinstance(t, torch.Tensor):
                     self.value_bytes[v] = t.untyped_storage().nbytes()
+        if marks is not None:
+            marks[name] = self._end_mark(start, s)
         if name in self._events:
             self._events[name].record(s)
         for (plan, consumer_role, action, owner_role), values in self._retire_after.get(name, {}).items():

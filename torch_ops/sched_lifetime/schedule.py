@@ -93,12 +93,22 @@ def validate(
     )
 
 
-def format_explain(result: dict[str, Any]) -> str:
-    """One line per launch: what compute hid it."""
+def format_explain(result: dict[str, Any], costs: Optional[dict[str, float]] = None) -> str:
+    """One line per launch: what compute hid it. With `costs` (us by node name, e.g. a
+    calibration's measured `Calibration.costs`), each node's cost beside it."""
+
+    def name(n: str) -> str:
+        if costs is None:
+            return n
+        from .calibrate import fold_name
+
+        c = costs.get(fold_name(n))
+        return n if c is None else f"{n} ({c:.0f} us)"
+
     lines = []
     for e in result.get("explain") or []:
-        under = ", ".join(e["hidden_under"]) or "nothing (exposed)"
-        lines.append(f"{e['launch']} [{e['source']}] ran under: {under}")
+        under = ", ".join(name(n) for n in e["hidden_under"]) or "nothing (exposed)"
+        lines.append(f"{name(e['launch'])} [{e['source']}] ran under: {under}")
     return "\n".join(lines)
 
 

@@ -61,6 +61,10 @@ class Chunk(ChunkGraph):
         #: Page-ins on their own stream beside the page-outs (`enable_paging(two_way=)`).
         self.page_two_way = False
         self._executors: dict[tuple, Executor] = {}
+        # Schedules a calibration step chose for executors it dropped (built at the next use).
+        self._calibrated: dict[tuple, dict] = {}
+        # Executor keys of the last calibration step, by their rank-independent label.
+        self._cal_keys: dict[str, tuple] = {}
         #: Values (chunk names) that some node's forward saved for its backward (autograd holds
         #: their storage): their cross-stream retire drops the reference instead of emptying the
         #: storage (rule 3 would make that backward read freed memory). Found on each node's
@@ -83,6 +87,7 @@ class Chunk(ChunkGraph):
     def _rebuild(self) -> None:
         super()._rebuild()
         self._executors.clear()
+        self._calibrated.clear()
 
     # -- paging ------------------------------------------------------------------------
 
@@ -160,6 +165,14 @@ class Chunk(ChunkGraph):
     def executor(self, forward: bool, backward: bool, order: str = "ours", lifetime: str = "scheduled") -> Executor:
         """The executor of one multiplexing (made once, reused every step)."""
         return _executor(self if forward else None, self if backward else None, order, lifetime)
+
+    def end_calibration_step(self) -> None:
+        """End a step of cost calibration for runs of order `"calibrated"` made with `run`
+        (`train_step` and `combined_step` end theirs themselves): agree on the node times,
+        re-plan (see `train_step`). Every rank calls it together."""
+        from .run import end_calibration
+
+        end_calibration(self, "calibrated")
 
     def node_times_us(self) -> dict[str, float]:
         """Median time of each node over the timed runs so far (µs, by graph node name): the

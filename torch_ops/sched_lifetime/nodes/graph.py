@@ -14,13 +14,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+from ..calibrate import CALIBRATED, Calibration
 from ..schedule import schedule, schedule_order
 
 if TYPE_CHECKING:
     import torch
 
-#: The orders `train_step` and `Chunk.run` take (besides `"ours:<rules,budgets>"`).
-ORDERS = ("ours", "b_then_f", "sequential")
+#: The orders `train_step` and `Chunk.run` take (besides `"ours:<rules,budgets>"`):
+#: `calibrated` is ours re-planned under rule `search` with node costs measured in the first
+#: steps (`Chunk.calibration`); `ours` the timing-free order.
+ORDERS = (CALIBRATED, "ours", "b_then_f", "sequential")
+
+
+def is_ours(order: str) -> bool:
+    """Whether `order` is one of the scheduler's orders (not a baseline's)."""
+    return order in ("ours", CALIBRATED) or order.startswith("ours:")
 
 
 @dataclass
@@ -97,6 +105,10 @@ class ChunkGraph:
         #: into the graph's `cost` fields so the opt-in cost rules (order `"ours:search"`) can
         #: use them; the default order is timing-free and never reads them.
         self.costs: dict[str, float] = {}
+        #: Cost calibration of order `"calibrated"` (`sched_lifetime.calibrate`): the first
+        #: `steps` steps are timed, then the order is re-planned with the measured costs.
+        #: Replace it to change the settings (`Calibration(steps=3, smoothing=0.5)`).
+        self.calibration = Calibration()
         produced = set(self.inputs)
         for n in self.nodes:
             for v in n.inputs:
@@ -243,7 +255,7 @@ class ChunkGraph:
     def order_schedule(self, forward: bool, backward: bool, order: str) -> dict:
         """Our schedule, or a baseline's: `b_then_f` (every backward node, then every forward
         node) or `sequential` (the same, each comm waited at once: table order)."""
-        return _order_schedule(self.graph(forward, backward), order)
+        return _order_schedule(self.graph(forward, backward), order, self.calibration)
 
 
 def _pair_graph(fchunk: Optional[ChunkGraph], bchunk: Optional[ChunkGraph]) -> dict:
@@ -270,9 +282,13 @@ def _pair_graph(fchunk: Optional[ChunkGraph], bchunk: Optional[ChunkGraph]) -> d
     return g
 
 
-def _order_schedule(g: dict, order: str) -> dict:
+def _order_schedule(g: dict, order: str, calibration: Optional[Calibration] = None) -> dict:
     if order == "ours":
         return schedule(g)
+    if order == CALIBRATED:
+        if calibration is None:
+            raise ValueError("order 'calibrated' needs the chunk's calibration (Chunk.calibration)")
+        return calibration.schedule(g)
     if order.startswith("ours:"):  # ours with named rules and budgets, e.g. "ours:classic,ep_budget=1"
         rules, budgets = [], {}
         for item in filter(None, (x.strip() for x in order[len("ours:") :].split(","))):
@@ -343,4 +359,4 @@ def _two_graph(chunk: ChunkGraph, phase: str) -> dict:
 
 def two_schedule(chunk: ChunkGraph, phase: str, order: str = "ours") -> dict:
     """The schedule `run_two(chunk, phase, ...)` runs (for the ranks' digest and for tests)."""
-    return _order_schedule(_two_graph(chunk, phase), order)
+    return _order_schedule(_two_graph(chunk, phase), order, chunk.calibration)

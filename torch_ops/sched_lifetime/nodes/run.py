@@ -9,14 +9,16 @@ is one F(i+1)+B(i); `train_step` a whole step of n microbatches with gradient ac
 
 from __future__ import annotations
 
+import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
+from ..calibrate import CALIBRATED, apply_plans, timed_end
 from ..ep import agree_across_ranks, digest, schedule_digest
 from ..executor import Executor
-from .graph import ORDERS, _order_schedule, _pair_graph, _two_graph
+from .graph import ORDERS, _order_schedule, _pair_graph, _two_graph, is_ours
 from .state import MicrobatchState
 
 if TYPE_CHECKING:
@@ -28,12 +30,15 @@ def _executor(fchunk: Optional[Chunk], bchunk: Optional[Chunk], order: str, life
     backward chunk, or the forward one when there is no backward)."""
     home = bchunk if bchunk is not None else fchunk
     assert home is not None
-    timing = bool((fchunk and fchunk.timing) or (bchunk and bchunk.timing))
+    if order == CALIBRATED and fchunk is not None and bchunk is not None and fchunk is not bchunk:
+        raise ValueError("order 'calibrated' times the nodes of one chunk: pair F and B of the same chunk, or use order 'ours'")
+    # Calibration times its executors itself (`Executor.timing`, read at the step's end).
+    timing = order != CALIBRATED and bool((fchunk and fchunk.timing) or (bchunk and bchunk.timing))
     key = (id(fchunk), id(bchunk), order, lifetime, timing)
     ex = home._executors.get(key)
     if ex is None:
         g = _pair_graph(fchunk, bchunk)
-        s = _order_schedule(g, order)
+        s = home._calibrated.pop(key, None) or _order_schedule(g, order, home.calibration)
         calls = {}
         if fchunk is not None:
             calls.update(fchunk.callables(True, False, release_points=bchunk is not None))
@@ -44,7 +49,60 @@ def _executor(fchunk: Optional[Chunk], bchunk: Optional[Chunk], order: str, life
         ex = home._executors[key] = Executor(g, s, calls, device=home.device, lifetime=lifetime, timing=timing, two_way_paging=two_way)
         if fchunk is not None:
             ex.autograd_saved = fchunk.autograd_saved
+        ex.graph = g
+    if order == CALIBRATED:
+        ex.timing = home.calibration.active
     return ex
+
+
+def _label(chunk: Chunk, key: tuple) -> str:
+    """An executor key of `chunk` (`_executor`, `run_two`) as text that every rank spells the
+    same: the sources it multiplexes and its lifetime policy."""
+    if key[0] == "two":
+        return f"{key[1]}+{key[1]}2/{key[3]}"
+    f, b = key[0] == id(chunk), key[1] == id(chunk)
+    return f"{'F' if f else ''}{'+' if f and b else ''}{'B' if b else ''}/{key[3]}"
+
+
+def end_calibration(chunk: Chunk, order: str) -> None:
+    """At a step's end with order `"calibrated"` while calibrating: the step's node times (one
+    device sync), agreed across the ranks and smoothed (`Calibration.end_step`), then every
+    calibrated executor of `chunk` scheduled again (`Calibration.plan`: now, or in the
+    background, applied by `begin_calibrated_step` two steps on). Nothing once calibration is
+    done."""
+    cal = chunk.calibration
+    if order != CALIBRATED or not cal.active:
+        return
+    _apply_plans(chunk, cal.take_plans(wait=True))  # an earlier calibration step's, first
+    if cal.group is None:  # the ranks that agree on the step's facts agree on its costs
+        cal.group = chunk.rank_group
+    t0 = time.perf_counter()
+    mine = {k: ex for k, ex in chunk._executors.items() if k[2] == CALIBRATED}
+    cal.end_step(timed_end(cal, mine.values(), chunk.device))
+    # A label the same on every rank (the keys hold object ids): which sources, which lifetime.
+    chunk._cal_keys = {_label(chunk, k): k for k in mine}
+    _apply_plans(chunk, cal.plan({label: mine[k].graph for label, k in sorted(chunk._cal_keys.items())}))
+    cal.end_ms.append((time.perf_counter() - t0) * 1e3)
+
+
+def begin_calibrated_step(chunk: Chunk, order: str) -> None:
+    """At a step's start with order `"calibrated"`: a background search's orders take over
+    once one whole step has run beside it (the same step on every rank)."""
+    if order == CALIBRATED:
+        _apply_plans(chunk, chunk.calibration.take_plans(wait=False))
+
+
+def _apply_plans(chunk: Chunk, plans: Optional[dict]) -> None:
+    if plans is None:
+        return
+
+    def rebuild(label: str, s: dict) -> None:
+        key = chunk._cal_keys[label]
+        chunk._calibrated[key] = s  # the next use builds the executor with it
+        chunk._executors.pop(key, None)
+
+    current = {label: (chunk._executors[k]._order if k in chunk._executors else None) for label, k in chunk._cal_keys.items()}
+    apply_plans(chunk.calibration, plans, current, rebuild)
 
 
 def _feed_forward(c: Chunk, source: str, fwd: tuple[MicrobatchState, dict[str, Any]], inputs: dict[str, Any]) -> None:
@@ -106,7 +164,7 @@ def run_pair(
         _feed_backward(bchunk, "B", bwd, out_grad, inputs)
     try:
         out = ex.run(inputs)
-        if ex._timing:
+        if ex.timing and order != CALIBRATED:
             for n, us in ex.node_times_us().items():
                 touched[0]._times.setdefault(n, []).append(us)
         return out
@@ -147,9 +205,13 @@ def run_two(
         g = _two_graph(chunk, phase)
         calls = chunk.callables(phase == "F", phase == "B")
         calls.update({phase + "2" + k[1:]: f for k, f in twin.callables(phase == "F", phase == "B").items()})
-        ex = chunk._executors[key] = Executor(g, _order_schedule(g, order), calls, device=chunk.device, lifetime=lifetime)
+        s = chunk._calibrated.pop(key, None) or _order_schedule(g, order, chunk.calibration)
+        ex = chunk._executors[key] = Executor(g, s, calls, device=chunk.device, lifetime=lifetime)
         if phase == "F":
             ex.autograd_saved = chunk.autograd_saved  # the twin shares it (`_twin`)
+        ex.graph = g
+    if order == CALIBRATED:
+        ex.timing = chunk.calibration.active
     inputs: dict[str, Any] = {}
     for c, p, item in ((chunk, phase, items[0]), (twin, phase + "2", items[1])):
         if phase == "F":
@@ -180,14 +242,15 @@ def combined_step(
     chunk: Chunk,
     forward: tuple[MicrobatchState, dict[str, Any]],
     backward: MicrobatchState,
-    order: str = "ours",
+    order: str = CALIBRATED,
     lifetime: str = "scheduled",
     grad_scale: float = 1.0,
 ) -> dict[str, Any]:
     """F of one microbatch with B of another, multiplexed in one schedule: the steady state
     of combined 1F1B (Megatron-LM's `--overlap-moe-expert-parallel-comm`), in the
-    scheduler's order (`order="ours"`, or `"ours:<rules,budgets>"`) or a baseline's
-    (`"b_then_f"`, `"sequential"`). `forward`: (its `MicrobatchState`, its chunk inputs);
+    scheduler's order (`order="calibrated"`, the default: each call is a step of the chunk's
+    cost calibration, see `train_step`; `"ours"`, timing-free; or `"ours:<rules,budgets>"`) or
+    a baseline's (`"b_then_f"`, `"sequential"`). `forward`: (its `MicrobatchState`, its chunk inputs);
     `backward`: the state of a microbatch whose forward has run; `grad_scale`: the gradient
     its loss starts from (1/n when accumulating n microbatches). `lifetime`: "scheduled" (the
     lifetime manager) or "record_stream". Returns the executor's values (the forward's
@@ -207,14 +270,17 @@ def combined_step(
         >>> "F.loss" in out, mb1.loss is not None
         (True, True)
     """
+    begin_calibrated_step(chunk, order)
     agree_across_ranks(chunk, "combined_step", {"order": order, "lifetime": lifetime, **_rank_facts(chunk, order, lifetime)})
-    return chunk.run(forward, backward, order, lifetime, grad_scale)
+    out = chunk.run(forward, backward, order, lifetime, grad_scale)
+    end_calibration(chunk, order)
+    return out
 
 
 def train_step(
     chunk: Chunk,
     microbatches: Sequence[dict[str, Any]],
-    order: str = "ours",
+    order: str = CALIBRATED,
     lifetime: str = "scheduled",
     on_run: Optional[Callable[[], None]] = None,
     paired_ends: bool = False,
@@ -223,7 +289,19 @@ def train_step(
 
     `order="sequential"`: F(i) then B(i), one microbatch at a time, each comm waited at once.
     Otherwise the steady state: warm-up F(0), then F(i+1) multiplexed with B(i), cool-down
-    B(n-1), each multiplexing in `order` ("ours" or "b_then_f"). Returns the losses.
+    B(n-1), each multiplexing in `order` ("calibrated", "ours", "ours:<rules,budgets>" or
+    "b_then_f"). Returns the losses.
+
+    `order="calibrated"` (the default): the first `chunk.calibration.steps` steps (1 unless
+    set) time every node (CUDA events, one sync at the step's end; host clock on CPU), and at
+    each such step's end the ranks agree on the costs (one collective: each node's maximum),
+    which are smoothed over the calibration steps, and every graph of the step is scheduled
+    again under rule `search` with them, in a background thread while the next step runs the
+    old order (the new orders take over at the step after it, on every rank at once;
+    `chunk.calibration = Calibration(background=False)`: at once, from the next step); an
+    executor is rebuilt only when its order changed, and the orders are checked rank-identical. Before the first calibration step's end, and
+    for `order="ours"` always, the order is the timing-free one. Later steps time nothing.
+    See `sched_lifetime.calibrate`.
 
     `paired_ends` (n >= 2, our orders): the warm-up and the cool-down are multiplexed too, so
     their transfers also run under another microbatch's compute: F(0) with F(1), then F(i+2)
@@ -261,10 +339,11 @@ def train_step(
         raise ValueError("train_step needs at least one microbatch")
     if order not in ORDERS and not order.startswith("ours:"):
         raise ValueError(f"order must be one of {ORDERS} (or 'ours:<rules,budgets>'), got {order!r}")
-    if paired_ends and not (order == "ours" or order.startswith("ours:")):
-        raise ValueError(f"paired_ends needs one of our orders ('ours' or 'ours:...'), got {order!r}")
+    if paired_ends and not is_ours(order):
+        raise ValueError(f"paired_ends needs one of our orders ('calibrated', 'ours' or 'ours:...'), got {order!r}")
     if paired_ends and n == 1:  # a setting that selects nothing: say so
         warnings.warn("train_step: paired_ends pairs two microbatches; with 1 the step runs F(0) then B(0) unpaired", stacklevel=2)
+    begin_calibrated_step(chunk, order)
     facts = {"microbatch count": n, "order": order, "lifetime": lifetime, "paired_ends": bool(paired_ends and n >= 2)}
     agree_across_ranks(chunk, "train_step", {**facts, **_rank_facts(chunk, order, lifetime)})
     scale = 1.0 / n
@@ -272,7 +351,7 @@ def train_step(
     reduce = chunk.grad_reduce
     if reduce is not None and chunk.deferred_dw is not None:
         raise ValueError("train_step: grad reduce in the step is not supported with deferred dW")
-    in_step = reduce is not None and (order == "ours" or order.startswith("ours:"))
+    in_step = reduce is not None and is_ours(order)
     states[-1].last = in_step
 
     def after() -> None:
@@ -319,4 +398,5 @@ def train_step(
     for s in states:
         if s.saved:
             raise RuntimeError(f"microbatch {s.index}: backward left state behind for {sorted(s.saved)[:5]}")
+    end_calibration(chunk, order)
     return [s.loss for s in states]

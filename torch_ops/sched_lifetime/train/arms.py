@@ -57,6 +57,14 @@ ARM_TABLE: tuple[ArmSpec, ...] = (
     ArmSpec("sequential", "F then B of each microbatch, each all-to-all waited at once (the serial reference)", order="sequential", default=True),
     ArmSpec("b_then_f", "steady state F(i+1) + B(i) in one graph, every B node then every F node", order="b_then_f", default=True),
     ArmSpec("ours", "the same graphs in the scheduler's order (EP stream, late waits, lifetime manager)", default=True),
+    ArmSpec(
+        "calibrated",
+        "`ours` re-planned with measured costs: the first `--calibrate-steps` steps time every node, then rule `search` "
+        "picks the order the simulator rates shortest with them (agreed across the ranks)",
+        order="calibrated",
+        default=True,
+        notes="the table says from which step's costs; `ours` is the timing-free order",
+    ),
     ArmSpec("ours+record", "`ours` with `Tensor.record_stream` instead of the lifetime manager", lifetime="record_stream", default=True),
     ArmSpec("ours+graph", "`ours` with the whole step captured in one CUDA graph (GPU, fixed-capacity dispatch)", captured=True),
     ArmSpec(
@@ -169,7 +177,7 @@ def with_markdown_table(readme: str) -> str:
 class Arm:
     """One arm's model, optimizer and results, built from its row of `ARM_TABLE`."""
 
-    def __init__(self, name: str, cfg: Any, transport: Any, device: torch.device, lr: float) -> None:
+    def __init__(self, name: str, cfg: Any, transport: Any, device: torch.device, lr: float, calibration: Any = None) -> None:
         from ..models import MoEModel
         from ..nodes import GradReduce
 
@@ -184,6 +192,8 @@ class Arm:
         self.static_losses: list = []
         self.model = MoEModel(cfg, transport, seed=0, device=device)
         self.chunk = self.model.chunk(device)
+        if calibration is not None:
+            self.chunk.calibration = calibration
         # Data parallel over the EP ranks for everything but the experts: in train_step, or
         # after the step (the captured arms: after the replay; `ours+reduce_after`).
         self.reduce_after: Any = None

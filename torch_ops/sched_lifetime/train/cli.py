@@ -65,6 +65,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--page-nodes", default="", help="arm ours+page: page these compute nodes (comma-separated, e.g. L1.experts,L2.experts) instead of --page-budget's choice")
     p.add_argument("--page-prefetch", type=int, default=2, help="arm ours+page: a page-in may start this many backward nodes before its consumer (0: at once)")
     p.add_argument("--page-release", type=int, default=4, help="arm ours+page: the forward compute node this many nodes after a paged one waits for its page-out and releases its storage (0: only when a query finds the copy done)")
+    p.add_argument("--calibrate-steps", type=int, default=1, help="arm calibrated: the first N steps (the warm-up is step 0) time every node and re-plan")
+    p.add_argument("--calibrate-smoothing", type=float, default=0.5, help="arm calibrated: weight of a calibration step's times against the earlier ones', in (0, 1]")
     p.add_argument("--costs", default=None, help='JSON {"node": us} (e.g. a previous run\'s durations.json) for arm ours+search')
     p.add_argument(
         "--ep-link", default=None, metavar="nccl|host[:K]",
@@ -109,6 +111,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--{name.replace('_', '-')} must be at least {lo}, got {getattr(args, name)}")
     if not args.lr > 0:
         p.error(f"--lr must be > 0, got {args.lr}")
+    if args.calibrate_steps < 1:
+        p.error(f"--calibrate-steps must be at least 1 (to time nothing, run arm ours), got {args.calibrate_steps}")
+    if not 0 < args.calibrate_smoothing <= 1:
+        p.error(f"--calibrate-smoothing is the new times' weight, in (0, 1]; got {args.calibrate_smoothing}")
     if not 0 <= args.page_budget <= 1:
         p.error(f"--page-budget is a fraction of the saved activations, in [0, 1]; got {args.page_budget}")
     if args.costs and not os.path.isfile(args.costs):

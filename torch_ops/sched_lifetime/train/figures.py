@@ -250,6 +250,10 @@ def format_table(rows: dict, cfg: Any, args: argparse.Namespace, use_cuda: bool,
         "against plain autograd (loss.backward() per microbatch, no node API): exact, the worst deviation within tolerance, or DIFFER"
     )
     for a, r in rows.items():
+        if "calibration" in r:
+            c = r["calibration"]
+            took = f"; calibration's step-end work {', '.join(f'{x:.1f}' for x in c['end_ms'])} ms (sync, agreement, search)" if c["end_ms"] else ""
+            lines.append(f"{a}: {c['describe']}, costs of {c['nodes']} nodes, max over the ranks{took}")
         if "link_bytes_each_way" in r and r.get("comm_us"):
             b = r["link_bytes_each_way"]
             lines.append(f"{a}: the link moved {b / mib:.0f} MiB each way in one step, {b / r['comm_us'] / 1e3:.1f} GB/s over its copy time")

@@ -109,6 +109,9 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
         a: {"parity": parity[a], "ref": vs_ref[a].label(), "ref_within": vs_ref[a].within, "ref_worst": vs_ref[a].worst, "step_ms": statistics.median(arm.times)}
         for a, arm in arms.items()
     }
+    for a, arm in arms.items():
+        if arm.order == "calibrated":
+            rows[a]["calibration"] = {**arm.chunk.calibration.summary(), "describe": arm.chunk.calibration.describe()}
     if use_cuda:
         say(args, "each arm measured alone: memory, then a profiled step")
     histories = _measure_alone(arms, rows, args, sync, device, rank0) if use_cuda else {}
@@ -124,6 +127,7 @@ def run(args: argparse.Namespace, use_cuda: bool) -> dict:
         except Exception as e:  # a plot never costs the run
             print(f"memory plot skipped: {type(e).__name__}: {e}")
     _node_times(arms, args, rank0)
+    _calibrated_orders(arms, args, rank0)
     plot = os.path.join(args.out, "memory_over_time_simulated.png") if args.out and rank0 else None
     simulated = simulate_memory(arms, args.microbatches, args.steps + 4, plot) if not use_cuda else None
     link = transport.describe() if spec is not None else None
@@ -139,8 +143,13 @@ def _link_spec(args: argparse.Namespace) -> Optional[str]:
 
 def build_arms(args: argparse.Namespace, cfg: Any, transport: Any, device: torch.device, rank0: bool) -> dict[str, Arm]:
     """The arms of `args.arms`, same weights, with `--costs` and the paged arms' page plans."""
+    from ..calibrate import Calibration
+
     names = [a for a in args.arms.split(",") if a]
-    arms = {a: Arm(a, cfg, transport, device, args.lr) for a in names}
+    steps, smoothing = getattr(args, "calibrate_steps", 1), getattr(args, "calibrate_smoothing", 0.5)
+    # The search at the calibration step's end (the warm-up), so every timed step runs the
+    # calibrated order (train_step's default searches in the background, a step later).
+    arms = {a: Arm(a, cfg, transport, device, args.lr, Calibration(steps, smoothing, background=False)) for a in names}
     if args.costs:
         with open(args.costs) as f:
             costs = {str(k): float(v) for k, v in json.load(f).items()}
@@ -313,6 +322,28 @@ def _profiled(step: Callable[[], None], sync: Callable[[], None]) -> Any:
         step()
         sync()
     return prof
+
+
+def _calibrated_orders(arms: dict[str, Arm], args: argparse.Namespace, rank0: bool) -> None:
+    """With `--out`, per calibrated arm: `calibrated_<arm>.json` (what the calibration agreed:
+    its summary, the costs, the F+B order) and `calibrated_<arm>.txt` (that order, each node's
+    stream and measured cost, then what each launch ran under, with costs)."""
+    from ..calibrate import format_costs
+    from ..schedule import format_explain, schedule_order
+
+    if not args.out or not rank0:
+        return
+    for a, arm in arms.items():
+        if arm.order != "calibrated":
+            continue
+        cal = arm.chunk.calibration
+        graph = arm.chunk.graph(True, True)
+        s = schedule_order(graph, arm.chunk.executor(True, True, arm.order, arm.lifetime)._order)
+        stem = os.path.join(args.out, f"calibrated_{a.replace('+', '_')}")
+        with open(stem + ".json", "w") as f:
+            json.dump({**cal.summary(), "describe": cal.describe(), "costs_us": cal.costs, "order": s["order"]}, f, indent=1)
+        with open(stem + ".txt", "w") as f:
+            f.write(f"{cal.describe()}\n\n{format_costs(s, cal.costs)}\n\n{format_explain(s, cal.costs)}\n")
 
 
 def _node_times(arms: dict[str, Arm], args: argparse.Namespace, rank0: bool) -> None:
