@@ -296,7 +296,8 @@ def _measure_alone(arms: dict[str, Arm], rows: dict, args: argparse.Namespace, s
         for i in range(args.profile_steps):
             if link is not None:
                 link.reset_moved()
-            prof = _profiled(lambda i=i: arm.step(args.steps + 2 + i, args.microbatches), sync)
+            host = arm.spec.paged or bool(args.out and args.traces and i == 0)
+            prof = _profiled(lambda i=i: arm.step(args.steps + 2 + i, args.microbatches), sync, host)
             comm.append(exposed_comm_us(prof, link, arm.spec.paged))
             if arm.spec.paged:
                 page.append(exposed_page_us(prof, link))
@@ -314,11 +315,14 @@ def _measure_alone(arms: dict[str, Arm], rows: dict, args: argparse.Namespace, s
     return histories
 
 
-def _profiled(step: Callable[[], None], sync: Callable[[], None]) -> Any:
-    """One step under the profiler (CPU and CUDA activity), synced before it ends."""
+def _profiled(step: Callable[[], None], sync: Callable[[], None], host: bool) -> Any:
+    """One step under the profiler, synced before it ends: CUDA activity, and the host's only
+    with `host` (the link's page/link split needs its runtime calls; a large step's host
+    events take the profiler many seconds to process)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if host else [ProfilerActivity.CUDA]
+    with profile(activities=acts) as prof:
         step()
         sync()
     return prof
