@@ -20,8 +20,8 @@
 #                                       # the family's shapes with the calibrated arm, the main job on the link
 #   bash benches/gpu_pass.sh calib2 OUT # nvidia-h200-x2: the main job over NCCL, ours vs calibrated
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calib2 OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calib2 OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2 OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2 OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -138,6 +138,17 @@ calib)
     step main_job_link_calib 240 "$py" -m sched_lifetime train --ep-link host:8 --config h200 --steps 3 --microbatches 8 \
         --arms sequential,ours,calibrated --quiet --out /tmp/main_job_calib
     cp /tmp/main_job_calib/train.json "$out/train_link_calib.json" 2>/dev/null
+    ;;
+calibl)
+    # Issues 31 + 28 + 35 in one call on one H200 (about 7 minutes): the calibrated order's cuda
+    # test, the family's 27 shapes with the calibrated arm, then the main job on the EMULATED
+    # link (EP=8): exposed comm the median of 5 profiled steps, node times for the simulator.
+    export PYTHONUNBUFFERED=1
+    step calib_cuda_test 60 "$py" -m pytest -q -m cuda -rs tests/python/test_train_cuda.py -k calibrated
+    step schedule_family_calib 150 "$py" benches/gpu_schedule_ab.py --family all --ratios 0.5,1.0,2.0 --json "$out/family.json"
+    step main_job_link 200 "$py" -m sched_lifetime train --ep-link host:8 --config h200 --steps 2 --microbatches 8 \
+        --arms sequential,ours,calibrated,ours+ends --profile-steps 5 --quiet --out /tmp/mjl --no-traces
+    for f in train.json durations.json calibrated_calibrated.json calibrated_calibrated.txt; do cp "/tmp/mjl/$f" "$out/link_$f" 2>/dev/null; done
     ;;
 calib2)
     step main_job_calib 420 bash benches/main_job_2gpu.sh "$out/mj_calib" --arms sequential,ours,calibrated --steps 3 --quiet
