@@ -12,11 +12,13 @@
 #   bash benches/gpu_pass.sh capture OUT  # one H200: whole-step graph pools, page nodes captured, min_cut, host overhead
 #   bash benches/gpu_pass.sh four OUT   # nvidia-h200-x4: DualPipeV as PP=2 x EP=2, handler vs none
 #   bash benches/gpu_pass.sh twopage OUT  # nvidia-h200-x2: EP + page nodes, ours vs ours+page at 3 budgets
+#   bash benches/gpu_pass.sh hf OUT     # nvidia-h200: third-party models (transformers, issue 27): paging default vs off
+#                                       # vs save_on_cpu, aot_eager vs ours (Qwen3-MoE at 8192 tokens, DeepSeek-V3 at 4096)
 #   bash benches/gpu_pass.sh link OUT   # nvidia-h200: EP=8 on the emulated link (one GPU, issue 28): its rate,
 #                                       # the main job's arms with ours+page, GraphStep vs compiled, its cuda tests
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|page2|page3 OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|page2|page3 OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|page2|page3|hf OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|page2|page3|hf OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -115,6 +117,11 @@ four)
 *)
     echo "unknown mode $mode: one, one2, two, two2, cuda2, explain, capture, four, twopage, link, page2 or page3" >&2
     exit 2
+    ;;
+hf)
+    # transformers must import (the image holds 5.17.0; else carry it on PYTHONPATH).
+    step hf_qwen3_moe 420 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 5 --out "$out/hf_qwen3_moe.json"
+    step hf_deepseek_v3 420 "$py" benches/hf_paging_ab.py --model deepseek_v3 --seq 4096 --steps 5 --out "$out/hf_deepseek_v3.json"
     ;;
 esac
 for f in "$out"/*.log; do
