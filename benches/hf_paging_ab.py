@@ -37,7 +37,9 @@ import statistics
 import sys
 import time
 
-import torch
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before the first cuBLAS call
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_ops"))
 import sched_lifetime as sl  # noqa: E402,F401  (registers the backend)
@@ -93,7 +95,10 @@ def main() -> None:
     dev = torch.device("cpu" if a.tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     seq = 32 if a.tiny else a.seq
-    torch.use_deterministic_algorithms(True)
+    # Deterministic kernels where torch has them (parity is bit-exact); warn_only: an op without
+    # one (the MoE's expert counts on CUDA) warns instead of stopping the run, and parity then
+    # says whether the arms still agree.
+    torch.use_deterministic_algorithms(True, warn_only=True)
     base = build(a, dev, dtype)
     params = sum(p.numel() for p in base.parameters())
     arms = a.arms.split(",")

@@ -4,9 +4,10 @@ for STEPS SGD steps under eager, aot_eager, our backend and our backend with pag
 options, but `paging_min_bytes=0`: a tiny model saves nothing of the default 64 KiB). Losses,
 every gradient and the weights are compared bit for bit: our arms against aot_eager always (the
 same AOTAutograd graphs, so they must be equal), and against eager where aot_eager itself is
-bit-exact with eager. On CPU with torch 2.11 and transformers 5.17 it is not, for any model
-here: the losses of step 0 are equal, the gradients differ from step 0 on (`EAGER_DIFFERS`; the
-test fails when that stops being true, so the comparison with eager is taken up again).
+bit-exact with eager. On CPU with torch 2.11 and transformers 5.17 it is not, for every case
+here but DeepSeek-V3 under the `eager` experts: the losses of step 0 are equal, the gradients
+differ from step 0 on (`EAGER_DIFFERS`; the test fails when that stops being true, so the
+comparison with eager is taken up again).
 
 MoE models run under both of transformers' experts implementations (`config.experts_implementation`;
 transformers picks `grouped_mm` where torch has it, else `eager`): `grouped_mm`, which under
@@ -45,8 +46,8 @@ MODELS = {
 MOE = sorted(set(MODELS) - {"llama"})
 CASES = [(m, impl) for m in MOE for impl in ("grouped_mm", "eager")] + [("llama", None)]
 #: (model, experts implementation) where aot_eager itself is not bit-exact with eager on CPU
-#: (our arms are then compared with aot_eager only); checked to still differ. All of them today.
-EAGER_DIFFERS: set = set(CASES)
+#: (our arms are then compared with aot_eager only); checked to still differ.
+EAGER_DIFFERS: set = set(CASES) - {("deepseek_v3", "eager")}
 CI_CASES = [("llama", None), ("qwen3_moe", "grouped_mm"), ("mixtral", "eager")]
 ALL = os.environ.get("SCHED_LIFETIME_HF_ALL") == "1"
 ARMS = {

@@ -59,7 +59,7 @@ OPTIONS: dict[str, Any] = {
     "paging": False,  # saved activations to host memory and back (eager only, not with cudagraphs)
     "paging_budget": 0.5,  # what to page: a fraction of the saved activations' bytes, or bytes (int)
     "paging_prefetch": 2,  # a page-in is launched this many compute nodes before its first use
-    "paging_buffers": 2,  # host buffers per paged value (forwards in flight before their backwards)
+    "paging_buffers": 2,  # static: run slots made at compile time (more are made as more forwards run before their backwards)
     "paging_min_bytes": 1 << 16,  # smaller saved values stay on the device
     "paging_timed": True,  # sl.Pager decides at run time after calibration (False: the static plan)
     "paging_slack": 1.25,  # timed: copies planned this many times slower than measured

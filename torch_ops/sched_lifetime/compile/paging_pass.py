@@ -73,7 +73,8 @@ class _Run:
 
 
 class GraphPager:
-    """One compiled function's paging: the plan, the host pool and the per-step stats."""
+    """One compiled function's paging: the candidates, the plan, the run slots (each with its
+    Pager or host pool; see the module docstring) and the stats."""
 
     def __init__(
         self, budget: Budget, prefetch: int = 2, buffers: int = 2, min_bytes: int = 1 << 16, timed: bool = False, slack: float = 1.25,
