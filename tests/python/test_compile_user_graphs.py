@@ -6,7 +6,6 @@ launched in one graph and waited in the next, and the order pass's memory guard.
 bit-exact against eager (and aot_eager) over several SGD steps."""
 
 import copy
-import os
 import socket
 
 import pytest
@@ -218,14 +217,16 @@ def test_calibrations_at_once_share_one_memory_line():
 
 
 @pytest.fixture
-def one_rank():
+def one_rank(monkeypatch):
     if dist.is_initialized():
         yield dist.group.WORLD
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    # Restored afterwards: later tests (the docs' examples) pick their own port.
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         yield dist.group.WORLD
@@ -275,3 +276,31 @@ def test_a_collective_launched_in_one_graph_and_waited_in_the_next_runs_bit_exac
     # and the shared expert (`addmm`, independent of both) runs under that second transfer.
     names = [n.name for n in second["module"].graph.nodes if n.op == "call_function"]
     assert names.index("wait_tensor") < names.index("all_to_all_single") < names.index("addmm") < names.index("wait_tensor_1"), names
+
+
+def test_the_memory_guard_through_the_schedule_op():
+    """`sl.schedule(..., memory_slack=...)`: the result says what the guard found (peaks from the
+    values' bytes, the order's within the slack of the table's), without it nothing changes, and
+    a bad slack is an error. (Which order the guard picks is Rust's `sched::memory` tests.)"""
+    def node(name, kind, ins=(), out=None, bytes_=0, **kw):
+        n = {"name": name, "source": "f", "kind": kind, "inputs": list(ins), **kw}
+        if out:
+            n["outputs"] = [{"value": out, "bytes": bytes_, **({"alloc": "consumer"} if kind == "comm_launch" else {})}]
+        return n
+
+    graph = {
+        "sources": [{"name": "f", "phase": "F"}], "inputs": ["x"], "outputs": ["a2", "b2"],
+        "nodes": [
+            node("a", "compute", ["x"], "a", 100), node("b", "compute", ["x"], "b", 100),
+            node("l", "comm_launch", ["x"], "r", 10), node("w", "comm_wait", launch="l"),
+            node("a2", "compute", ["a", "r"], "a2", 1), node("b2", "compute", ["b"], "b2", 1),
+        ],
+    }
+    plain = sl.schedule(graph)
+    assert "memory" not in plain
+    guarded = sl.schedule(graph, memory_slack=0.02)
+    mem = guarded["memory"]
+    assert mem["peak_bytes"] <= mem["baseline_peak_bytes"] * 1.02, mem
+    assert guarded["order"].index("l") < guarded["order"].index("w")
+    with pytest.raises(ValueError, match="memory_slack must be a number"):
+        sl.schedule(graph, memory_slack="2%")
