@@ -10,8 +10,9 @@ step, no optimizer step, so every arm computes the same gradients):
     paging       torch.compile(backend="sched_lifetime", options={"paging": True}): default
                  paging options (timed: calibrated over the first two steps)
 
-Steps interleaved across arms; steps 0 and 1 warm up (compile, calibrate) and are not timed;
-medians of the rest. Per arm: step time, the peak allocated above the step's start, and parity:
+Arms run one after another (torch._dynamo reset before each: arms compiled side by side share
+dynamo's per-frame caches, which on these graph-broken models cost parity), the same batches in
+each; steps 0 and 1 warm up (compile, calibrate) and are not timed; medians of the rest. Per arm: step time, the peak allocated above the step's start, and parity:
 torch.equal on the loss and every gradient, every step, against eager (eager arms) and against
 aot_eager (compiled arms: AOTAutograd's graphs are not bit-exact with eager in the gradients
 on CPU, see tests/python/test_hf_models.py; eager vs aot_eager is printed too). Printed as a
@@ -106,23 +107,27 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown arms {unknown}; known: {', '.join(ARMS)}")
     paging_opts = {"paging": True, **({"paging_min_bytes": 0} if a.tiny else {}), **json.loads(a.paging or "{}")}
-    runs, models, history = {}, {}, {}
-    for arm in arms:
-        model = copy.deepcopy(base)
-        models[arm] = model
-        if arm in ("eager", "save_on_cpu"):
-            runs[arm] = model
-        elif arm == "aot_eager":
-            runs[arm] = torch.compile(model, backend="aot_eager")
-        else:
-            runs[arm] = torch.compile(model, backend="sched_lifetime", options=paging_opts if arm == "paging" else {})
+    # One arm after another, torch._dynamo reset before each: arms compiled side by side share
+    # dynamo's per-frame caches (and their recompile limits), and on these graph-broken models
+    # that let one arm run frames another compiled (measured on CPU: parity lost). The reference
+    # arms run first; their losses and gradients of every step are kept on the host.
+    order = [x for x in ("eager", "aot_eager") if x in arms] + [x for x in arms if x not in ("eager", "aot_eager")]
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     rows = {arm: {"ms": [], "peak": [], "parity": True, "vs_eager": None} for arm in arms}
-    for step in range(a.steps + 2):
-        ids = torch.randint(0, base.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(step)).to(dev)
-        got: dict = {}
-        for arm in arms:
-            model, run = models[arm], runs[arm]
+    kept: dict = {}  # reference arm -> per step, its loss and gradients (host)
+    history: dict = {}
+    batches = [torch.randint(0, base.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(step)) for step in range(a.steps + 2)]
+    for arm in order:
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        if arm in ("eager", "save_on_cpu"):
+            run = model
+        elif arm == "aot_eager":
+            run = torch.compile(model, backend="aot_eager")
+        else:
+            run = torch.compile(model, backend="sched_lifetime", options=paging_opts if arm == "paging" else {})
+        for step, ids in enumerate(batches):
+            ids = ids.to(dev)
             for p in model.parameters():
                 p.grad = None
             before = len(slc.history)
@@ -143,22 +148,25 @@ def main() -> None:
             peak = (torch.cuda.max_memory_allocated(dev) - start) if dev.type == "cuda" else 0
             if arm not in ("eager", "save_on_cpu", "aot_eager") and len(slc.history) > before:
                 history.setdefault(arm, []).extend(slc.history[before:])
-            got[arm] = [loss.detach()] + [p.grad for p in model.parameters()]
+            got = [loss.detach()] + [p.grad for p in model.parameters()]
+            if arm in ("eager", "aot_eager"):
+                kept.setdefault(arm, []).append([None if t is None else t.detach().cpu() for t in got])
+            ref = kept.get(REFERENCE[arm])
+            if ref is not None and arm != REFERENCE[arm]:
+                if not all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y.cpu())) for x, y in zip(ref[step], got)):
+                    rows[arm]["parity"] = False
+            if arm == "aot_eager" and "eager" in kept:
+                same = all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y)) for x, y in zip(kept["eager"][step], kept["aot_eager"][step]))
+                rows[arm]["vs_eager"] = same and rows[arm]["vs_eager"] in (None, True)
+            del got, loss
             if step > 1:
                 rows[arm]["ms"].append(ms)
                 rows[arm]["peak"].append(peak)
-        for arm in arms:
-            ref = REFERENCE[arm]
-            if ref in got and not all(torch.equal(x, y) for x, y in zip(got[ref], got[arm])):
-                rows[arm]["parity"] = False
-        if "eager" in got and "aot_eager" in got:
-            same = all(torch.equal(x, y) for x, y in zip(got["eager"], got["aot_eager"]))
-            rows["aot_eager"]["vs_eager"] = same if rows["aot_eager"]["vs_eager"] in (None, True) else False
-        del got
+        del run, model
     out = {"model": a.model, "params": params, "seq": seq, "dtype": str(dtype), "device": str(dev), "tiny": a.tiny,
            "experts_implementation": base.config._experts_implementation, "paging_options": paging_opts, "arms": {}}
     print(f"HF A/B: {a.model} ({params / 1e6:.0f}M parameters, experts {base.config._experts_implementation}), seq {seq}, {dtype}, {dev};"
-          f" medians of {a.steps} interleaved steps (one fwd+bwd each) after 2 warm-up steps")
+          f" medians of {a.steps} steps per arm (one fwd+bwd each) after 2 warm-up steps, arms one after another")
     print(f"{'arm':<13}{'step ms':>9}{'vs ref':>9}{'peak MiB':>10}{'saved':>8}  {'against':<10}{'parity':>7}")
     measured_against = {"eager": "eager", "save_on_cpu": "eager", "aot_eager": "aot_eager", "compiled": "aot_eager", "paging": "compiled"}
     for arm in arms:
