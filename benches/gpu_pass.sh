@@ -14,14 +14,16 @@
 #                                       # 5 profiled steps per arm and durations.json
 #   bash benches/gpu_pass.sh four OUT   # nvidia-h200-x4: DualPipeV as PP=2 x EP=2, handler vs none
 #   bash benches/gpu_pass.sh twopage OUT  # nvidia-h200-x2: EP + page nodes, ours vs ours+page at 3 budgets
+#   bash benches/gpu_pass.sh hf OUT     # nvidia-h200: third-party models (transformers, issue 27): paging default vs off
+#                                       # vs save_on_cpu, aot_eager vs ours (Qwen3-MoE at 8192 tokens, DeepSeek-V3 at 4096)
 #   bash benches/gpu_pass.sh link OUT   # nvidia-h200: EP=8 on the emulated link (one GPU, issue 28): its rate,
 #                                       # the main job's arms with ours+page, GraphStep vs compiled, its cuda tests
 #   bash benches/gpu_pass.sh calib OUT  # nvidia-h200: measured costs (issue 31): the calibrated order's cuda test,
 #                                       # the family's shapes with the calibrated arm, the main job on the link
 #   bash benches/gpu_pass.sh calib2 OUT # nvidia-h200-x2: the main job over NCCL, ours vs calibrated
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2 OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2 OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -156,8 +158,13 @@ calib2)
 four)
     step pipeline_ep2 500 torchrun --standalone --nproc-per-node 4 benches/pipeline_ab.py --config pp_h200 --ep 2 --out "$out"
     ;;
+hf)
+    # transformers must import (the image holds 5.17.0; else carry it on PYTHONPATH).
+    step hf_qwen3_moe 300 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 5 --out "$out/hf_qwen3_moe.json"
+    step hf_deepseek_v3 240 "$py" benches/hf_paging_ab.py --model deepseek_v3 --seq 4096 --steps 5 --out "$out/hf_deepseek_v3.json"
+    ;;
 *)
-    echo "unknown mode $mode: one, one2, two, two2, cuda2, explain, capture, four, twopage, link, link2, page2, page3, calib or calib2" >&2
+    echo "unknown mode $mode: one, one2, two, two2, cuda2, explain, capture, four, twopage, link, link2, page2, page3, calib, calibl, calib2 or hf" >&2
     exit 2
     ;;
 esac

@@ -307,7 +307,7 @@ fn random_graph(seed: u64) -> GraphSpec {
         made[s].push(out.clone());
         last[s] = Some(out);
     }
-    GraphSpec { sources, nodes, control, reuse: vec![], inputs: vec![] }
+    GraphSpec { sources, nodes, control, reuse: vec![], inputs: vec![], outputs: vec![] }
 }
 
 #[test]
@@ -395,6 +395,7 @@ fn page_outs_and_page_ins_of_two_sources_interleave() {
         control: vec![],
         reuse: vec![],
         inputs,
+        outputs: vec![],
     };
     let g = Graph::new(spec).unwrap();
     for budget in [1, 2] {

@@ -40,7 +40,7 @@ const OPS: &[JsonOp] = &[
     JsonOp { schema: "stats_fields() -> str", run: |_| Ok(Some(Stats::FIELDS.join(","))) },
     JsonOp { schema: "simulate(str plan, str policy, str mode, bool trace) -> str", run: simulate },
     JsonOp { schema: "scenario(str name) -> str", run: scenario },
-    JsonOp { schema: "schedule(str graph, str ep_budget, str page_budget, bool explain, str rules=\"\") -> str", run: schedule },
+    JsonOp { schema: "schedule(str graph, str ep_budget, str page_budget, bool explain, str rules=\"\", str memory_slack=\"\") -> str", run: schedule },
     JsonOp { schema: "validate(str graph, str order, str syncs, str ep_budget, str page_budget) -> ()", run: validate },
     JsonOp { schema: "schedule_order(str graph, str order, str ep_budget, str page_budget) -> str", run: schedule_order },
     JsonOp { schema: "lower(str graph, str order, bool serial) -> str", run: lower },
@@ -106,11 +106,27 @@ fn budgets(a: &Args) -> Result<Budgets> {
     Budgets::resolve(ep.as_deref(), page.as_deref())
 }
 
+/// `memory_slack`: "" for no memory guard, else a fraction >= 0 (`sched::memory::guard`: the
+/// order may raise the liveness peak over the graph's own order by at most that much).
 fn schedule(a: &Args) -> Result<Option<String>> {
     let g = Graph::from_json(a.str("graph")?)?;
-    let s = crate::sim::schedule(&g, budgets(a)?, crate::sched::Rules::parse(a.str("rules")?)?)?;
+    let mut s = crate::sim::schedule(&g, budgets(a)?, crate::sched::Rules::parse(a.str("rules")?)?)?;
+    let slack = a.str("memory_slack")?;
+    let mut memory = None;
+    if !slack.is_empty() {
+        let x: f64 = slack.parse().ok().filter(|x: &f64| x.is_finite() && *x >= 0.0).ok_or_else(|| {
+            Error::InvalidInput(format!("memory_slack must be a number >= 0 (a fraction of the peak), got '{slack}'"))
+        })?;
+        let (order, check) = crate::sched::memory::guard(&g, s.order.clone(), s.budgets, x);
+        if order != s.order {
+            s = crate::sched::finish(&g, order, s.budgets);
+        }
+        memory = Some(check);
+    }
     let ex = a.flag("explain")?.then(|| crate::sched::explain(&g, &s));
-    to_text(&crate::sched::named(&g, &s, ex), "schedule")
+    let mut named = crate::sched::named(&g, &s, ex);
+    named.memory = memory;
+    to_text(&named, "schedule")
 }
 
 fn validate(a: &Args) -> Result<Option<String>> {

@@ -214,6 +214,9 @@ pub struct GraphSpec {
     /// Values that exist before any node (graph inputs), with bytes.
     #[serde(default)]
     pub inputs: Vec<OutputSpec>,
+    /// Values the graph returns: live to the end of any order (memory estimates).
+    #[serde(default)]
+    pub outputs: Vec<String>,
 }
 
 /// A node.
@@ -265,6 +268,8 @@ pub struct Graph {
     pub succs: Vec<SmallVec<[NodeId; 4]>>,
     /// A topological order, found while checking the graph is acyclic.
     pub topo: Vec<NodeId>,
+    /// Values the graph returns (live to the end of any order).
+    pub outputs: Vec<ValueId>,
 }
 
 impl Graph {
@@ -431,7 +436,11 @@ impl Graph {
                 succs[a].push(NodeId::new(b));
             }
         }
-        let mut g = Graph { sources: spec.sources, nodes, values, preds, succs, topo: Vec::new() };
+        let mut outputs = Vec::with_capacity(spec.outputs.len());
+        for v in &spec.outputs {
+            outputs.push(*val_ix.get(v).ok_or_else(|| bad(format!("graph output '{v}' is not a value of the graph")))?);
+        }
+        let mut g = Graph { sources: spec.sources, nodes, values, preds, succs, topo: Vec::new(), outputs };
         g.topo = g.topo_order()?;
         Ok(g)
     }

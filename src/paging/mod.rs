@@ -116,7 +116,7 @@ fn default_slack() -> f64 {
 }
 
 impl Timing {
-    fn check(&self, prefix: &[Saved]) -> Result<()> {
+    fn check(&self) -> Result<()> {
         let bad = |what: &str| Err(Error::InvalidInput(format!("paging timing: {what}")));
         let finite = |v: &[f64]| v.iter().all(|x| x.is_finite() && *x >= 0.0);
         if !finite(&self.save_us) || !finite(&self.unpack_us) {
@@ -134,22 +134,37 @@ impl Timing {
         if !(self.slack.is_finite() && self.slack >= 1.0) {
             return bad(&format!("slack must be >= 1, got {}", self.slack));
         }
-        let partial = self.save_peak.len() != self.save_us.len() || self.unpack_peak.len() != self.unpack_us.len();
-        if (!self.save_peak.is_empty() || !self.unpack_peak.is_empty()) && partial {
-            return bad(&format!(
-                "the memory timeline has {} save and {} unpack peaks for {} saves and {} unpacks",
-                self.save_peak.len(), self.unpack_peak.len(), self.save_us.len(), self.unpack_us.len()
+        Ok(())
+    }
+
+    /// What a timeline measured on a user's graphs may not match (a memory line with fewer
+    /// peaks than saves, tensors outside the time line): never an error. A partial memory line
+    /// is dropped (the plan is made from the time line alone) and a tensor the time line cannot
+    /// place is not paged; `explain` gets a line for each. Returns the timing to plan with and
+    /// the placeable part of `prefix`.
+    fn usable<'a>(&self, prefix: &'a [Saved], explain: &mut Vec<String>) -> (Timing, Vec<&'a Saved>) {
+        let mut t = self.clone();
+        let partial = t.save_peak.len() != t.save_us.len() || t.unpack_peak.len() != t.unpack_us.len();
+        if (!t.save_peak.is_empty() || !t.unpack_peak.is_empty()) && partial {
+            explain.push(format!(
+                "memory timeline not used: it has {} save and {} unpack peaks for {} saves and {} unpacks (planned from the time line alone)",
+                t.save_peak.len(), t.unpack_peak.len(), t.save_us.len(), t.unpack_us.len()
             ));
+            (t.save_peak, t.unpack_peak, t.tail_peak) = (Vec::new(), Vec::new(), 0);
         }
+        let (ns, nu) = (t.save_us.len(), t.unpack_us.len());
+        let mut placed = Vec::with_capacity(prefix.len());
         for s in prefix {
-            if s.saved_at as usize >= self.save_us.len() || s.used_at as usize >= self.unpack_us.len() {
-                return bad(&format!(
-                    "'{}' is saved at {} and used at {}, but the timeline has {} saves and {} unpacks",
-                    s.name, s.saved_at, s.used_at, self.save_us.len(), self.unpack_us.len()
+            if s.saved_at as usize >= ns || s.used_at as usize >= nu {
+                explain.push(format!(
+                    "{}: kept (not placed: saved at {} and used at {}, but the timeline has {ns} saves and {nu} unpacks)",
+                    s.name, s.saved_at, s.used_at
                 ));
+            } else {
+                placed.push(s);
             }
         }
-        Ok(())
+        (t, placed)
     }
 
     /// Two-way: each direction's rate while the other one is busy (half the two-way rate, at
@@ -287,9 +302,15 @@ pub fn choose(prefix: &[Saved], budget: Budget, min_distance: u32) -> Result<Pag
 /// [`choose`], and with a `timing` only tensors whose page-out hides under the forward, with
 /// their release and page-in points (see the module docs).
 pub fn choose_timed(prefix: &[Saved], budget: Budget, min_distance: u32, timing: Option<&Timing>) -> Result<PagePlan> {
-    if let Some(t) = timing {
-        t.check(prefix)?;
-    }
+    let mut explain = Vec::new();
+    let usable = match timing {
+        Some(t) => {
+            t.check()?;
+            Some(t.usable(prefix, &mut explain))
+        }
+        None => None,
+    };
+    let timing = usable.as_ref().map(|(t, _)| t);
     let mut names = std::collections::HashSet::new();
     for s in prefix {
         if !names.insert(s.name.as_str()) {
@@ -305,11 +326,13 @@ pub fn choose_timed(prefix: &[Saved], budget: Budget, min_distance: u32, timing:
         }
     };
     // Furthest backward use first; then larger; then by name (total order: reproducible).
-    let mut by_pref: Vec<&Saved> = prefix.iter().collect();
+    let mut by_pref: Vec<&Saved> = match &usable {
+        Some((_, placed)) => placed.clone(),
+        None => prefix.iter().collect(),
+    };
     by_pref.sort_by(|a, b| b.used_at.cmp(&a.used_at).then(b.bytes.cmp(&a.bytes)).then(a.name.cmp(&b.name)));
     let mut page: Vec<&Saved> = Vec::new(); // in save order
     let mut bytes = 0u64;
-    let mut explain = Vec::new();
     match timing {
         Some(t) if t.has_memory() => lower_the_peak(t, &by_pref, target, min_distance, &mut page, &mut bytes, &mut explain),
         _ => by_budget(timing, by_pref, target, min_distance, &mut page, &mut bytes, &mut explain),
@@ -511,10 +534,13 @@ mod tests {
         // A peak after the last unpack cannot be lowered: nothing is paged.
         let p = choose_timed(&prefix(), Budget::Fraction(1.0), 1, Some(&with_memory(1000))).unwrap();
         assert!(p.page.is_empty() && p.short, "{:?}", p.page);
-        // A partial timeline is an error.
+        // A partial memory timeline (fewer peaks than saves or unpacks, as a user's graphs can
+        // give) is not an error: it is dropped, said, and the plan comes from the time line.
         let bad = Timing { unpack_peak: vec![1, 2], ..with_memory(10) };
-        let e = choose_timed(&prefix(), Budget::Fraction(1.0), 1, Some(&bad)).unwrap_err().to_string();
-        assert!(e.contains("2 unpack peaks for 5 saves and 6 unpacks"), "{e}");
+        let p = choose_timed(&prefix(), Budget::Fraction(1.0), 1, Some(&bad)).unwrap();
+        let timeline_only = choose_timed(&prefix(), Budget::Fraction(1.0), 1, Some(&timing(10.0))).unwrap();
+        assert_eq!((p.page.clone(), p.release_at.clone()), (timeline_only.page, timeline_only.release_at));
+        assert!(p.explain.iter().any(|l| l.contains("memory timeline not used") && l.contains("2 unpack peaks for 5 saves and 6 unpacks")), "{:?}", p.explain);
     }
 
     #[test]
@@ -556,8 +582,7 @@ mod tests {
     #[test]
     fn bad_timings_are_errors() {
         type Edit = Box<dyn Fn(&mut Timing)>;
-        let cases: [(Edit, &str); 6] = [
-            (Box::new(|t| t.save_us.truncate(3)), "timeline has 3 saves"),
+        let cases: [(Edit, &str); 5] = [
             (Box::new(|t| t.both_bytes_per_us = Some(f64::NAN)), "both_bytes_per_us must be > 0"),
             (Box::new(|t| t.unpack_us[2] = -1.0), "finite and >= 0"),
             (Box::new(|t| t.save_us[1] = 50.0), "must not decrease"),
@@ -580,10 +605,17 @@ mod tests {
         // Equal consecutive times are a valid timeline (two saves in one kernel's shadow).
         let flat = Timing { save_us: vec![0.0, 0.0, 20.0, 30.0, 40.0], unpack_us: vec![0.0, 10.0, 10.0, 30.0, 40.0, 50.0], ..timing(10.0) };
         assert!(choose_timed(&prefix(), Budget::Bytes(100), 1, Some(&flat)).is_ok());
-        // Save peaks without unpack peaks is a partial memory timeline.
+        // Save peaks without unpack peaks is a partial memory timeline: dropped, and said.
         let half = Timing { save_peak: vec![1; 5], ..timing(10.0) };
-        let e = choose_timed(&prefix(), Budget::Bytes(100), 1, Some(&half)).unwrap_err().to_string();
-        assert!(e.contains("5 save and 0 unpack peaks"), "{e}");
+        let p = choose_timed(&prefix(), Budget::Bytes(100), 1, Some(&half)).unwrap();
+        assert!(p.explain.iter().any(|l| l.contains("5 save and 0 unpack peaks")), "{:?}", p.explain);
+        // A tensor outside the time line (the 48-of-52 case: a timeline shorter than the prefix)
+        // is not paged, and said; the others still are.
+        let short = Timing { save_us: vec![0.0, 10.0, 20.0], ..timing(10.0) };
+        let p = choose_timed(&prefix(), Budget::Fraction(1.0), 1, Some(&short)).unwrap();
+        assert!(!p.page.iter().any(|n| n == "L1.b" || n == "head"), "{:?}", p.page);
+        assert!(p.page.contains(&"L0.a".to_string()), "{:?}", p.page);
+        assert!(p.explain.iter().any(|l| l.starts_with("L1.b: kept (not placed: saved at 3") && l.contains("3 saves and 6 unpacks")), "{:?}", p.explain);
         // A copy that takes no time is released at the next save, never at its own.
         let mut zero = prefix();
         zero[1].bytes = 0;

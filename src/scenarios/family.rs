@@ -150,7 +150,7 @@ pub fn build(f: &FamilySpec) -> GraphSpec {
             b.wgrad(&format!("W.L{l}.mlp.dw"), "W2", &[&gin], MLP / 2.0);
         }
     }
-    GraphSpec { sources, nodes: b.nodes, control: vec![], reuse: vec![], inputs }
+    GraphSpec { sources, nodes: b.nodes, control: vec![], reuse: vec![], inputs, outputs: vec![] }
 }
 
 fn layer_of(name: &str) -> Option<(char, usize)> {

@@ -137,6 +137,7 @@ pub fn chunk(shape: Shape) -> GraphSpec {
         control: vec![],
         reuse: vec![],
         inputs,
+        outputs: vec![],
     }
 }
 

@@ -83,7 +83,7 @@ fn random_chains(seed: u64, max_nodes: usize, compute_between: bool) -> GraphSpe
             last = Some(out);
         }
     }
-    GraphSpec { sources, nodes, control: vec![], reuse: vec![], inputs: vec![] }
+    GraphSpec { sources, nodes, control: vec![], reuse: vec![], inputs: vec![], outputs: vec![] }
 }
 
 /// The result of an exhaustive search.

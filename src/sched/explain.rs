@@ -57,6 +57,9 @@ pub struct NamedSchedule {
     /// What each launch ran under, when asked for.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub explain: Option<Vec<Explained>>,
+    /// The memory guard's finding, when asked for (`memory::guard`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory: Option<super::memory::MemoryCheck>,
 }
 
 /// A retire with names.
@@ -97,5 +100,6 @@ pub fn named(g: &Graph, s: &Schedule, explain: Option<Vec<Explained>>) -> NamedS
             .collect(),
         budgets: s.budgets,
         explain,
+        memory: None,
     }
 }

@@ -1,7 +1,8 @@
 //! The scheduler (DESIGN.md §3): multiplexes several annotated graphs (sources) into one issue
 //! order so EP communication and paging run under the other graph's compute.
 //!
-//! Files: `policy` (the greedy issue order), `syncs` (streams, minimal record/wait edges and
+//! Files: `policy` (the greedy issue order), `memory` (an order's liveness peak, and the guard
+//! that keeps an order from raising it over the graph's own), `syncs` (streams, minimal record/wait edges and
 //! lifetime drain points for any order), `validate` (an independent check of any schedule),
 //! `explain` (names for Python and what each launch ran under). `sched` sees only the graph
 //! ([`crate::ir`]) and the stream roles and budgets ([`crate::ep`]); lowering a schedule into
@@ -15,6 +16,7 @@
 //! comm), or the terminal hand-back.
 
 mod explain;
+pub mod memory;
 mod policy;
 mod search;
 mod syncs;

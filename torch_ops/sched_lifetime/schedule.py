@@ -28,6 +28,7 @@ def schedule(
     page_budget: Optional[int] = None,
     explain: bool = False,
     rules: Optional[str] = None,
+    memory_slack: Optional[float] = None,
 ) -> dict[str, Any]:
     """Schedule `graph` (a dict or JSON text: sources, nodes, edges; docs/scheduler.md) into
     one issue order with each node's stream, the minimal record/wait edges and the lifetime
@@ -56,8 +57,13 @@ def schedule(
         B.L0.dispatch [B0] ran under: F.L0.mlp
         F.L0.combine [F1] ran under: B.L0.attn, B.L0.attn.dw
     """
+    if memory_slack is not None and (isinstance(memory_slack, bool) or not isinstance(memory_slack, (int, float))):
+        raise ValueError(f"memory_slack must be a number >= 0 or None, got {memory_slack!r}")
+    slack = "" if memory_slack is None else repr(float(memory_slack))
     return json.loads(
-        ops.schedule(json_text(graph, "graph"), _budget(ep_budget, "ep_budget"), _budget(page_budget, "page_budget"), explain, rules or "")
+        ops.schedule(
+            json_text(graph, "graph"), _budget(ep_budget, "ep_budget"), _budget(page_budget, "page_budget"), explain, rules or "", slack
+        )
     )
 
 

@@ -59,12 +59,16 @@ OPTIONS: dict[str, Any] = {
     "paging": False,  # saved activations to host memory and back (eager only, not with cudagraphs)
     "paging_budget": 0.5,  # what to page: a fraction of the saved activations' bytes, or bytes (int)
     "paging_prefetch": 2,  # a page-in is launched this many compute nodes before its first use
-    "paging_buffers": 2,  # host buffers per paged value (forwards in flight before their backwards)
+    "paging_buffers": 2,  # static: run slots made at compile time (more are made as more forwards run before their backwards)
     "paging_min_bytes": 1 << 16,  # smaller saved values stay on the device
     "paging_timed": True,  # sl.Pager decides at run time after calibration (False: the static plan)
     "paging_slack": 1.25,  # timed: copies planned this many times slower than measured
     "paging_two_way": False,  # True: page-ins on their own stream beside the page-outs (opt-in: not bit-exact under capture yet)
     "cudagraphs": False,  # capture each compiled graph in a CUDA graph (torch's cudagraph trees)
+    # The order may raise a graph's estimated peak (liveness of the values' bytes) over
+    # AOTAutograd's order by at most this fraction, else the graph keeps AOTAutograd's order; a
+    # graph with nothing to overlap keeps it anyway. None: no memory guard.
+    "memory_slack": 0.02,
     # AOTAutograd's joint-graph partition: "min_cut" (what aot_eager uses) recomputes cheap ops
     # in the backward instead of saving their outputs (H200, embedded model: peak 6797 MiB as
     # aot_eager's, against 7161 with "default", at equal step time); "default" saves what eager
@@ -102,6 +106,9 @@ def check_options(options: Optional[dict]) -> dict:
             "sched_lifetime backend: paging=True with cudagraphs=True is not supported: releasing a paged-out "
             "tensor's device storage queries its copy's event, which capture does not allow"
         )
+    ms = opts["memory_slack"]
+    if ms is not None and (isinstance(ms, bool) or not isinstance(ms, (int, float)) or not ms >= 0):
+        raise ValueError(f"sched_lifetime backend: option 'memory_slack' must be a number >= 0 (a fraction of the peak) or None, got {ms!r}")
     b = opts["paging_budget"]
     if isinstance(b, bool) or not isinstance(b, (int, float)) or b < 0 or (isinstance(b, float) and b > 1):
         raise ValueError(f"sched_lifetime backend: option 'paging_budget' must be a fraction in [0, 1] or bytes (int >= 0), got {b!r}")
@@ -230,7 +237,7 @@ def compile_fx_graph(gm: fx.GraphModule, phase: str, opts: dict) -> fx.GraphModu
     table = to_ir(gm, phase)
     result = None
     if opts["overlap"]:
-        result = schedule(table, ep_budget=opts["ep_budget"], explain=opts["explain"])
+        result = schedule(table, ep_budget=opts["ep_budget"], explain=opts["explain"], memory_slack=opts.get("memory_slack"))
         order = list(result["order"])
     else:
         order = [n["name"] for n in table["nodes"]]
@@ -244,6 +251,8 @@ def compile_fx_graph(gm: fx.GraphModule, phase: str, opts: dict) -> fx.GraphModu
         if result is not None:
             text = format_explain(result)
             print(text if text else "  (no launches)")
+            if result.get("memory"):
+                print(f"  memory: {result['memory']['why']}")
     return out
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 from ..schedule import format_explain, schedule
-from .to_ir import to_ir
+from .to_ir import is_stand_in, to_ir
 
 
 #: Per pair of phases: each side's source name and value prefix.
@@ -52,6 +52,8 @@ def multiplex(
                 raise ValueError(f"multiplex takes AOT graphs without get_attr nodes; '{n.name}' in the {('first', 'second')[k]} ({phases[k]}) graph")
     by_name = {p + n.name: (k, n) for k, (gm, p) in enumerate(parts) for n in gm.graph.nodes}
     for name in result["order"]:
+        if name not in by_name and is_stand_in(name):
+            continue  # the other half of a collective split across graphs
         k, n = by_name[name]
         envs[k][n] = graph.node_copy(n, lambda x, env=envs[k]: env[x])
     outs: list[Any] = []

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from .to_ir import is_stand_in
+
 
 def rewrite(gm: fx.GraphModule, order: list[str]) -> fx.GraphModule:
     """A new GraphModule with the call nodes in `order` (placeholders first, output last)."""
@@ -16,6 +18,8 @@ def rewrite(gm: fx.GraphModule, order: list[str]) -> fx.GraphModule:
         if n.op in ("placeholder", "get_attr"):
             env[n] = graph.node_copy(n, lambda x: env[x])
     for name in order:
+        if name not in old and is_stand_in(name):
+            continue  # the other half of a collective split across graphs: nothing to run here
         n = old[name]
         env[n] = graph.node_copy(n, lambda x: env[x])
     for n in gm.graph.nodes:

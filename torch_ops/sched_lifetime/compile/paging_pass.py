@@ -23,9 +23,21 @@ Timed (`paging_timed=True`, the default): the same nodes, but every candidate ge
 an `sl.Pager` decides at run time, as it does under `saved_tensors_hooks`: the first step (the
 first two on CUDA) calibrates (memory timeline, then time line and link rates), then Rust pages
 only what hides under the forward and lowers the peak, releases each page-out where its copy is
-done and queues each page-in as late as the link allows. A step is one forward and its
-backward; a second forward before the backward is an error (`paging_timed=False`, the static
-plan above, allows `paging_buffers` forwards in flight).
+done and queues each page-in as late as the link allows.
+
+Runs: one compiled graph can run several times before its backwards (a graph break inside each
+layer makes every layer run the same graph; a pipeline keeps forwards in flight). Each run in
+flight has its own plan and host buffers (a `_Run`: timed, its own `Pager`; static, its own
+`HostPool`): a forward takes the lowest run slot whose backward has finished, and a backward
+finds its run by the saved values it reads (each is registered under its save index and storage
+address at the forward), so backwards may come in any order. Slots, and their host buffers, are
+made when a run first needs one: host memory is sized from what runs, `paging_buffers` slots are
+made up front (static). `MAX_RUNS` forwards of one graph waiting for their backwards is an error
+(a forward whose backward never runs holds its slot: run such forwards under `torch.no_grad()`).
+
+Dynamic shapes (`dynamic=True`): a saved value whose size is symbolic is not a candidate (a
+plan and its host buffers are made for one size); `GraphPager.explain()` lists each value left
+out and why.
 
 Eager only: the release of a paged-out tensor's device storage asks whether its copy is done
 (an event query), which capture does not allow; `paging` with `cudagraphs` is an error.
@@ -46,9 +58,23 @@ from ..paging import Budget, HostPool, Pager, page_plan
 _PAGERS: "weakref.WeakValueDictionary[int, GraphPager]" = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
 
+#: Forwards of one compiled graph that may wait for their backwards at once.
+MAX_RUNS = 64
+
+
+class _Run:
+    """One run slot of a compiled graph: a forward and its backward, with their own plan (timed:
+    a `Pager`) or host buffers (static: a `HostPool`)."""
+
+    def __init__(self, pager: Optional[Pager] = None, pool: Optional[HostPool] = None) -> None:
+        self.pager, self.pool = pager, pool
+        self.open = False  # a forward ran; its backward has not finished
+        self.owed: set = set()  # (save index, address) of saved values its backward has not read yet
+
 
 class GraphPager:
-    """One compiled function's paging: the plan, the host pool and the per-step stats."""
+    """One compiled function's paging: the candidates, the plan, the run slots (each with its
+    Pager or host pool; see the module docstring) and the stats."""
 
     def __init__(
         self, budget: Budget, prefetch: int = 2, buffers: int = 2, min_bytes: int = 1 << 16, timed: bool = False, slack: float = 1.25,
@@ -60,42 +86,87 @@ class GraphPager:
         self.key = next(_KEYS)
         _PAGERS[self.key] = self
         self._static_plan: Optional[dict] = None
-        self.pool: Optional[HostPool] = None
+        self.timed, self.slack = timed, slack
         self.chosen: list[str] = []
         self._num_fwd_outputs = 0
-        self._held: dict[int, Any] = {}  # host buffer address -> Paged
-        self._events: dict[int, Any] = {}  # id of a paged-in tensor -> its copy's event
+        self._held: dict[int, Any] = {}  # host buffer address -> (Paged, its run)
+        self._events: dict[int, Any] = {}  # id of a paged-in tensor -> (its copy's event, its pool)
         self._stats = {"bytes_out": 0, "bytes_in": 0, "copies_out": 0, "copies_in": 0}
-        #: Timed: the Pager that calibrates and decides at run time (None: the static plan).
-        self.pager: Optional[Pager] = Pager(budget, min_bytes=min_bytes, prefetch=prefetch, slack=slack, two_way=two_way) if timed else None
-        self._index: dict[str, int] = {}  # timed: candidate -> its save index in the forward
-        self._open = False
+        self._index: dict[str, int] = {}  # candidate -> its save index in the forward
+        self._sizes: list[int] = []  # static: host buffer bytes per chosen value
+        self._device: Any = None
+        #: Run slots (see the module docstring), made as runs need them.
+        self.runs: list[_Run] = []
+        self._fwd: Optional[_Run] = None  # the run whose forward is running
+        self._bwd: Optional[_Run] = None  # the run whose backward is running
+        self._owner: dict[tuple, _Run] = {}  # (save index, address) of a saved value -> its run
+        #: Saved values left out of paging and why (name -> reason).
+        self.left_out: dict[str, str] = {}
+
+    @property
+    def pager(self) -> Optional[Pager]:
+        """Timed: the first run slot's Pager (None: the static plan, or no run yet)."""
+        return self.runs[0].pager if self.timed and self.runs else None
+
+    @property
+    def pool(self) -> Optional[HostPool]:
+        """Static: the first run slot's host buffers."""
+        return self.runs[0].pool if not self.timed and self.runs else None
 
     @property
     def plan(self) -> Optional[dict]:
-        """Rust's plan: the static one (made at partition time), or the timed Pager's (made
-        after calibration; None until then)."""
-        return self.pager.plan if self.pager is not None else self._static_plan
+        """Rust's plan: the static one (made at partition time), or the first run slot's timed
+        Pager's (made after calibration; None until then)."""
+        if not self.timed:
+            return self._static_plan
+        return self.pager.plan if self.pager is not None else None
 
     @property
     def stats(self) -> dict:
-        """Bytes (and, static, copies) paged out and in; equal after every backward."""
-        return self.pager.stats() if self.pager is not None else dict(self._stats)
+        """Bytes (and, static, copies) paged out and in, over every run slot; equal after every
+        backward. Timed: the Pagers' counters added up (`steps`: forward + backward runs)."""
+        if not self.timed:
+            return dict(self._stats)
+        total: dict = {}
+        for r in self.runs:
+            for k, v in r.pager.stats().items():
+                total[k] = max(total.get(k, 0), v) if k == "max_prefetched" else total.get(k, 0) + v
+        return total or {"steps": 0, "bytes_out": 0, "bytes_in": 0, "host_bytes": 0, "max_prefetched": 0}
 
     @property
     def host_pool(self) -> Optional[HostPool]:
-        """The host buffers (timed: allocated once the Pager has calibrated)."""
-        return self.pager.pool if self.pager is not None else self.pool
+        """The first run slot's host buffers (timed: allocated once its Pager has calibrated)."""
+        return self.pager.pool if self.timed and self.pager is not None else self.pool
+
+    def host_pools(self) -> list[HostPool]:
+        """Every run slot's host buffers (timed: those calibrated so far)."""
+        pools = [r.pager.pool if self.timed else r.pool for r in self.runs]
+        return [p for p in pools if p is not None]
 
     @property
     def paged(self) -> list[str]:
-        """The saved values paged: the static plan's, or (timed) the calibrated plan's."""
-        if self.pager is None:
+        """The saved values paged: the static plan's, or (timed) the first run slot's
+        calibrated plan's."""
+        if not self.timed:
             return list(self.chosen)
-        if self.pager.plan is None:
+        if self.pager is None or self.pager.plan is None:
             return []
         names = {i: n for n, i in self._index.items()}
         return [names[int(x[1:])] for x in self.pager.plan["page"]]
+
+    def explain(self) -> str:
+        """What this graph's paging chose and left out: the candidates, each value left out
+        and why, and per run slot its plan (timed: the Pager's `explain`)."""
+        lines = [f"{len(self.chosen)} candidate saved values ({'timed' if self.timed else 'static'}), {len(self.runs)} run slot(s)"]
+        lines += [f"{n}: not paged ({why})" for n, why in self.left_out.items()]
+        if not self.timed and self._static_plan is not None:
+            from ..paging import explain_plan
+
+            lines.append(explain_plan(self._static_plan))
+        for k, r in enumerate(self.runs):
+            if r.pager is not None:
+                lines.append(f"run slot {k}: " + r.pager.explain())
+        return "\n".join(lines)
 
     # -- planning (partition time) -----------------------------------------------------
 
@@ -130,14 +201,18 @@ class GraphPager:
             val = n.meta.get("val")
             if n.op == "placeholder" or not isinstance(val, torch.Tensor) or n.name not in bw_ph:
                 continue
+            numel = val.numel()
+            if not isinstance(numel, int):  # dynamic=True: a plan and its buffers fit one size
+                self.left_out[n.name] = f"its size is symbolic ({numel}): dynamic shapes are not paged"
+                continue
             if StorageWeakRef(val.untyped_storage()) in inputs:
                 continue
-            nbytes = val.numel() * val.element_size()
+            nbytes = numel * val.element_size()
             users = list(bw_ph[n.name].users)
             if nbytes < self.min_bytes or not users:
                 continue
             cands.append((n, nbytes, min(bw_pos[u] for u in users)))
-        if self.pager is not None:  # timed: every candidate gets page nodes; the Pager decides
+        if self.timed:  # every candidate gets page nodes; each run's Pager decides
             self.chosen = [n.name for n, _, _ in sorted(cands, key=lambda c: pos[c[0]])]
             return
         by_save = {n: i for i, (n, _, _) in enumerate(sorted(cands, key=lambda c: pos[c[0]]))}
@@ -151,13 +226,69 @@ class GraphPager:
             dev = {devices[c] for c in self.chosen}
             if len(dev) != 1:
                 raise ValueError(f"sched_lifetime backend: paging across several devices is not supported ({sorted(map(str, dev))})")
-            # Allocated once, here (compile time, outside the tracer's fake mode), never during
-            # a step: `buffers` host buffers per paged value (forwards in flight before their
-            # backwards).
+            # `buffers` run slots made here (compile time, outside the tracer's fake mode), one
+            # host buffer per paged value each; more only if more forwards run before their
+            # backwards.
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+            self._sizes, self._device = [sizes[c] for c in self.chosen], dev.pop()
             with unset_fake_temporarily():
-                self.pool = HostPool([sizes[c] for c in self.chosen for _ in range(self.buffers)], device=dev.pop(), two_way=self.two_way)
+                for _ in range(self.buffers):
+                    self.runs.append(_Run(pool=self._new_pool()))
+
+    def _new_pool(self) -> HostPool:
+        return HostPool(list(self._sizes), device=self._device, two_way=self.two_way)
+
+    # -- runs ------------------------------------------------------------------------------
+
+    def begin_forward(self) -> _Run:
+        """A forward starts: the lowest run slot whose backward has finished (a new one if none)."""
+        run = next((r for r in self.runs if not r.open), None)
+        if run is None:
+            if len(self.runs) >= MAX_RUNS:
+                raise RuntimeError(
+                    f"sched_lifetime paging: {MAX_RUNS} forwards of this compiled graph are waiting for their backwards; "
+                    "a forward whose backward never runs holds its host buffers: run it under torch.no_grad()"
+                )
+            if self.timed:
+                run = _Run(pager=Pager(self.budget, min_bytes=self.min_bytes, prefetch=self.prefetch, slack=self.slack, two_way=self.two_way))
+            else:
+                run = _Run(pool=self._new_pool())
+            self.runs.append(run)
+        run.open = True
+        if self.timed:
+            run.pager.begin()
+        self._fwd = run
+        return run
+
+    def _saved(self, run: _Run, i: int, t: torch.Tensor) -> None:
+        key = (i, t.data_ptr())
+        self._owner[key] = run
+        run.owed.add(key)
+
+    def _reader(self, i: int, x: torch.Tensor) -> _Run:
+        """The run that saved `x` as saved value `i` (it is read once, by its backward)."""
+        key = (i, x.data_ptr())
+        run = self._owner.pop(key, None)
+        if run is None:
+            raise RuntimeError(f"sched_lifetime paging: a backward read saved value #{i}, which no forward of this graph saved (backward run twice?)")
+        run.owed.discard(key)
+        self._bwd = run
+        return run
+
+    def end_backward(self) -> None:
+        """A backward finished: its run slot is free again."""
+        run, self._bwd = self._bwd, None
+        if run is None:
+            return
+        for key in run.owed:  # saved values this backward did not read (none expected)
+            self._owner.pop(key, None)
+        run.owed.clear()
+        run.open = False
+        if self.timed:
+            run.pager.end(True)
+        else:
+            run.pool.drain()
 
     # -- rewriting (after Rust's order) --------------------------------------------------
 
@@ -172,16 +303,16 @@ class GraphPager:
         missing = [c for c in self.chosen if c not in by_name]
         if missing:
             raise RuntimeError(f"sched_lifetime paging: the forward graph lost saved values {missing[:5]}")
-        if self.pager is not None:  # save indices in the order the forward runs them
-            where = {n: i for i, n in enumerate(g.nodes)}
-            self._index = {c: i for i, c in enumerate(sorted(self.chosen, key=lambda c: where[by_name[c]]))}
+        # Save indices in the order the forward runs them; the first one starts the run.
+        where = {n: i for i, n in enumerate(g.nodes)}
+        self._index = {c: i for i, c in enumerate(sorted(self.chosen, key=lambda c: where[by_name[c]]))}
         for name in self.chosen:
             n = by_name[name]
             with g.inserting_after(n):
-                if self.pager is not None:
+                if self.timed:
                     host = g.call_function(_page_save, (self.key, self._index[name], n))
                 else:
-                    host = g.call_function(_page_out, (self.key, n))
+                    host = g.call_function(_page_out, (self.key, self._index[name], n))
             outs = [host if (i >= self._num_fwd_outputs and o is n) else o for i, o in enumerate(outs)]
         out.args = (tuple(outs),)
         g.lint()
@@ -204,7 +335,7 @@ class GraphPager:
             if ph is None:
                 raise RuntimeError(f"sched_lifetime paging: the backward graph has no input for saved value '{name}'")
             first = min(ph.users, key=lambda u: where[u])
-            if self.pager is not None:  # the Pager launches page-ins; the use waits on it
+            if self.timed:  # the run's Pager launches page-ins; the use waits on it
                 with g.inserting_before(first):
                     ready = g.call_function(_page_use, (self.key, self._index[name], ph))
                 ph.replace_all_uses_with(ready, delete_user_cb=lambda u: u is not ready)
@@ -212,7 +343,7 @@ class GraphPager:
             k = calls.index(first) if first in calls else 0
             launch_before = calls[max(0, k - self.prefetch)] if calls else first
             with g.inserting_before(launch_before):
-                dev = g.call_function(_page_in_launch, (self.key, ph))
+                dev = g.call_function(_page_in_launch, (self.key, self._index[name], ph))
             with g.inserting_before(first):
                 ready = g.call_function(_page_wait, (self.key, dev))
             ph.replace_all_uses_with(ready, delete_user_cb=lambda u: u is not dev)
@@ -232,24 +363,29 @@ def _pager(key: int) -> GraphPager:
     return gp
 
 
-def _page_out(key: int, t: torch.Tensor) -> torch.Tensor:
+def _page_out(key: int, i: int, t: torch.Tensor) -> torch.Tensor:
+    """Static: saved value `i` (the first starts a run) copied into its run's host buffer."""
     gp = _pager(key)
-    p = gp.pool.page_out(t)
-    host = gp.pool.view_of(p)
-    gp._held[host.data_ptr()] = p
+    run = gp.begin_forward() if i == 0 else gp._fwd
+    p = run.pool.page_out(t)
+    host = run.pool.view_of(p)
+    gp._held[host.data_ptr()] = (p, run)
+    gp._saved(run, i, host)
     gp._stats["bytes_out"] += p.nbytes
     gp._stats["copies_out"] += 1
     return host
 
 
-def _page_in_launch(key: int, host: torch.Tensor) -> torch.Tensor:
+def _page_in_launch(key: int, i: int, host: torch.Tensor) -> torch.Tensor:
     gp = _pager(key)
-    p = gp._held.pop(host.data_ptr(), None)
-    if p is None:
+    held = gp._held.pop(host.data_ptr(), None)
+    if held is None:
         raise RuntimeError("sched_lifetime paging: a backward read a host buffer no forward paged out (backward run twice?)")
-    gp.pool.release_done()
-    out, ev = gp.pool.page_in_launch(p)
-    gp._events[id(out)] = ev
+    p, run = held
+    gp._reader(i, host)
+    run.pool.release_done()
+    out, ev = run.pool.page_in_launch(p)
+    gp._events[id(out)] = (ev, run.pool)
     gp._stats["bytes_in"] += p.nbytes
     gp._stats["copies_in"] += 1
     return out
@@ -257,50 +393,36 @@ def _page_in_launch(key: int, host: torch.Tensor) -> torch.Tensor:
 
 def _page_wait(key: int, t: torch.Tensor) -> torch.Tensor:
     gp = _pager(key)
-    ev = gp._events.pop(id(t))
-    gp.pool.page_wait(ev)
-    gp.pool.recycle(ev)
+    ev, pool = gp._events.pop(id(t))
+    pool.page_wait(ev)
+    pool.recycle(ev)
     return t
 
 
 def _page_finish(key: int) -> None:
-    """End of a backward: release what the finished page-outs still hold (the compute stream
-    waits on copies that are done by now); timed, the Pager's step ends here."""
-    gp = _pager(key)
-    if gp.pager is not None:
-        if gp._open:
-            gp._open = False
-            gp.pager.end(True)
-        return
-    gp.pool.drain()
+    """End of a backward: its run's page-outs released (static: the compute stream waits on
+    copies that are done by now), timed: its Pager's step ends; the run slot is free again."""
+    _pager(key).end_backward()
 
 
 def _page_save(key: int, i: int, t: torch.Tensor) -> torch.Tensor:
-    """Timed: the Pager's save hook for saved value `i` (a step starts at the first); returns
+    """Timed: the run's Pager's save hook for saved value `i` (the first starts a run); returns
     what the forward saves: `t`, or the host tensor it was paged into."""
     gp = _pager(key)
-    pg = gp.pager
-    if i == 0:
-        if gp._open:  # the last forward's backward never ran to its end
-            gp._open = False
-            pg.end(False)
-            raise RuntimeError(
-                "sched_lifetime paging (timed): a forward started before the last forward's backward finished; "
-                "timed paging runs one forward and its backward at a time (paging_timed=False allows forwards in flight)"
-            )
-        pg.begin()
-        gp._open = True
+    run = gp.begin_forward() if i == 0 else gp._fwd
+    pg = run.pager
     if pg._index != i:
-        raise RuntimeError(f"sched_lifetime paging: saved value #{i} came as save #{pg._index} of this step")
+        raise RuntimeError(f"sched_lifetime paging: saved value #{i} came as save #{pg._index} of this run")
     packed = pg._pack(t)
-    if packed[0] == "keep":
-        return t
-    return pg.pool.view_of(pg._handles[i])
+    out = t if packed[0] == "keep" else pg.pool.view_of(pg._handles[i])
+    gp._saved(run, i, out)
+    return out
 
 
 def _page_use(key: int, i: int, x: torch.Tensor) -> torch.Tensor:
-    """Timed: the Pager's unpack hook for saved value `i` at its first backward use."""
-    pg = _pager(key).pager
+    """Timed: the Pager's unpack hook for saved value `i` at its first backward use, in the
+    run that saved `x`."""
+    gp = _pager(key)
+    pg = gp._reader(i, x).pager
     paged = i in pg._handles or i in pg._ready
     return pg._unpack(("paged", i) if paged else ("keep", i, x))
-

@@ -14,6 +14,18 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+#: Suffixes of the IR's stand-in nodes for a collective split across graphs (a graph break
+#: between a launch and its wait): `<wait>.in_flight` (a launch made by an earlier graph) and
+#: `<launch>.handed_on` (a wait made by a later one). Dotted names are never FX node names, so
+#: the passes that rebuild a graph from Rust's order skip them (`is_stand_in`).
+STAND_IN_SUFFIXES = (".in_flight", ".handed_on")
+
+
+def is_stand_in(name: str) -> bool:
+    """Whether an IR node name is a stand-in for the other half of a split collective."""
+    return name.endswith(STAND_IN_SUFFIXES)
+
+
 #: Namespaces of launch/wait op pairs: functional collectives, the emulated EP link's ops.
 _COLLECTIVES = ("_c10d_functional", "sched_lifetime_link")
 _SOURCE_KEY = "sched_lifetime_source"
@@ -54,6 +66,24 @@ def _written_args(n: fx.Node) -> list[fx.Node]:
     return out
 
 
+def _nbytes(val: Any) -> int:
+    """Bytes of a node's value (a tensor, or a tuple of them) from its fake value; a symbolic
+    size counts at its hint (0 when it has none): for memory estimates only."""
+    if isinstance(val, (list, tuple)):
+        return sum(_nbytes(v) for v in val)
+    if not isinstance(val, torch.Tensor):
+        return 0
+    try:
+        n = val.numel()
+        return int(n if isinstance(n, int) else n.node.hint) * val.element_size()
+    except Exception:  # no hint: unknown, counted as 0
+        return 0
+
+
+def _out(n: fx.Node, **extra: Any) -> dict:
+    return {"value": n.name, "bytes": _nbytes(n.meta.get("val")), **extra}
+
+
 def _inputs(n: fx.Node) -> list[fx.Node]:
     seen: list[fx.Node] = []
     for x in n.all_input_nodes:
@@ -77,6 +107,7 @@ def to_ir(gm: fx.GraphModule, phase: str) -> dict:
     regions: dict[Any, dict[str, str]] = {}
     control: list[list[str]] = []
     last_ordered: Optional[str] = None  # RNG and side-effecting ops keep their order
+    nodes_source: dict[str, str] = {}
     for n in g.nodes:
         if n.op in ("placeholder", "get_attr"):
             inputs.append(n.name)
@@ -88,6 +119,7 @@ def to_ir(gm: fx.GraphModule, phase: str) -> dict:
             raise ValueError(f"FX node '{n.name}': op {n.op!r} is not supported by the sched_lifetime backend")
         custom = n.meta.get("custom") or {}
         source = str(custom.get(_SOURCE_KEY, default_source))
+        nodes_source[n.name] = source
         sources.setdefault(source, src_phase)
         ep = custom.get("ep")
         if ep is not None:
@@ -103,19 +135,30 @@ def to_ir(gm: fx.GraphModule, phase: str) -> dict:
             continue
         if _is_wait(n.target):
             launch = n.args[0] if n.args else None
+            if isinstance(launch, fx.Node) and launch.op == "placeholder":
+                # Launched by an earlier graph (a graph break between launch and wait): a
+                # stand-in launch at the graph's start, a no-op here, so the wait still comes
+                # as late as its first use and the budget counts the transfer in flight.
+                stand = f"{n.name}.in_flight"
+                nodes.append({"name": stand, "source": source, "kind": "comm_launch", "inputs": [value_of[launch]],
+                              "outputs": [{"value": stand, "bytes": 0, "alloc": "consumer"}]})
+                nodes.append({"name": n.name, "source": source, "kind": "comm_wait", "launch": stand})
+                value_of[n] = stand
+                continue
             if not isinstance(launch, fx.Node) or not _is_collective(launch.target) or _is_wait(launch.target):
                 raise ValueError(f"FX node '{n.name}' waits for '{getattr(launch, 'name', launch)}', which is not a functional collective")
             waited.add(launch)
             nodes.append({"name": n.name, "source": source, "kind": "comm_wait", "launch": launch.name})
             value_of[n] = value_of[launch]  # the launch's output, usable from here on
             continue
-        node: dict[str, Any] = {"name": n.name, "source": source, "inputs": ins, "outputs": [n.name]}
+        node: dict[str, Any] = {"name": n.name, "source": source, "inputs": ins, "outputs": [_out(n)]}
         if _is_collective(n.target):
             node["kind"] = "comm_launch"
             # Allocated by the collective on the caller's (compute) stream at launch.
-            node["outputs"] = [{"value": n.name, "alloc": "consumer"}]
+            node["outputs"] = [_out(n, alloc="consumer")]
         elif _is_view(n.target):
             node["kind"] = "noop"
+            node["outputs"] = [n.name]  # a view: its storage is its input's
         else:
             node["kind"] = "compute"
         written = [value_of[x] for x in _written_args(n) if x in value_of]
@@ -127,13 +170,24 @@ def to_ir(gm: fx.GraphModule, phase: str) -> dict:
             if last_ordered is not None:
                 control.append([last_ordered, n.name])
             last_ordered = n.name
+    returned_nodes = {x for o in g.find_nodes(op="output") for x in o.all_input_nodes}
     for n in g.nodes:
         if n.op == "call_function" and _is_collective(n.target) and not _is_wait(n.target) and n not in waited:
-            raise ValueError(f"FX node '{n.name}' ({n.target}) is a collective whose result is never waited (no wait_tensor)")
+            if n not in returned_nodes:
+                raise ValueError(f"FX node '{n.name}' ({n.target}) is a collective whose result is never waited (no wait_tensor)")
+            # Returned unwaited: a later graph waits for it (a graph break between). A stand-in
+            # wait, a no-op here, closes it for the budget at the end of this graph.
+            nodes.append({"name": f"{n.name}.handed_on", "source": nodes_source.get(n.name, default_source), "kind": "comm_wait", "launch": n.name})
     for layer, kinds in regions.items():
         if "dispatch" in kinds and "combine" not in kinds:
             raise ValueError(f"FX node '{kinds['dispatch']}' opens an EP dispatch region (layer {layer!r}) with no combine")
-    table = {"sources": [{"name": s, "phase": p} for s, p in sources.items()], "inputs": inputs, "nodes": nodes}
+    returned = []
+    for n in g.find_nodes(op="output"):
+        for x in n.all_input_nodes:
+            v = value_of.get(x)
+            if v is not None and v not in inputs and v not in returned:
+                returned.append(v)
+    table = {"sources": [{"name": s, "phase": p} for s, p in sources.items()], "inputs": inputs, "nodes": nodes, "outputs": returned}
     if control:
         table["control"] = control
     return table

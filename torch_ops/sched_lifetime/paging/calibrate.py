@@ -19,6 +19,48 @@ from .paged import is_weight, restorable
 from .plan import link_rates
 
 
+class MemoryLine:
+    """The device's allocation peaks between marks, shared by every calibration in the process:
+    each mark reads the peak since the last mark (anyone's) and resets it, so calibrations that
+    run at once (one compiled graph run per layer, each run with its own Pager) do not cut each
+    other's intervals short: an interval's peak is the highest of the marks inside it.
+    `read(dev)` returns the peak since the last reset and resets it (CUDA: the allocator's
+    statistic)."""
+
+    def __init__(self, read: Any = None) -> None:
+        self.read = read or _cuda_peak_and_reset
+        self.peaks: list[int] = []  # the peak of each interval between consecutive marks
+        self.users = 0  # calibrations measuring now; the line is cleared when none is
+
+    def mark(self, dev: Any) -> int:
+        """End the current interval: its index (a calibration keeps the indices of its marks)."""
+        self.peaks.append(int(self.read(dev)))
+        return len(self.peaks) - 1
+
+    def peak(self, after: int, upto: int) -> int:
+        """The most bytes allocated between mark `after` (exclusive; -1: from the line's start)
+        and mark `upto` (inclusive)."""
+        return max(self.peaks[after + 1 : upto + 1], default=0)
+
+    def join(self) -> None:
+        self.users += 1
+
+    def leave(self) -> None:
+        self.users -= 1
+        if self.users <= 0:
+            self.users, self.peaks = 0, []
+
+
+def _cuda_peak_and_reset(dev: Any) -> int:
+    peak = torch._C._cuda_memoryStats(dev.index)["allocated_bytes"]["all"]["peak"]
+    torch._C._cuda_resetPeakMemoryStats(dev.index)
+    return peak
+
+
+#: The one memory line of this process.
+LINE = MemoryLine()
+
+
 class Calibration:
     """The calibration steps' record of one `Pager`: `saved` (one entry per save), `first_use`
     (save index -> the backward unpack that first reads it) and, when `timed` on CUDA, the
@@ -32,13 +74,19 @@ class Calibration:
         self.first_use: dict[int, int] = {}
         self.timing_pass = False  # the memory line is measured: this step measures the time line
         self._events: dict[str, list] = {"save": [], "unpack": []}  # the time line
-        self._peaks: dict[str, list] = {"save": [], "unpack": []}  # the memory line
+        self._peaks: dict[str, list] = {"save": [], "unpack": []}  # the memory line: (from, to) marks of `LINE`
         self._tail = 0
+        self._dev: Any = None  # the CUDA device the memory line is read on (its first CUDA save's)
+        self._start = -1  # the mark the step started at
+        self._last = -1  # the last mark of this calibration
+        self.line = LINE
 
     def start(self) -> None:
         """A calibration step starts (the first memory interval starts with it)."""
         if self.timed and not self.timing_pass and torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
+            self._dev = torch.device("cuda", torch.cuda.current_device())
+            self.line.join()
+            self._start = self._last = self.line.mark(self._dev)
 
     def save(self, i: int, t: torch.Tensor) -> None:
         """Saved tensor `i` is `t`: recorded (first step) or checked and timed (second step)."""
@@ -48,8 +96,10 @@ class Calibration:
                 raise RuntimeError(f"paging: saved tensor #{i} is {tuple(t.shape)} {t.dtype}, the first calibration step saw {c and (c['shape'], c['dtype'])}")
             self._events["save"].append(self._event_now())
             return
-        if self.timed and t.is_cuda:
-            self._peak("save", t.device)
+        if self._dev is not None and (t.is_cuda or self._peaks["save"]):
+            # Every save once the line is on (a CPU tensor saved between CUDA ones included): a
+            # memory line with a peak per save, never a partial one.
+            self._peak("save")
         # Metadata only: a reference here would keep every activation alive through the
         # backward and distort the memory timeline.
         self.saved.append({"device": t.device, "bytes": t.numel() * t.element_size(), "shape": tuple(t.shape), "dtype": t.dtype, "weight": is_weight(t), "restorable": restorable(t)})
@@ -59,16 +109,22 @@ class Calibration:
         if self.timing_pass:
             self._events["unpack"].append(self._event_now())
         elif self._peaks["save"]:  # a timed calibration on CUDA
-            self._peak("unpack", self.saved[0]["device"])
+            self._peak("unpack")
         self.first_use.setdefault(i, u)
 
     def finish_step(self) -> bool:
         """A calibration step ran to its end: whether the record is complete. After the first of
         two timed steps on CUDA it is not: the next step measures the time line."""
         if self.timed and self._peaks["save"] and not self.timing_pass:
-            self._tail = torch.cuda.max_memory_allocated(self.saved[0]["device"])
+            end = self.line.mark(self._dev)
+            self._tail = self.line.peak(self._last, end)
+            self._resolve()
+            self.line.leave()
             self.timing_pass = True
             return False
+        if self._dev is not None and not self.timing_pass:  # nothing measured on CUDA after all
+            self.line.leave()
+            self._dev = None
         return True
 
     def prefix(self, min_bytes: int) -> list[dict]:
@@ -108,12 +164,18 @@ class Calibration:
         ev.record()
         return ev
 
-    def _peak(self, kind: str, dev: torch.device) -> None:
-        """First calibration step: the most bytes allocated since the last save or unpack (the
-        peak statistic is reset at each; slow on the host, so the timeline is measured in a
+    def _peak(self, kind: str) -> None:
+        """First calibration step: the interval since this calibration's last save or unpack, as
+        marks of the shared memory line (slow on the host, so the timeline is measured in a
         second step)."""
-        self._peaks[kind].append(torch._C._cuda_memoryStats(dev.index)["allocated_bytes"]["all"]["peak"])
-        torch._C._cuda_resetPeakMemoryStats(dev.index)
+        now = self.line.mark(self._dev)
+        self._peaks[kind].append((self._last, now))
+        self._last = now
+
+    def _resolve(self) -> None:
+        """The marks of the step as bytes: each interval's peak."""
+        for kind in ("save", "unpack"):
+            self._peaks[kind] = [self.line.peak(a, b) for a, b in self._peaks[kind]]
 
     def timing(self) -> Optional[dict]:
         """The calibration step's timeline (us from its first save / first unpack) and the
@@ -128,7 +190,7 @@ class Calibration:
                 f"paging: the second calibration step saved {len(saves)} and unpacked {len(unpacks)} tensors, "
                 f"the first {len(self.saved)} and {len(peaks['unpack'])}; make a new Pager for a new shape"
             )
-        rates = link_rates(self.saved[0]["device"])
+        rates = link_rates(self._dev if self._dev is not None else self.saved[0]["device"])
         out = {
             "save_us": [saves[0].elapsed_time(e) * 1e3 for e in saves],
             "unpack_us": [unpacks[0].elapsed_time(e) * 1e3 for e in unpacks],
