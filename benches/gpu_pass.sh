@@ -22,8 +22,8 @@
 #                                       # the family's shapes with the calibrated arm, the main job on the link
 #   bash benches/gpu_pass.sh calib2 OUT # nvidia-h200-x2: the main job over NCCL, ours vs calibrated
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|final OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|final OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -158,13 +158,25 @@ calib2)
 four)
     step pipeline_ep2 500 torchrun --standalone --nproc-per-node 4 benches/pipeline_ab.py --config pp_h200 --ep 2 --out "$out"
     ;;
+final)
+    # One H200 call, under 10 minutes: issue 31 (calibrated order: its cuda test, the family's
+    # shapes), issues 28/35 (main job on the EMULATED link, exposed comm the median of 5
+    # profiled steps, node times), issue 27 (a third-party model's paging A/B).
+    export PYTHONUNBUFFERED=1
+    step calib_cuda_test 45 "$py" -m pytest -q -m cuda -rs tests/python/test_train_cuda.py -k calibrated
+    step schedule_family_calib 120 "$py" benches/gpu_schedule_ab.py --family all --ratios 0.5,1.0,2.0 --json "$out/family.json"
+    step main_job_link 170 "$py" -m sched_lifetime train --ep-link host:8 --config h200 --steps 2 --microbatches 8 \
+        --arms sequential,ours,calibrated --profile-steps 5 --quiet --out /tmp/mjl --no-traces
+    for f in train.json durations.json calibrated_calibrated.json calibrated_calibrated.txt; do cp "/tmp/mjl/$f" "$out/link_$f" 2>/dev/null; done
+    step hf_qwen3_moe 230 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --out "$out/hf_qwen3_moe.json"
+    ;;
 hf)
     # transformers must import (the image holds 5.17.0; else carry it on PYTHONPATH).
     step hf_qwen3_moe 300 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 5 --out "$out/hf_qwen3_moe.json"
     step hf_deepseek_v3 240 "$py" benches/hf_paging_ab.py --model deepseek_v3 --seq 4096 --steps 5 --out "$out/hf_deepseek_v3.json"
     ;;
 *)
-    echo "unknown mode $mode: one, one2, two, two2, cuda2, explain, capture, four, twopage, link, link2, page2, page3, calib, calibl, calib2 or hf" >&2
+    echo "unknown mode $mode: one, one2, two, two2, cuda2, explain, capture, four, twopage, link, link2, page2, page3, calib, calibl, calib2, hf or final" >&2
     exit 2
     ;;
 esac
