@@ -16,12 +16,13 @@ case "$job" in demo|test) ;; *) echo "usage: $0 demo|test" >&2; exit 2 ;; esac
 BOOT=${PYTHON_BOOTSTRAP:-python3}
 REQS=${SCHED_LIFETIME_REQUIREMENTS:-requirements-dev.txt}
 VENV=${SCHED_LIFETIME_VENV:-.venv}
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
 if [ ! -x "$VENV/bin/python" ]; then
   "$BOOT" -m venv "$VENV"
 fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
-export PYTHON="$PWD/$VENV/bin/python"   # build.rs asks this interpreter where torch is
+export PYTHON="$VENV/bin/python"   # build.rs asks this interpreter where torch is
 python -m pip install -q --disable-pip-version-check -r "$REQS"
 # Builds the Rust cdylib (feature torch) into torch_ops/sched_lifetime/ and installs the package.
 python -m pip install -q --disable-pip-version-check --no-build-isolation -e .
