@@ -27,9 +27,10 @@ combine is caught. With expert parallelism on, an all-to-all without any EP anno
 model whose dispatcher graph_trainer did not annotate) is an error naming the node, and so is
 a graph with no all-to-all at all.
 
-Paging: torchtitan's `--compile.memory_policy sac_and_offload` (its `cpu_offload` pass) runs
-beside our order unchanged; our own paging (`compile` option `paging`) needs AOTAutograd's
-forward/backward split and is not offered on graph_trainer's joint graph yet.
+Paging: torchtitan's `--compile.memory_policy sac_and_offload` (its `cpu_offload` pass) stays
+in the pass list, before ours (not tried together yet: it needs an accelerator); our own paging
+(`compile` option `paging`) needs AOTAutograd's forward/backward split and is not offered on
+graph_trainer's joint graph yet.
 """
 
 from __future__ import annotations
