@@ -98,6 +98,11 @@ fn build_torch_shim() -> Result<(), String> {
     for f in ["cpp/shim.cc", "cpp/direct.cc", "cpp/shim.h", "src/ffi/bridge.rs"] {
         println!("cargo:rerun-if-changed={f}");
     }
+    // Another torch behind the same $PYTHON (pip upgraded it in place) must rebuild the shim
+    // against its headers: cargo reruns this script when torch's libraries change.
+    for lib in ["libc10.so", "libtorch_cpu.so"] {
+        println!("cargo:rerun-if-changed={}", std::path::Path::new(&torch.libdir).join(lib).display());
+    }
     println!("cargo:rustc-link-search=native={}", torch.libdir);
     println!("cargo:rustc-link-lib=dylib=c10");
     println!("cargo:rustc-link-lib=dylib=torch_cpu");

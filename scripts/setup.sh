@@ -5,19 +5,25 @@
 #                           the lifetime A/B (GPU: measured figures; CPU: numerics only)
 #   scripts/setup.sh test   Rust tests + pytest (GPU tests skip without a GPU)
 # Re-running is incremental: the venv, pip cache and cargo target dir are reused.
+# Which torch: requirements-dev.txt (the newest, with torchtitan; what CI runs), or another
+# file through SCHED_LIFETIME_REQUIREMENTS, e.g. requirements-torch2.11.txt for the library the
+# GPU machine loads; SCHED_LIFETIME_VENV puts that one in its own venv (default .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 job=${1:-}
 case "$job" in demo|test) ;; *) echo "usage: $0 demo|test" >&2; exit 2 ;; esac
 
 BOOT=${PYTHON_BOOTSTRAP:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$BOOT" -m venv .venv
+REQS=${SCHED_LIFETIME_REQUIREMENTS:-requirements-dev.txt}
+VENV=${SCHED_LIFETIME_VENV:-.venv}
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
+if [ ! -x "$VENV/bin/python" ]; then
+  "$BOOT" -m venv "$VENV"
 fi
 # shellcheck disable=SC1091
-. .venv/bin/activate
-export PYTHON="$PWD/.venv/bin/python"   # build.rs asks this interpreter where torch is
-python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+. "$VENV/bin/activate"
+export PYTHON="$VENV/bin/python"   # build.rs asks this interpreter where torch is
+python -m pip install -q --disable-pip-version-check -r "$REQS"
 # Builds the Rust cdylib (feature torch) into torch_ops/sched_lifetime/ and installs the package.
 python -m pip install -q --disable-pip-version-check --no-build-isolation -e .
 

@@ -813,3 +813,47 @@ def test_a_bad_ep_budget_is_refused_naming_the_option(bad):
         slc.check_options({"ep_budget": bad})
     with pytest.raises(ValueError, match=r"ep_budget must be an int in 1..=1024|ep_budget"):
         slc.compile_graphs({"fwd": _comm_graph(), "bwd": _comm_graph()}, bad)
+
+
+def _writes_through_views() -> fx.GraphModule:
+    """A non-functional graph (as torchtitan's traced step is): a buffer written through a view
+    (`copy_` into a slice, no user of its result), read whole, then written again."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    buf = g.call_function(torch.ops.aten.zeros.default, ([4],), {"dtype": torch.float32, "device": torch.device("cpu")})
+    lo = g.call_function(torch.ops.aten.slice.Tensor, (buf, 0, 0, 2))
+    g.call_function(torch.ops.aten.copy_.default, (lo, x))  # copy__default
+    r = g.call_function(torch.ops.aten.relu.default, (buf,))  # reads buf after the write through lo
+    hi = g.call_function(torch.ops.aten.slice.Tensor, (buf, 0, 2, 4))
+    g.call_function(torch.ops.aten.copy_.default, (hi, x))  # copy__default_1: after relu's read
+    s = g.call_function(torch.ops.aten.mul.Tensor, (buf, 2.0))
+    g.output((r, s))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_to_ir_orders_reads_and_writes_of_one_storage_through_its_views():
+    table = slc.to_ir(_writes_through_views(), "step")
+    control = [tuple(e) for e in table.get("control", [])]
+    assert ("copy__default", "relu_default") in control  # a read after the write through a view
+    assert ("relu_default", "copy__default_1") in control  # a write after an earlier read
+    assert ("copy__default_1", "mul_tensor") in control
+    gm = _writes_through_views()
+    x = torch.tensor([-1.0, 3.0])
+    want = gm(x)
+    got = slc.compile_fx_graph(_writes_through_views(), "step", slc.check_options({}), in_place=True)(x)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    with pytest.raises(ValueError, match="to_ir: phase must be 'fwd', 'bwd' or 'step'"):
+        slc.to_ir(gm, "both")
+
+
+def test_reorder_moves_the_modules_own_nodes_and_keeps_its_codegen():
+    gm = _comm_graph()
+    gm.graph.set_codegen(fx.graph._BoxedCodeGen())
+    gm.recompile()
+    table = slc.to_ir(gm, "fwd")
+    order = list(sl.schedule(table)["order"])
+    out = slc.reorder(gm, order)
+    assert out is gm and isinstance(gm.graph._codegen, fx.graph._BoxedCodeGen)
+    assert [n.name for n in gm.graph.nodes if n.op == "call_function"] == order
+    with pytest.raises(ValueError, match="the schedule's order does not match the FX graph: leaves out"):
+        slc.reorder(gm, order[1:])

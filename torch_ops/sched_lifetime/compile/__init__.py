@@ -44,11 +44,11 @@ import torch.fx as fx
 from ..schedule import format_explain, schedule
 from .graph_step import GraphStep, capture_graphs, compile_graphs
 from .multiplex_pass import multiplex
-from .order_pass import rewrite
+from .order_pass import reorder, rewrite
 from .paging_pass import GraphPager
 from .to_ir import to_ir
 
-__all__ = ["OPTIONS", "GraphStep", "backend", "boxed", "capture_graphs", "check_options", "compile_fx_graph", "compile_graphs", "history", "multiplex", "rewrite", "to_ir"]
+__all__ = ["OPTIONS", "GraphStep", "backend", "boxed", "capture_graphs", "check_options", "compile_fx_graph", "compile_graphs", "history", "multiplex", "reorder", "rewrite", "to_ir"]
 
 #: Options and their defaults; anything else is an error listing these.
 OPTIONS: dict[str, Any] = {
@@ -231,9 +231,11 @@ class _Capture:
         return out
 
 
-def compile_fx_graph(gm: fx.GraphModule, phase: str, opts: dict) -> fx.GraphModule:
+def compile_fx_graph(gm: fx.GraphModule, phase: str, opts: dict, in_place: bool = False) -> fx.GraphModule:
     """One AOT graph: IR, Rust's order, the rebuilt GraphModule (`gm.sched_lifetime` holds
-    the IR and the schedule)."""
+    the IR and the schedule). `phase`: "fwd", "bwd", or "step" (a whole traced training step,
+    forward and backward in one graph, as torchtitan's graph_trainer traces it). `in_place`:
+    move `gm`'s own nodes (`reorder`) instead of building a new module (`rewrite`)."""
     table = to_ir(gm, phase)
     result = None
     if opts["overlap"]:
@@ -241,7 +243,7 @@ def compile_fx_graph(gm: fx.GraphModule, phase: str, opts: dict) -> fx.GraphModu
         order = list(result["order"])
     else:
         order = [n["name"] for n in table["nodes"]]
-    out = rewrite(gm, order)
+    out = reorder(gm, order) if in_place else rewrite(gm, order)
     out.sched_lifetime = {"ir": table, "schedule": result, "phase": phase, "order": order}
     history.append({**out.sched_lifetime, "module": out})
     del history[:-64]

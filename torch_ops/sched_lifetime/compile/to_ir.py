@@ -92,12 +92,83 @@ def _inputs(n: fx.Node) -> list[fx.Node]:
     return seen
 
 
+def _aliased_arg(n: fx.Node) -> Optional[fx.Node]:
+    """The input whose storage `n`'s result shares: a view's or in-place op's `self`, an `out=`
+    op's `out`, a `getitem`'s container; None for a fresh result."""
+    t = n.target
+    if t is operator.getitem:
+        a = n.args[0] if n.args else None
+        return a if isinstance(a, fx.Node) else None
+    if not isinstance(t, torch._ops.OpOverload):
+        return None
+    sets = set()
+    for r in t._schema.returns:
+        if r.alias_info is not None:
+            sets |= set(r.alias_info.before_set)
+    if not sets:
+        return None
+    for i, a in enumerate(t._schema.arguments):
+        if a.alias_info is not None and sets & set(a.alias_info.before_set):
+            v = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+            if isinstance(v, (list, tuple)):
+                v = v[0] if v else None
+            return v if isinstance(v, fx.Node) else None
+    return None
+
+
+def _storage_order(g: fx.Graph, kinds: dict[str, str]) -> list[list[str]]:
+    """Control edges that keep reads and writes of one storage in graph order when the graph
+    is not functional (torchtitan's traced step writes into buffers through views: `copy_` into
+    a slice, `split_with_sizes_copy` into aliases, `all_gather_into_tensor_out`): a write after
+    every earlier read and write of any alias of its storage, a read after the last write. A
+    collective's wait counts as its launch's reads and writes (c10d reads and fills the buffers
+    until then). Views and waits of waits read nothing (they move no data)."""
+    root: dict[fx.Node, fx.Node] = {}
+
+    def root_of(x: fx.Node) -> fx.Node:
+        return root.get(x, x)
+
+    last_write: dict[fx.Node, str] = {}
+    readers: dict[fx.Node, list[str]] = {}
+    edges: list[list[str]] = []
+    touched_by: dict[fx.Node, tuple[list[fx.Node], list[fx.Node]]] = {}
+    for n in g.nodes:
+        if n.op != "call_function":
+            continue
+        a = _aliased_arg(n)
+        if a is not None:
+            root[n] = root_of(a)
+        if _is_wait(n.target) and n.args and isinstance(n.args[0], fx.Node):
+            root[n] = root_of(n.args[0])
+        if kinds.get(n.name) == "noop":
+            continue
+        if _is_wait(n.target):
+            launch = n.args[0] if n.args else None
+            reads, writes = touched_by.get(launch, ([], []))
+        else:
+            writes = list(dict.fromkeys(root_of(x) for x in _written_args(n)))
+            reads = [r for r in dict.fromkeys(root_of(x) for x in _inputs(n)) if r not in writes]
+            touched_by[n] = (reads, writes)
+        for r in reads:
+            w = last_write.get(r)
+            if w is not None and w != n.name:
+                edges.append([w, n.name])
+            readers.setdefault(r, []).append(n.name)
+        for r in writes:
+            earlier = ([last_write[r]] if r in last_write else []) + readers.pop(r, [])
+            edges.extend([e, n.name] for e in dict.fromkeys(earlier) if e != n.name)
+            last_write[r] = n.name
+    return edges
+
+
 def to_ir(gm: fx.GraphModule, phase: str) -> dict:
     """The IR table of an AOT graph (see the module docstring). Raises ValueError naming the
     FX node when the graph breaks a contract: a collective whose result is never waited, a
     wait of something that is not a collective, an EP dispatch region without its combine."""
     g = gm.graph
-    src_phase = "F" if phase == "fwd" else "B"
+    if phase not in ("fwd", "bwd", "step"):
+        raise ValueError(f"to_ir: phase must be 'fwd', 'bwd' or 'step' (a whole traced step), got {phase!r}")
+    src_phase = "B" if phase == "bwd" else "F"
     default_source = phase
     sources: dict[str, str] = {default_source: src_phase}
     inputs: list[str] = []
@@ -181,6 +252,7 @@ def to_ir(gm: fx.GraphModule, phase: str) -> dict:
     for layer, kinds in regions.items():
         if "dispatch" in kinds and "combine" not in kinds:
             raise ValueError(f"FX node '{kinds['dispatch']}' opens an EP dispatch region (layer {layer!r}) with no combine")
+    control += _storage_order(g, {n["name"]: n["kind"] for n in nodes})
     returned = []
     for n in g.find_nodes(op="output"):
         for x in n.all_input_nodes:
