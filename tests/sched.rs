@@ -228,6 +228,16 @@ fn errors_name_the_node_or_setting() {
     })
     .contains("not a matching launch"));
     assert!(spec_err(|s| s.nodes.retain(|n| n.kind != Kind::CommWait)).contains("has no wait"));
+    // A value's bytes are capped (the fuzzer found u64::MAX overflowing the simulator's rounding).
+    let huge = |bytes: u64| move |s: &mut GraphSpec| s.inputs.push(OutputSpec::Sized { value: "huge".into(), bytes });
+    let e = spec_err(huge(u64::MAX));
+    assert!(e.contains("value 'huge' has 18446744073709551615 bytes, over the 1125899906842624 (1 PiB)"), "{e}");
+    assert!(Graph::new({
+        let mut spec = moe::chunk(moe::Shape::moe(1, 1.0));
+        huge(sched_lifetime::ir::MAX_VALUE_BYTES)(&mut spec);
+        spec
+    })
+    .is_ok());
     assert!(Graph::from_json("{").unwrap_err().to_string().contains("graph is not valid"));
     assert!(Budgets::new(0, 1).unwrap_err().to_string().contains("SCHED_LIFETIME_EP_LAUNCH_BUDGET=0 is out of range"));
     let e = Budgets::resolve(None, Some("lots")).unwrap_err().to_string();

@@ -142,6 +142,10 @@ pub enum Alloc {
     Consumer,
 }
 
+/// The most bytes one value may have (1 PiB): far above any tensor, and low enough that sums over
+/// millions of values (memory estimates, the simulator's allocator rounding) stay in a u64.
+pub const MAX_VALUE_BYTES: u64 = 1 << 50;
+
 /// An output as written in the table: a name, or a name with bytes (and, for launch outputs,
 /// where it is allocated).
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -280,7 +284,8 @@ impl Graph {
         Graph::new(spec)
     }
 
-    /// Validate and index a table; errors name the node, value or source.
+    /// Validate and index a table; errors name the node, value or source. A value's bytes are at
+    /// most [`MAX_VALUE_BYTES`], so byte sums in the scheduler and the simulator cannot overflow.
     pub fn new(spec: GraphSpec) -> Result<Graph> {
         let bad = |m: String| Error::InvalidInput(m);
         let mut src_ix: HashMap<&str, SourceId> = HashMap::new();
@@ -305,6 +310,9 @@ impl Graph {
             };
             if val_ix.contains_key(&name) {
                 return Err(bad(format!("{who}: value '{name}' is produced twice")));
+            }
+            if bytes > MAX_VALUE_BYTES {
+                return Err(bad(format!("{who}: value '{name}' has {bytes} bytes, over the {MAX_VALUE_BYTES} (1 PiB) a value may have")));
             }
             let id = ValueId::new(values.len());
             val_ix.insert(name.clone(), id);
