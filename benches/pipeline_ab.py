@@ -114,8 +114,9 @@ def main() -> None:
     else:  # a smoke run: gloo cannot send to its own rank (V mapping), drop those warm-up ops
         from torch.distributed.pipelining.stage import _PipelineStageBase
 
-        dev, orig = torch.device("cpu"), _PipelineStageBase._get_init_p2p_neighbors_ops
-        _PipelineStageBase._get_init_p2p_neighbors_ops = lambda self: [o for o in orig(self) if o.peer != rank]
+        dev, orig = torch.device("cpu"), getattr(_PipelineStageBase, "_get_init_p2p_neighbors_ops", None)
+        if orig is not None:  # torch >= 2.15 has no warm-up exchange
+            _PipelineStageBase._get_init_p2p_neighbors_ops = lambda self: [o for o in orig(self) if o.peer != rank]
         torch.cuda.synchronize = torch.cuda.reset_peak_memory_stats = lambda *x: None
         torch.cuda.max_memory_allocated = lambda *x: 0
         torch.cuda.get_device_name = lambda *x: "CPU (smoke run, no figures)"
