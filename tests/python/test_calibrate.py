@@ -96,15 +96,16 @@ def test_order_follows_measured_costs_replans_only_on_change_and_later_steps_tim
 
 
 def test_background_search_applies_its_orders_two_steps_later_and_stays_bit_exact():
-    """The default: the search runs in a thread while the next step runs the old order; its
-    orders take over at the step after (the same step on every rank)."""
+    """`background=True`: the search runs in a thread while the next step runs the old order;
+    its orders take over at the step after (the same step on every rank)."""
     model, ref = MoEModel(CONFIGS["tiny"]), MoEModel(CONFIGS["tiny"])
     chunk = model.chunk()
     g = chunk.graph(True, True)
     costs = _costs(g, 1000.0)
     want, ours = _searched(g, costs), sl.schedule(g)["order"]
     assert want != ours
-    assert chunk.calibration.background  # the default
+    assert not chunk.calibration.background  # the default: at the step's end
+    chunk.calibration = Calibration(background=True)
     _fake(chunk.calibration, [costs], [])
     assert _step(model, ref, chunk, 0)  # timed; the search starts
     assert chunk.calibration.planning and _pair_executor(chunk)._order == ours
@@ -184,7 +185,7 @@ def _two_rank_worker(rank: int, port: int, out: str) -> None:
     # Each rank's own timings differ (rank 1 sees fast links, rank 0 slow ones).
     mine = _costs(g, 1000.0) if rank == 0 else _costs(g, 10.0, bump="F.L0.attn")
     agreed = {k: max(_costs(g, 1000.0)[k], _costs(g, 10.0, bump="F.L0.attn")[k]) for k in mine}
-    chunk.calibration = Calibration(steps=1)
+    chunk.calibration = Calibration(steps=1, background=True)
     _fake(chunk.calibration, [mine], [])
     for step in range(3):  # the search in the background: its orders from step 2 on
         model.zero_grad(set_to_none=True)

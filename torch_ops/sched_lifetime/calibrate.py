@@ -13,9 +13,9 @@ waits, host clock on CPU; no sync per node or run), and at the step's end (`end_
    order per rank would issue collectives in a different order, a hang);
 3. the costs are smoothed with the earlier calibration steps' (`smoothing`: the weight of the
    new measurement, 1.0 = the latest only);
-4. each calibrated graph is scheduled again under rule `search` with these costs (in a
-   background thread beside the next step by default, taking over at the step after it, the
-   same step on every rank), and its executor is rebuilt only when the order changed; the
+4. each calibrated graph is scheduled again under rule `search` with these costs (at the
+   calibration step's end by default; with `background=True` in a thread beside the next step,
+   taking over at the step after it, the same step on every rank), and its executor is rebuilt only when the order changed; the
    orders are then checked rank-identical (`ep.check_rank_identical`).
 
 Later steps time nothing and re-plan nothing. Before the first calibration step's end (step
@@ -70,11 +70,13 @@ class Calibration:
 
     `steps`: calibration steps (>= 1): the first `steps` steps are timed and each re-plans at
     its end. `smoothing`: in (0, 1], the weight of a step's measurement against the costs so
-    far (exponential smoothing over the calibration steps). `background` (default True): the
-    search runs in a thread (the op releases the GIL) while the next step runs in the old
-    order, and the new orders apply from the step after it, on every rank at the same step
-    (the calibration step's own extra is then the events, one sync and the agreement); False:
-    the search runs at the calibration step's end and applies from the next step. `group`:
+    far (exponential smoothing over the calibration steps). `background` (default False): the
+    search runs at the calibration step's end and applies from the next step. True: it runs
+    in a thread (the op releases the GIL) while the next step runs in the old order, and the
+    new orders apply from the step after it, on every rank at the same step (the calibration
+    step's own extra is then the events, one sync and the agreement); the thread must be
+    joined before the process ends (a thread left running at exit aborted spawned ranks in
+    CI, 1 run in 4: hence the default). `group`:
     the process group whose ranks must agree (None: the chunk's `rank_group`, itself None for
     the default group, when torch.distributed is initialized).
 
@@ -94,7 +96,7 @@ class Calibration:
         True
     """
 
-    def __init__(self, steps: int = 1, smoothing: float = 0.5, group: Any = None, background: bool = True) -> None:
+    def __init__(self, steps: int = 1, smoothing: float = 0.5, group: Any = None, background: bool = False) -> None:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"calibration steps must be an int >= 1, got {steps!r} (to time nothing, use order='ours')")
         if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0.0 < float(smoothing) <= 1.0:
@@ -196,7 +198,10 @@ class Calibration:
                 raise out["error"]
             return out["plans"]
         holder: dict = {}
-        t = threading.Thread(target=run, args=(holder,), name="sched_lifetime-calibration-search", daemon=True)
+        # Not a daemon: the interpreter joins it before it finalizes. A daemon thread still inside
+        # the scheduler op at exit aborted the process ("terminate called without an active
+        # exception", seen in CI after a calibrated step that was the script's last).
+        t = threading.Thread(target=run, args=(holder,), name="sched_lifetime-calibration-search", daemon=False)
         t.start()
         self._pending = [t, holder, self._measured_step, 0]
         return None

@@ -296,9 +296,9 @@ def train_step(
     set) time every node (CUDA events, one sync at the step's end; host clock on CPU), and at
     each such step's end the ranks agree on the costs (one collective: each node's maximum),
     which are smoothed over the calibration steps, and every graph of the step is scheduled
-    again under rule `search` with them, in a background thread while the next step runs the
-    old order (the new orders take over at the step after it, on every rank at once;
-    `chunk.calibration = Calibration(background=False)`: at once, from the next step); an
+    again under rule `search` with them, at that step's end, applying from the next step
+    (`chunk.calibration = Calibration(background=True)`: in a thread while the next step runs
+    the old order, taking over at the step after it, on every rank at once); an
     executor is rebuilt only when its order changed, and the orders are checked rank-identical. Before the first calibration step's end, and
     for `order="ours"` always, the order is the timing-free one. Later steps time nothing.
     See `sched_lifetime.calibrate`.
