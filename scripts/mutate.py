@@ -59,11 +59,11 @@ TARGETS: dict[str, list[str]] = {
         _RUN + "test_node_path_equals_plain_backward[1.0-tiny]", _RUN + "test_node_path_equals_plain_backward[None-odd]",
         _RUN + "test_paired_ends_are_bit_exact_against_sequential[3-odd]",
         T + "test_executor.py::test_rule3_each_value_of_the_embedded_model_retires_with_the_scheduled_action",
-        T + "test_paging.py::test_page_nodes_on_the_node_path_are_scheduled_and_bit_exact", _DIST,
+        T + "test_paging_nodes.py::test_page_nodes_on_the_node_path_are_scheduled_and_bit_exact", _DIST,
     ],
     f"{PKG}/executor.py": [
         T + "test_executor.py", _RUN + "test_b_then_f_issues_every_backward_node_before_every_forward_node",
-        _RUN + "test_node_path_equals_plain_backward[1.0-tiny]", T + "test_paging.py::test_page_nodes_on_the_node_path_are_scheduled_and_bit_exact",
+        _RUN + "test_node_path_equals_plain_backward[1.0-tiny]", T + "test_paging_nodes.py::test_page_nodes_on_the_node_path_are_scheduled_and_bit_exact",
     ],
     f"{PKG}/train/": [
         T + "test_train_arms.py", T + "test_train_figures.py", T + "test_train_reference.py", _DIST,
@@ -71,7 +71,11 @@ TARGETS: dict[str, list[str]] = {
     ],
     # File order (some tests rely on what an earlier one set up); the 2-rank EP test, 65 s, left out.
     f"{PKG}/compile/": [T + "test_compile.py -k 'not moe_model_with_ep'"],
-    f"{PKG}/paging.py": [T + "test_paging.py"],
+    f"{PKG}/paging/": [
+        T + "test_paging_plan.py", T + "test_paging_pool.py", T + "test_paging_slot_order.py", T + "test_paging_groups.py",
+        T + "test_paging_pager.py",
+    ],
+    f"{PKG}/calibrate.py": [T + "test_calibrate.py"],
 }
 
 _SWAP_BIN = {ast.Add: (ast.Sub, "+", "-"), ast.Sub: (ast.Add, "-", "+"), ast.Mult: (ast.Div, "*", "/"), ast.Div: (ast.Mult, "/", "*"),
@@ -279,6 +283,7 @@ def scratch() -> str:
     for f in ("README.md", "pyproject.toml"):  # read by tests (the arm table, the entry point)
         shutil.copy(os.path.join(ROOT, f), d)
     shutil.copytree(os.path.join(ROOT, "benches", "data"), os.path.join(d, "benches", "data"))  # measured node times
+    shutil.copytree(os.path.join(ROOT, "docs"), os.path.join(d, "docs"))  # the generated arm table, the guides' examples
     return d
 
 
