@@ -22,7 +22,6 @@
 #                                       # the family's shapes with the calibrated arm, the main job on the link
 #   bash benches/gpu_pass.sh calibl OUT # nvidia-h200: issues 31, 28 and 35: calibrated test, family, main job on the link
 #   bash benches/gpu_pass.sh final OUT  # nvidia-h200: calibl's steps and the HF Qwen3-MoE paging A/B, in one call
-#   bash benches/gpu_pass.sh hf OUT     # nvidia-h200: HF Qwen3-MoE and DeepSeek-V3 paging A/B (two steps of up to 300 s)
 #   bash benches/gpu_pass.sh calib2 OUT # nvidia-h200-x2: the main job over NCCL, ours vs calibrated
 set -uo pipefail
 mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|final OUT}
