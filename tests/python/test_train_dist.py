@@ -95,6 +95,9 @@ def _parity_worker(rank: int, port: int, out: str, config: str, capacity: float)
     res["expert_shard"] = arms["ours"].model.expert_parameters()[0].flatten()[:4].tolist()
     with open(f"{out}.{rank}", "w") as f:
         json.dump(res, f)
+    # Both ranks leave together: rank 0 aborted at exit now and then in CI ("terminate called
+    # without an active exception") when it tore its groups down after rank 1 had gone.
+    dist.barrier()
     dist.destroy_process_group()
 
 
