@@ -18,32 +18,7 @@ import torch.multiprocessing as mp
 import sched_lifetime as sl  # noqa: F401  (registers the backend)
 from sched_lifetime import compile as slc
 
-STEPS = 3
-
-
-def _steps(model, make_batch, backend, options=None, steps=STEPS):
-    torch._dynamo.reset()
-    run = model if backend is None else torch.compile(model, backend=backend, options=options)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    outs, grads = [], []
-    for step in range(steps):
-        opt.zero_grad(set_to_none=True)
-        torch.manual_seed(1000 + step)  # the same RNG draws in every arm
-        out = run(*make_batch(step))
-        out.sum().backward() if out.dim() else out.backward()
-        outs.append(out.detach().clone())
-        grads.append([p.grad.clone() for p in model.parameters()])
-        opt.step()
-    return outs, grads, [p.detach().clone() for p in model.parameters()]
-
-
-def _same(a, b) -> bool:
-    (oa, ga, pa), (ob, gb, pb) = a, b
-    return (
-        all(torch.equal(x, y) for x, y in zip(oa, ob))
-        and all(torch.equal(x, y) for gx, gy in zip(ga, gb) for x, y in zip(gx, gy))
-        and all(torch.equal(x, y) for x, y in zip(pa, pb))
-    )
+from _compile_parity import STEPS, same as _same, steps as _steps  # noqa: E402
 
 
 def _mlp():

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import sched_lifetime as sl
 from sched_lifetime import compile as slc
 
-STEPS = 3
+from _compile_parity import STEPS, same as _same, steps as _parity_steps  # noqa: E402
 
 
 class Layer(torch.nn.Module):
@@ -43,29 +43,13 @@ class Broken(torch.nn.Module):
 
 
 def _steps(model, backend, options=None, steps=STEPS, shapes=None, dynamic=None):
-    torch._dynamo.reset()
-    run = model if backend is None else torch.compile(model, backend=backend, options=options, dynamic=dynamic)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    outs, grads = [], []
-    for step in range(steps):
-        opt.zero_grad(set_to_none=True)
+    """`_compile_parity.steps` on 16 (or `shapes[step]`) rows of 32 features, seeded per step."""
+
+    def batch(step):
         n = shapes[step] if shapes else 16
-        x = torch.randn(n, 32, generator=torch.Generator().manual_seed(step))
-        out = run(x)
-        out.backward()
-        outs.append(out.detach().clone())
-        grads.append([p.grad.clone() for p in model.parameters()])
-        opt.step()
-    return outs, grads, [p.detach().clone() for p in model.parameters()]
+        return (torch.randn(n, 32, generator=torch.Generator().manual_seed(step)),)
 
-
-def _same(a, b) -> bool:
-    (oa, ga, pa), (ob, gb, pb) = a, b
-    return (
-        all(torch.equal(x, y) for x, y in zip(oa, ob))
-        and all(torch.equal(x, y) for gx, gy in zip(ga, gb) for x, y in zip(gx, gy))
-        and all(torch.equal(x, y) for x, y in zip(pa, pb))
-    )
+    return _parity_steps(model, batch, backend, options, steps, dynamic)
 
 
 def _pagers():
