@@ -22,10 +22,13 @@
 #                                       # the family's shapes with the calibrated arm, the main job on the link
 #   bash benches/gpu_pass.sh calibl OUT # nvidia-h200: issues 31, 28 and 35: calibrated test, family, main job on the link
 #   bash benches/gpu_pass.sh final OUT  # nvidia-h200: calibl's steps and the HF Qwen3-MoE paging A/B, in one call
+#   bash benches/gpu_pass.sh hfdet OUT  # nvidia-h200: issue 27's GPU parity under strict determinism (Qwen3-MoE,
+#                                       # DeepSeek-V3, all arms incl. cudagraphs), a profiled step per arm, two page streams
+#   bash benches/gpu_pass.sh hftrace OUT  # nvidia-h200: where paging's time goes on HF models (fast attention), traces
 #   bash benches/gpu_pass.sh calib2 OUT # nvidia-h200-x2: the main job over NCCL, ours vs calibrated
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|final OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|final OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|final OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|final OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -177,8 +180,47 @@ hf)
     step hf_qwen3_moe 300 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 5 --out "$out/hf_qwen3_moe.json"
     step hf_deepseek_v3 240 "$py" benches/hf_paging_ab.py --model deepseek_v3 --seq 4096 --steps 5 --out "$out/hf_deepseek_v3.json"
     ;;
+hfdet)
+    # Issue 27's GPU parity and step time under strict determinism (the bench's default: the
+    # attention's backward is otherwise not deterministic on an H200), every arm incl. the
+    # captured one, one profiled step per arm; DeepSeek-V3 at 4096; Qwen3 with two page streams.
+    step hf_qwen3_moe 220 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 5 --profile \
+        --arms eager,eager_again,save_on_cpu,aot_eager,compiled,cudagraphs,paging --out "$out/hf_qwen3_moe.json"
+    step hf_deepseek_v3 200 "$py" benches/hf_paging_ab.py --model deepseek_v3 --seq 4096 --steps 4 --profile \
+        --arms eager,eager_again,aot_eager,compiled,cudagraphs,paging --out "$out/hf_deepseek_v3.json"
+    step hf_qwen3_moe_two_way 130 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --profile \
+        --arms compiled,paging --paging '{"paging_two_way": true}' --out "$out/hf_qwen3_moe_two_way.json"
+    ;;
+hftrace)
+    # Issue 27: where paging's time goes on HF models with torch's fast (non-deterministic)
+    # attention: a Chrome trace of one profiled step per arm, split by benches/trace_stalls.py.
+    step hf_ds_warn 150 "$py" benches/hf_paging_ab.py --model deepseek_v3 --seq 4096 --steps 5 --determinism warn --profile \
+        --trace "$out/traces" --arms eager,aot_eager,compiled,paging --out "$out/hf_ds_warn.json"
+    step hf_ds_warn_two_way 110 "$py" benches/hf_paging_ab.py --model deepseek_v3 --seq 4096 --steps 4 --determinism warn --profile \
+        --trace "$out/traces_two_way" --arms compiled,paging --paging '{"paging_two_way": true}' --out "$out/hf_ds_warn_two_way.json"
+    step hf_qwen_warn 130 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 5 --determinism warn --profile \
+        --trace "$out/traces" --arms compiled,paging --out "$out/hf_qwen_warn.json"
+    step stalls 60 "$py" benches/trace_stalls.py "$out"/traces/*.json "$out"/traces_two_way/*.json
+    gzip "$out"/traces/*.json "$out"/traces_two_way/*.json
+    ;;
+hftrace2)
+    # Issue 27: the host side of paging on Qwen3-MoE (fast attention): one traced step per arm.
+    step hf_qwen_warn 150 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --determinism warn --profile \
+        --trace "$out/traces" --arms compiled,paging --out "$out/hf_qwen_warn.json"
+    step stalls 60 "$py" benches/trace_stalls.py "$out"/traces/*.json
+    gzip "$out"/traces/*.json
+    ;;
+hfmin)
+    # Issue 27: paging's host cost per paged tensor: the default paging_min_bytes (64 KiB) vs 1 MiB.
+    step hf_qwen_min64k 130 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 5 --determinism warn \
+        --arms compiled,paging --out "$out/hf_qwen_min64k.json"
+    step hf_qwen_min1m 130 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 5 --determinism warn \
+        --arms compiled,paging --paging '{"paging_min_bytes": 1048576}' --out "$out/hf_qwen_min1m.json"
+    step hf_ds_min1m 130 "$py" benches/hf_paging_ab.py --model deepseek_v3 --seq 4096 --steps 5 --determinism warn \
+        --arms compiled,paging --paging '{"paging_min_bytes": 1048576}' --out "$out/hf_ds_min1m.json"
+    ;;
 *)
-    echo "unknown mode $mode: one, one2, two, two2, cuda2, explain, capture, four, twopage, link, link2, page2, page3, calib, calibl, calib2, hf or final" >&2
+    echo "unknown mode $mode: one, one2, two, two2, cuda2, explain, capture, four, twopage, link, link2, page2, page3, calib, calibl, calib2, hf, hfdet, hftrace, hftrace2, hfmin or final" >&2
     exit 2
     ;;
 esac

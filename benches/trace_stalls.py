@@ -1,0 +1,104 @@
+"""Where a step's GPU idle time goes, from a Chrome trace of one profiled step (torch.profiler
+with CPU and CUDA activity, as `benches/hf_paging_ab.py --profile --trace DIR` writes them).
+
+The compute stream is the stream that ran the most kernels. Each gap between two of its kernels
+is split by when the next kernel was launched (its runtime call, matched by correlation id):
+
+    host late   the launch call ended after the gap began: the GPU waited for the host
+    stalled     the kernel was queued before the gap began and still did not run: it waited on
+                something else (an event of another stream: a page-in, a released page-out,
+                a collective), or the launch latency (a few us a gap)
+    under copy  the part of `stalled` while a memcpy ran on another stream
+
+and the host's side: the CUDA runtime calls and the operators (inclusive times) that took the
+most time.
+
+    python benches/trace_stalls.py TRACE.json [TRACE2.json ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+
+
+def load(path: str) -> list:
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        d = json.load(f)
+    return d["traceEvents"] if isinstance(d, dict) else d
+
+
+def analyse(events: list) -> dict:
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    copies = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e.get("cat") in ("gpu_memcpy", "gpu_memset")
+                    and "Memcpy" in e.get("name", ""))
+    launches = {e["args"]["correlation"]: e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    streams = collections.Counter(e["args"].get("stream") for e in kernels)
+    if not streams:
+        return {}
+    compute = streams.most_common(1)[0][0]
+    ks = sorted((e for e in kernels if e["args"].get("stream") == compute), key=lambda e: e["ts"])
+    busy = sum(e["dur"] for e in ks)
+    late = stalled = under_copy = 0.0
+    waits = collections.Counter()
+    for prev, nxt in zip(ks, ks[1:]):
+        g0, g1 = prev["ts"] + prev["dur"], nxt["ts"]
+        if g1 <= g0:
+            continue
+        launch = launches.get(nxt["args"].get("correlation"))
+        queued = (launch["ts"] + launch["dur"]) if launch else g0
+        lt = min(max(0.0, queued - g0), g1 - g0)
+        late += lt
+        s0 = g0 + lt
+        stalled += g1 - s0
+        for c0, c1 in copies:
+            if c0 >= g1:
+                break
+            under_copy += max(0.0, min(c1, g1) - max(c0, s0))
+        if g1 - s0 > 50:
+            waits[prev["name"][:60]] += g1 - s0
+    span = ks[-1]["ts"] + ks[-1]["dur"] - ks[0]["ts"]
+    runtime, ops = collections.Counter(), collections.Counter()
+    counts = collections.Counter()
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        if e.get("cat") == "cuda_runtime":
+            runtime[e["name"]] += e["dur"]
+            counts[e["name"]] += 1
+        elif e.get("cat") == "cpu_op":
+            ops[e["name"]] += e["dur"]
+            counts[e["name"]] += 1
+    return {"stream": compute, "kernels": len(ks), "span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
+            "host_late_ms": late / 1e3, "stalled_ms": stalled / 1e3, "stalled_under_copy_ms": under_copy / 1e3,
+            "copy_ms": sum(c1 - c0 for c0, c1 in copies) / 1e3, "top_stalls_after": [(k, v / 1e3) for k, v in waits.most_common(5)],
+            "top_runtime_calls": [(k, v / 1e3, counts[k]) for k, v in runtime.most_common(6)],
+            "top_cpu_ops": [(k, v / 1e3, counts[k]) for k, v in ops.most_common(10)],
+            "our_ops": [(k, v / 1e3, counts[k]) for k, v in ops.most_common() if "sched_lifetime" in k]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("traces", nargs="+")
+    a = ap.parse_args()
+    print(f"{'trace':<40}{'span ms':>9}{'busy':>8}{'idle':>8}{'host late':>10}{'stalled':>9}{'under copy':>11}{'copies':>8}")
+    for path in a.traces:
+        r = analyse(load(path))
+        if not r:
+            print(f"{path}: no kernels")
+            continue
+        name = path.rsplit("/", 1)[-1]
+        print(f"{name:<40}{r['span_ms']:>9.1f}{r['busy_ms']:>8.1f}{r['idle_ms']:>8.1f}{r['host_late_ms']:>10.1f}{r['stalled_ms']:>9.1f}"
+              f"{r['stalled_under_copy_ms']:>11.1f}{r['copy_ms']:>8.1f}")
+        for k, v in r["top_stalls_after"]:
+            print(f"    stalled {v:.2f} ms after {k}")
+        for k, v, n in r["top_runtime_calls"]:
+            print(f"    runtime {k}: {v:.2f} ms in {n} calls")
+        for k, v, n in r["top_cpu_ops"] + r["our_ops"]:
+            print(f"    host op {k}: {v:.2f} ms in {n} calls (inclusive)")
+
+
+if __name__ == "__main__":
+    main()
