@@ -1,0 +1,43 @@
+"""benches/trace_stalls.py: a step's GPU idle time split into host-late and stalled, on a
+synthetic Chrome trace whose answer is known."""
+
+import importlib.util
+import os
+
+import pytest
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benches", "trace_stalls.py")
+_spec = importlib.util.spec_from_file_location("trace_stalls", _PATH)
+trace_stalls = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(trace_stalls)
+
+
+def kernel(ts, dur, corr, stream=7, name="k"):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream, "correlation": corr}}
+
+
+def launch(ts, dur, corr):
+    return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+
+def test_gaps_split_by_when_the_next_kernel_was_launched():
+    events = [
+        kernel(0, 10, 1), launch(-5, 1, 1),
+        kernel(20, 10, 2), launch(25, 1, 2),  # launched after the gap began: 10 us host late
+        kernel(60, 10, 3), launch(5, 1, 3),  # queued long before: 30 us stalled
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 40, "dur": 10, "args": {"stream": 9}},
+        kernel(0, 100, 4, stream=8), launch(0, 1, 4),  # another stream: not the compute stream
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 4, "args": {}},
+    ]
+    r = trace_stalls.analyse(events)
+    assert r["stream"] == 7 and r["kernels"] == 3
+    assert r["busy_ms"] == pytest.approx(0.030) and r["span_ms"] == pytest.approx(0.070)
+    assert r["host_late_ms"] == pytest.approx(0.010)
+    assert r["stalled_ms"] == pytest.approx(0.030)
+    assert r["stalled_under_copy_ms"] == pytest.approx(0.010)  # the copy ran 40..50, inside the stall 30..60
+    assert r["copy_ms"] == pytest.approx(0.010)
+    assert r["top_cpu_ops"] == [("aten::mm", pytest.approx(0.004), 1)]
+
+
+def test_no_kernels_is_empty():
+    assert trace_stalls.analyse([{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 4, "args": {}}]) == {}
