@@ -27,8 +27,8 @@
 #   bash benches/gpu_pass.sh hftrace OUT  # nvidia-h200: where paging's time goes on HF models (fast attention), traces
 #   bash benches/gpu_pass.sh calib2 OUT # nvidia-h200-x2: the main job over NCCL, ours vs calibrated
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|final OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|final OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|final OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|final OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -219,8 +219,13 @@ hfmin)
     step hf_ds_min1m 130 "$py" benches/hf_paging_ab.py --model deepseek_v3 --seq 4096 --steps 5 --determinism warn \
         --arms compiled,paging --paging '{"paging_min_bytes": 1048576}' --out "$out/hf_ds_min1m.json"
     ;;
+hfpy)
+    # Issue 27: where paging's host time goes, by Python function (cProfile, one step per arm).
+    step hf_qwen_py 150 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 3 --determinism warn --pyprofile \
+        --arms compiled,paging --out "$out/hf_qwen_py.json"
+    ;;
 *)
-    echo "unknown mode $mode: one, one2, two, two2, cuda2, explain, capture, four, twopage, link, link2, page2, page3, calib, calibl, calib2, hf, hfdet, hftrace, hftrace2, hfmin or final" >&2
+    echo "unknown mode $mode: one, one2, two, two2, cuda2, explain, capture, four, twopage, link, link2, page2, page3, calib, calibl, calib2, hf, hfdet, hftrace, hftrace2, hfmin, hfpy or final" >&2
     exit 2
     ;;
 esac

@@ -148,6 +148,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="CUDA: one more step per arm under the profiler: GPU busy time (union of kernels) and copies")
     ap.add_argument("--trace", default="", help="with --profile: write each arm's profiled step as a Chrome trace in this folder"
                     " (benches/trace_stalls.py reads it)")
+    ap.add_argument("--pyprofile", action="store_true", help="one more step per arm under cProfile: the Python functions with the most"
+                    " time of their own (where the host time goes on a host-bound step)")
     ap.add_argument("--tiny", action="store_true", help="a tiny config on CPU in fp32 (seq 32): checks the script, measures nothing")
     ap.add_argument("--out", help="write the figures as JSON here")
     a = ap.parse_args()
@@ -232,6 +234,23 @@ def main() -> None:
         if a.profile and dev.type == "cuda":
             trace = os.path.join(a.trace, f"{a.model}_{arm}.json") if a.trace else ""
             rows[arm]["profile"] = profiled(lambda: one_step(arm, run, batches[-1].to(dev)), model, trace)
+        if a.pyprofile:
+            import cProfile
+            import io
+            import pstats
+
+            for p in model.parameters():
+                p.grad = None
+            sync()
+            cp = cProfile.Profile()
+            cp.enable()
+            one_step(arm, run, batches[-1].to(dev))
+            sync()
+            cp.disable()
+            text = io.StringIO()
+            pstats.Stats(cp, stream=text).sort_stats("tottime").print_stats(25)
+            pstats.Stats(cp, stream=text).sort_stats("cumulative").print_stats("sched_lifetime", 30)
+            print(f"== cProfile, arm {arm}, one step (sorted by own time)\n" + text.getvalue())
         del run, model
     out = {"model": a.model, "params": params, "seq": seq, "dtype": str(dtype), "device": str(dev), "tiny": a.tiny,
            "experts_implementation": base.config._experts_implementation, "paging_options": paging_opts, "arms": {}}
