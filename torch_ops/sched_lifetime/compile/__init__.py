@@ -8,8 +8,8 @@ that the pass that orders a graph asks Rust for the order: `to_ir` (the analysis
 two sources of one schedule), `graph_step` (training on compiled graphs).
 
 AOTAutograd gives a forward and a backward FX graph (no Inductor). Each graph becomes an IR
-table (`to_ir`): call nodes are compute nodes; functional collectives (`_c10d_functional.*`)
-are comm launches and their `wait_tensor` the matching wait, and so are the emulated EP link's
+table (`to_ir`): call nodes are compute nodes; functional collectives (`_c10d_functional.*`,
+`_c10d_functional_autograd.*`) are comm launches and their `wait_tensor` the matching wait, and so are the emulated EP link's
 ops (`sched_lifetime_link.*`: a model on `HostLinkAllToAll` traces to them, see `ep_link.py`,
 so compiled graphs and `GraphStep` run EP on one GPU); views and `getitem` are noops;
 ops that write an input give mutation edges; `node.meta["custom"]` (as

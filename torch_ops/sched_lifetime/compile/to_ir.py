@@ -1,6 +1,6 @@
 """FX -> IR: the analysis every pass reads. Call nodes become IR nodes; functional collectives
-(`_c10d_functional.*`, and the emulated EP link's `sched_lifetime_link.*`, see `ep_link.py`)
-comm launches and their `wait_tensor` the matching wait; views and
+(`_c10d_functional.*` and `_c10d_functional_autograd.*`, and the emulated EP link's
+`sched_lifetime_link.*`, see `ep_link.py`) comm launches and their `wait_tensor` the matching wait; views and
 `getitem` noops; ops that write an input mutation edges; RNG and side-effecting ops keep their
 relative order (control edges); `node.meta["custom"]` (as `torch.fx.traceback.annotate` writes
 it) can set a node's source (`"sched_lifetime_source"`) and mark EP regions (`"ep": "dispatch" |
@@ -27,7 +27,11 @@ def is_stand_in(name: str) -> bool:
 
 
 #: Namespaces of launch/wait op pairs: functional collectives, the emulated EP link's ops.
-_COLLECTIVES = ("_c10d_functional", "sched_lifetime_link")
+#: `_c10d_functional_autograd.*` launches are waited by `_c10d_functional.wait_tensor`. In
+#: torch 2.11 their Autograd kernel ran `_c10d_functional.*`, which is what AOTAutograd traced;
+#: torch 2.15 makes them CompositeExplicitAutograd aliases with a registered autograd formula,
+#: so the forward graph keeps the `_c10d_functional_autograd` op itself.
+_COLLECTIVES = ("_c10d_functional", "_c10d_functional_autograd", "sched_lifetime_link")
 _SOURCE_KEY = "sched_lifetime_source"
 
 

@@ -160,6 +160,9 @@ def stage_io(cfg: MoEConfig, k: int, n_stages: int, device: Any = "cpu") -> tupl
     """Example input and output of pipeline stage `k` of `n_stages` (one microbatch): what
     `PipelineStage(input_args=, output_args=)` takes, so no shape inference runs."""
     rows, dt = cfg.batch * cfg.seq, _dtype(cfg)
-    inp = torch.zeros(cfg.batch, cfg.seq, dtype=torch.long, device=device) if k == 0 else torch.zeros(rows, cfg.hidden, dtype=dt, device=device)
-    out = torch.zeros(rows, cfg.vocab, device=device) if k == n_stages - 1 else torch.zeros(rows, cfg.hidden, dtype=dt, device=device)
+    # Activations carry requires_grad as they do at run time: torch >= 2.15 takes it from
+    # these examples (a stage whose input does not require grad sends no input gradient, and
+    # its previous stage then backpropagates from None); torch 2.11 ignores it.
+    inp = torch.zeros(cfg.batch, cfg.seq, dtype=torch.long, device=device) if k == 0 else torch.zeros(rows, cfg.hidden, dtype=dt, device=device, requires_grad=True)
+    out = torch.zeros(rows, cfg.vocab, device=device, requires_grad=True) if k == n_stages - 1 else torch.zeros(rows, cfg.hidden, dtype=dt, device=device, requires_grad=True)
     return inp, out

@@ -105,16 +105,31 @@ def _overlap_f_b(action: Any, ctx: Any) -> None:
     loss = sched._maybe_get_loss(bs, bi)
     sched.backward_counter[bs.stage_index] += 1
     last = sched.backward_counter[bs.stage_index] == sched._n_microbatches
-    fargs = ctx.arg_mbs[fi] if fs.is_first else fs._retrieve_recv_activations(fi)
+    fargs = tuple(ctx.arg_mbs[fi]) if fs.is_first else tuple(fs._retrieve_recv_activations(fi))
     kwargs = ctx.kwarg_mbs[fi] if ctx.kwarg_mbs else None
     if kwargs:
         raise ValueError("NodeStage / GraphStage forwards take positional inputs only; the schedule passed kwargs")
 
-    with _armed(fs.submod, tuple(fargs)):
+    with _armed(fs.submod, fargs):
         bs.backward_one_chunk(bi, loss=loss, full_backward=True, last_backward=last)
     if bs.stage_index - 1 in stages:
         stages[bs.stage_index - 1].set_local_bwd_input(bs.get_local_bwd_output(bi), bi)
-    output = fs.forward_one_chunk(fi, ctx.arg_mbs[fi], kwargs)
+    output = _forward_one_chunk_with(fs, fi, fargs, ctx.arg_mbs[fi], kwargs)
     sched._maybe_compute_loss(fs, output, ctx.target_mbs, fi)
     if fs.stage_index + 1 in stages:
         stages[fs.stage_index + 1].set_local_fwd_input(output, fi)
+
+
+def _forward_one_chunk_with(stage: Any, mb: int, activations: tuple, args: Any, kwargs: Any) -> Any:
+    """`stage.forward_one_chunk(mb, args, kwargs)` on the received `activations` this handler
+    already retrieved (and armed). torch 2.15 made `_retrieve_recv_activations` hand the receive
+    buffers over once (`_RecvInfo.take_buffer`: a second call raises "Receive buffer ... has
+    not been set"); torch 2.11 returned the same buffers on every call. So the forward's own
+    retrieval is answered with the activations retrieved before the backward, in both."""
+    if stage.is_first:
+        return stage.forward_one_chunk(mb, args, kwargs)
+    stage._retrieve_recv_activations = lambda chunk: activations if chunk == mb else type(stage)._retrieve_recv_activations(stage, chunk)
+    try:
+        return stage.forward_one_chunk(mb, args, kwargs)
+    finally:
+        del stage._retrieve_recv_activations
