@@ -189,14 +189,16 @@ def test_ours_matches_torchtitans_own_passes_bit_exact_on_deepseek_v3_and_qwen3_
             assert r["grad_names"] and r["grads_unequal"] == [], (model, rank, r["grads_unequal"])
 
 
-def _a2a_graph(annotated: bool) -> fx.GraphModule:
+def _a2a_graph(annotated: bool, op: object = None) -> fx.GraphModule:
     """A step graph with a dispatch and a combine all-to-all (torchtitan's EP shape), built by
-    hand; `annotated`: with torchtitan's EP annotations, as graph_trainer's tracer leaves them."""
+    hand; `annotated`: with torchtitan's EP annotations, as graph_trainer's tracer leaves them;
+    `op`: the all-to-all op (default the functional one)."""
+    op = op or torch.ops._c10d_functional.all_to_all_single.default
     g = fx.Graph()
     x = g.placeholder("x")
     h = g.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
     for phase in ("dispatch", "combine"):
-        a = g.call_function(torch.ops._c10d_functional.all_to_all_single.default, (h, [2, 2], [2, 2], "0"))
+        a = g.call_function(op, (h, [2, 2], [2, 2], "0"))
         if annotated:
             a.meta["custom"] = {"EP_token_exchange": phase, "module_fqn": "layers.3.moe"}
         w = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (a,))
@@ -247,6 +249,21 @@ def test_ep_without_annotated_collectives_is_an_error_naming_the_all_to_all():
     with pytest.raises(ValueError, match=r"'all_to_all_single_default' opens an EP dispatch region \(layer '3.fwd'\) with no combine"):
         sched_lifetime_order_pass(gm, [], ep_degree=2)
     sched_lifetime_order_pass(_a2a_graph(False), [], ep_degree=1)
+
+
+def test_the_autograd_alias_of_the_all_to_all_is_an_ep_collective_too():
+    """torch 2.15 keeps `_c10d_functional_autograd.all_to_all_single` as is in AOT graphs: its
+    all-to-alls are found (annotations become ours; unannotated ones are the same error)."""
+    if not hasattr(torch.ops._c10d_functional_autograd, "all_to_all_single"):
+        pytest.skip("this torch has no _c10d_functional_autograd.all_to_all_single")
+    from sched_lifetime.integrations.torchtitan import sched_lifetime_order_pass
+
+    op = torch.ops._c10d_functional_autograd.all_to_all_single.default
+    gm = sched_lifetime_order_pass(_a2a_graph(True, op), [], ep_degree=2)
+    marked = [(n.meta["custom"]["ep"], n.meta["custom"]["layer"]) for n in gm.graph.nodes if "ep" in (n.meta.get("custom") or {})]
+    assert marked == [("dispatch", "3.fwd"), ("combine", "3.fwd")]
+    with pytest.raises(ValueError, match=r"carries no EP annotation"):
+        sched_lifetime_order_pass(_a2a_graph(False, op), [], ep_degree=2)
 
 
 def test_the_documented_recipe_selects_our_pipeline_with_our_options():

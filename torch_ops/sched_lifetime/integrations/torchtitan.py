@@ -195,8 +195,17 @@ def _layer_of(node: fx.Node) -> str:
     return m.group(1) if m else fqn
 
 
+def _all_to_alls() -> tuple:
+    """The all-to-all ops a traced step may hold: the functional one and, from torch 2.15, its
+    autograd alias (`_c10d_functional_autograd`, kept as is in AOT graphs)."""
+    ops = [torch.ops._c10d_functional.all_to_all_single.default]
+    if hasattr(torch.ops, "_c10d_functional_autograd") and hasattr(torch.ops._c10d_functional_autograd, "all_to_all_single"):
+        ops.append(torch.ops._c10d_functional_autograd.all_to_all_single.default)
+    return tuple(ops)
+
+
 def _is_all_to_all(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is torch.ops._c10d_functional.all_to_all_single.default
+    return node.op == "call_function" and node.target in _all_to_alls()
 
 
 def _annotate_ep(gm: fx.GraphModule, ep_degree: int) -> None:
