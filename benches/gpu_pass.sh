@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU pass per machine kind, each meant for one device call (GPU.md: batch the work).
-# Run on the GPU machine from the repo root, with torch_ops/sched_lifetime/_C.so built here and
-# carried. Every step has its own timeout and log under OUT; a failing step does not stop the
-# others; the last lines of each log are printed at the end.
+# Run on the GPU machine from the repo root, with the library built here for its torch 2.11
+# (`make gpu-lib`) and carried: build/torch2.11/_C.so (or torch_ops/sched_lifetime/_C.so). Every
+# step has its own timeout and log under OUT; a failing step does not stop the others; the last
+# lines of each log are printed at the end.
 #   bash benches/gpu_pass.sh one OUT    # nvidia-h200: cuda tests, the Pager's A/B, host overhead
 #   bash benches/gpu_pass.sh one2 OUT   # nvidia-h200: page nodes, long context, compile paging, the family's shapes
 #   bash benches/gpu_pass.sh two OUT    # nvidia-h200-x2: main job A/B (incl. ours+ep2, the old EP budget), GraphStep A/B
@@ -32,6 +33,10 @@ out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
+# The library built for this machine's torch 2.11 (`make gpu-lib`), when carried.
+if [ -f "$here/build/torch2.11/_C.so" ] && [ -z "${SCHED_LIFETIME_LIB:-}" ]; then
+    export SCHED_LIFETIME_LIB="$here/build/torch2.11/_C.so"
+fi
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 py=${PYTHON:-python3}

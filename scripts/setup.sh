@@ -5,9 +5,9 @@
 #                           the lifetime A/B (GPU: measured figures; CPU: numerics only)
 #   scripts/setup.sh test   Rust tests + pytest (GPU tests skip without a GPU)
 # Re-running is incremental: the venv, pip cache and cargo target dir are reused.
-# Which torch: requirements-dev.txt (2.11.0, the GPU machine's; what CI runs), or another file
-# through SCHED_LIFETIME_REQUIREMENTS, e.g. requirements-torch2.15.txt (the newest, with
-# torchtitan 0.3.0); SCHED_LIFETIME_VENV puts that one in its own venv (default .venv).
+# Which torch: requirements-dev.txt (2.15.0, the newest on the index, with torchtitan 0.3.0; what
+# CI runs), or another file through SCHED_LIFETIME_REQUIREMENTS, e.g. requirements-torch2.11.txt
+# (the GPU machine's); SCHED_LIFETIME_VENV puts that one in its own venv (default .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 job=${1:-}
