@@ -228,3 +228,93 @@ def test_two_gloo_ranks_with_different_local_timings_agree_on_one_order(tmp_path
         assert r["exact"][0], r  # bit-exact against plain autograd with EP over both ranks
     # The agreement mattered: one rank's own timings would have chosen another order.
     assert any(r["own_differs"] for r in res)
+
+
+# -- GraphStep (compiled graphs) --------------------------------------------------------------
+
+
+def test_graph_step_calibrated_order_follows_measured_costs_and_stays_bit_exact():
+    """GraphStep's default order "calibrated": the multiplexed module's nodes are timed in the
+    first steps (every node, every run of the module in the step), the module is rebuilt in
+    rule search's order for those costs, kept when the costs give the same order, and later
+    steps time nothing; losses and gradients stay bit-exact with eager microbatch by
+    microbatch; order "ours" times nothing."""
+    from dataclasses import replace
+
+    from sched_lifetime import compile as slc
+    from sched_lifetime.ep_link import HostLinkAllToAll
+    from sched_lifetime.ep import AllToAll
+
+    cfg = replace(CONFIGS["tiny"], capacity_factor=1.0)
+    ref, m = MoEModel(cfg, AllToAll(), seed=0), MoEModel(cfg, HostLinkAllToAll(2, device="cpu", min_chunk_bytes=0), seed=0)
+    gs = slc.GraphStep(m, tuple(m.batch(0, 0).values()))
+    assert gs.order == "calibrated" and gs.calibration.active
+    g = gs._mux_table
+    names = {n["name"] for n in g["nodes"]}
+    slow, fast = _costs(g, 1000.0, compute=1.0), _costs(g, 10.0)  # the link's launches dominate, or the compute
+    want_slow, want_fast = _searched(g, slow), _searched(g, fast)
+    assert want_slow != want_fast and gs.mux.sched_lifetime["order"] != want_slow, "the two cost tables must decide different orders"
+    gs.calibration = Calibration(steps=3, smoothing=1.0)
+    seen: list = []
+    _fake(gs.calibration, [slow, slow, fast], seen)
+
+    def step(k: int) -> None:
+        mbs = [tuple(m.batch(k, i).values()) for i in range(3)]
+        losses = gs.step(mbs)
+        want = []
+        for mb in mbs:
+            loss = ref(*mb)
+            loss.backward()
+            want.append(loss.detach())
+        assert all(torch.equal(a, b) for a, b in zip(losses, want)), k
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(m.parameters(), ref.parameters())), k
+        for p in [*m.parameters(), *ref.parameters()]:
+            p.grad = None
+
+    step(0)
+    assert len(seen[0]) == 2  # the module ran twice: F(1)+B(0), F(2)+B(1)
+    timed = {n for run in seen[0] for n in run}
+    assert timed == names  # every node of the module's table
+    assert all(us >= 0 for run in seen[0] for us in run.values())
+    assert gs.mux.sched_lifetime["order"] == want_slow and gs.calibration.from_step == 0 and gs.calibration.replans == 1
+    mux = gs.mux
+    step(1)  # the same costs: the same module
+    assert gs.mux is mux and gs.calibration.replans == 1
+    step(2)  # other costs: rebuilt in their order
+    assert gs.mux.sched_lifetime["order"] == want_fast and gs.calibration.replans == 2
+    step(3)  # calibration over: nothing timed
+    assert len(seen) == 3 and not gs.calibration.active and gs._runs is None
+    # Timing-free: nothing timed, the order rule ours gives.
+    ours = slc.GraphStep(m, tuple(m.batch(0, 0).values()), order="ours")
+    _fake(ours.calibration, [slow], seen := [])
+    ours.step([tuple(m.batch(0, i).values()) for i in range(3)])
+    assert seen == [] and ours.mux.sched_lifetime["order"] == sl.schedule(g)["order"]
+    with pytest.raises(ValueError, match=r"order must be one of \('calibrated', 'ours'\), got 'search'"):
+        slc.GraphStep(m, tuple(m.batch(0, 0).values()), order="search")
+
+
+@pytest.mark.cuda
+def test_graph_step_calibration_on_cuda_times_with_events_and_stays_bit_exact():
+    """On a GPU the calibration step times the module's nodes with CUDA events (positive
+    costs for the compute), and GraphStep stays bit-exact with its timing-free twin."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from sched_lifetime import compile as slc
+    from sched_lifetime.ep import AllToAll
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        cfg = CONFIGS["tiny"]
+        a, b = MoEModel(cfg, AllToAll(), seed=0).cuda(), MoEModel(cfg, AllToAll(), seed=0).cuda()
+        mb0 = tuple(v.cuda() for v in a.batch(0, 0).values())
+        cal, ours = slc.GraphStep(a, mb0), slc.GraphStep(b, mb0, order="ours")
+        for k in range(2):
+            mbs = [tuple(v.cuda() for v in a.batch(k, i).values()) for i in range(3)]
+            la, lb = cal.step(mbs), ours.step(mbs)
+            assert all(torch.equal(x, y) for x, y in zip(la, lb)), k
+            assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters())), k
+        costs = cal.calibration.costs
+        assert cal.calibration.from_step == 0 and not cal.calibration.active
+        assert sum(us > 0 for us in costs.values()) > len(costs) // 2, costs
+    finally:
+        torch.use_deterministic_algorithms(False)

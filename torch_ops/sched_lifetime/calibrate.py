@@ -18,6 +18,9 @@ waits, host clock on CPU; no sync per node or run), and at the step's end (`end_
    taking over at the step after it, the same step on every rank), and its executor is rebuilt only when the order changed; the
    orders are then checked rank-identical (`ep.check_rank_identical`).
 
+`GraphStep` (compiled graphs, `order="calibrated"` by default) does the same for its
+multiplexed module: its nodes timed in a `torch.fx.Interpreter` run, then `apply_plans`.
+
 Later steps time nothing and re-plan nothing. Before the first calibration step's end (step
 0), `"calibrated"` runs the timing-free order `"ours"`; `order="ours"` stays timing-free
 always. Reordering never changes numerics: every candidate order respects the graph's edges,

@@ -4,15 +4,20 @@ combined-1F1B steady state on them, through the multiplexing pass)."""
 
 from __future__ import annotations
 
+import time
 import warnings
 from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
 
+from ..calibrate import CALIBRATED, Calibration, apply_plans
 from ..ep import agree_across_ranks, digest
 from ..nodes import accumulate_grads
-from .multiplex_pass import multiplex
+from .multiplex_pass import build, multiplex, multiplex_table
+
+#: GraphStep's orders of the multiplexed module: measured costs (the default) or timing-free.
+ORDERS = (CALIBRATED, "ours")
 
 
 def capture_graphs(model: torch.nn.Module, example_inputs: tuple) -> tuple:
@@ -81,6 +86,18 @@ class GraphStep:
     (default: the environment, else 1); `explain`: print what each launch of the multiplexed
     module ran under. Guide: docs/nodes.md#graphstep-the-same-step-on-compiled-graphs.
 
+    `order`: `"calibrated"` (default) or `"ours"` (timing-free). Calibrated: in the first
+    `calibration.steps` steps (`self.calibration`, an `sl.Calibration`) every node of the
+    multiplexed module is timed where it runs (CUDA events around each node, one sync at the
+    step's end; host clock on CPU), the ranks agree on the costs with one collective, and the
+    module is scheduled again under rule `search` with them, rebuilt only when its order
+    changed (the ranks then check their orders are identical); later steps time nothing.
+    Numerics do not change: every order keeps the graphs' edges, and gradients accumulate
+    outside the module in microbatch order. The warm-up and cool-down graphs (and
+    `paired_ends`' modules) keep the timing-free order. A timed step runs the module through
+    `torch.fx.Interpreter`, which frees each value after its last use as the compiled runner
+    does.
+
 
     Example (bit-exact against eager backward per microbatch):
 
@@ -104,12 +121,22 @@ class GraphStep:
         True
     """
 
-    def __init__(self, model: torch.nn.Module, example_inputs: tuple, ep_budget: Optional[int] = None, explain: bool = False) -> None:
+    def __init__(
+        self, model: torch.nn.Module, example_inputs: tuple, ep_budget: Optional[int] = None, explain: bool = False, order: str = CALIBRATED
+    ) -> None:
+        if order not in ORDERS:
+            raise ValueError(f"GraphStep: order must be one of {ORDERS}, got {order!r}")
+        self.order = order
+        #: Cost calibration of order "calibrated" (`sched_lifetime.calibrate`): replace it to
+        #: change the settings (`Calibration(steps=3, smoothing=0.5)`); its `group` defaults
+        #: to `rank_group`.
+        self.calibration = Calibration()
         self.model = model
         self.names, self.params, self.graphs, loss = capture_graphs(model, example_inputs)
         if loss.dim() != 0:
             raise ValueError(f"GraphStep needs a scalar loss, the model returned shape {tuple(loss.shape)}")
         self.fwd, self.bwd, self.n_fwd_out = compile_graphs(self.graphs, ep_budget)
+        self._mux_table = multiplex_table(self.graphs["fwd"], self.graphs["bwd"])
         self.mux = multiplex(self.graphs["fwd"], self.graphs["bwd"], ep_budget=ep_budget, explain=explain)
         # What runs: the boxed runners (each clears its argument list once bound, so a saved
         # activation dies at its last use in the backward, not when the call returns).
@@ -123,6 +150,7 @@ class GraphStep:
         self.rank_check = "new_plan"
         self.rank_group: Any = None
         self._rank_agreed: Optional[str] = None
+        self._runs: Optional[list] = None  # a calibration step's timed runs of the module
         self._graphs_digest = digest([g.sched_lifetime["order"] for g in (self.fwd, self.bwd, self.mux)])
 
     def _forward(self, inputs: tuple) -> tuple:
@@ -159,6 +187,15 @@ class GraphStep:
             warnings.warn("GraphStep.step: paired_ends pairs two microbatches; with 1 the step runs F(0) then B(0) unpaired", stacklevel=2)
         facts = {"microbatch count": len(microbatches), "multiplexed": multiplexed, "paired_ends": paired_ends, "graphs": self._graphs_digest}
         agree_across_ranks(self, "GraphStep.step", facts)
+        # Every rank times the same step (the facts above agree): the module runs in it.
+        timing = self.order == CALIBRATED and multiplexed and self.calibration.active and len(microbatches) >= (3 if paired_ends else 2)
+        self._runs: Optional[list] = [] if timing else None
+        losses = self._step(microbatches, multiplexed, paired_ends)
+        if timing:
+            self._end_calibration()
+        return losses
+
+    def _step(self, microbatches: list[tuple], multiplexed: bool, paired_ends: bool) -> list[torch.Tensor]:
         if paired_ends and len(microbatches) >= 2:
             return self._step_paired(microbatches)
         losses = []
@@ -179,7 +216,7 @@ class GraphStep:
             args = [*self.params, *nxt, *saved, torch.ones_like(loss)]
             saved = None
             with torch.no_grad():
-                out = self._mux(args)
+                out = self._run_mux(args)
             f_out, grads = out[: self.n_fwd_out], out[self.n_fwd_out :]
             self._accumulate(grads)
             loss, saved = f_out[0], list(f_out[1 : 1 + n_saved])
@@ -190,6 +227,35 @@ class GraphStep:
             grads = self._bwd(saved)
         self._accumulate(grads)
         return losses
+
+    def _run_mux(self, args: list) -> Any:
+        """The multiplexed module on `args` (boxed: the list is cleared), timed per node in a
+        calibration step."""
+        if self._runs is None:
+            return self._mux(args)
+        timed = _TimedRun(self.mux, self.mux.sched_lifetime["ir_names"], cuda=any(getattr(a, "is_cuda", False) for a in args))
+        out = timed.boxed_run(args)
+        self._runs.append(timed)
+        return out
+
+    def _end_calibration(self) -> None:
+        """A calibration step's end: one sync, the nodes' costs agreed across the ranks and
+        smoothed, the module scheduled again under rule `search`, rebuilt if its order changed."""
+        cal = self.calibration
+        if cal.group is None:
+            cal.group = self.rank_group
+        runs, self._runs = [t.times() for t in self._runs], None
+        cal.end_step(runs)
+        plans = cal.plan({"mux": self._mux_table}) or {}
+
+        def rebuild(label: str, result: dict) -> None:
+            from . import boxed
+
+            self.mux = build(self.graphs["fwd"], self.graphs["bwd"], self._mux_table, result)
+            self._mux = boxed(self.mux)
+
+        apply_plans(cal, plans, {"mux": self.mux.sched_lifetime["order"]}, rebuild, what="GraphStep's calibrated order")
+        self._graphs_digest = digest([g.sched_lifetime["order"] for g in (self.fwd, self.bwd, self.mux)])
 
     def _step_paired(self, microbatches: list[tuple]) -> list[torch.Tensor]:
         ff, bb = self._paired()
@@ -204,7 +270,7 @@ class GraphStep:
             args = [*self.params, *nxt, *older, torch.ones_like(losses[-2])]
             older = None
             with torch.no_grad():
-                out = self._mux(args)
+                out = self._run_mux(args)
             self._accumulate(out[k:])
             losses.append(out[0])
             older, newer = newer, list(out[1 : 1 + n_saved])
@@ -217,3 +283,38 @@ class GraphStep:
         self._accumulate(grads[:half])  # microbatch n-2 first, as in every other order
         self._accumulate(grads[half:])
         return losses
+
+
+class _TimedRun(fx.Interpreter):
+    """One run of a multiplexed module with every call node timed (us, by its IR name): CUDA
+    events recorded around the node on the current stream (read after one sync, `times`), or
+    the host clock on CPU."""
+
+    def __init__(self, gm: fx.GraphModule, ir_names: dict, cuda: bool) -> None:
+        super().__init__(gm)
+        self.ir_names, self.cuda = ir_names, cuda
+        self.marks: dict[str, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        name = self.ir_names.get(n.name) if n.op == "call_function" else None
+        if name is None:
+            return super().run_node(n)
+        if self.cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = super().run_node(n)
+            b.record()
+            self.marks[name] = (a, b)
+        else:
+            t0 = time.perf_counter()
+            out = super().run_node(n)
+            self.marks[name] = (time.perf_counter() - t0) * 1e6
+        return out
+
+    def times(self) -> dict[str, float]:
+        """Each node's time in us (CUDA: synchronizes on the last event first)."""
+        if not self.cuda:
+            return dict(self.marks)
+        if self.marks:
+            next(reversed(self.marks.values()))[1].synchronize()
+        return {k: a.elapsed_time(b) * 1e3 for k, (a, b) in self.marks.items()}

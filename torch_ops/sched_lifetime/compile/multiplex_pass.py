@@ -26,6 +26,16 @@ def multiplex(
     reused for every pair; the result is a plain GraphModule (`.sched_lifetime` holds the IR
     and the schedule). `phases=("fwd", "fwd")` or `("bwd", "bwd")`: two graphs of one phase
     (two microbatches' forwards, or backwards: a step's warm-up and cool-down), the same way."""
+    table = multiplex_table(fwd, bwd, phases)
+    result = schedule(table, ep_budget=ep_budget, explain=explain)
+    if explain:
+        print(format_explain(result) or "  (no launches)")
+    return build(fwd, bwd, table, result, phases)
+
+
+def multiplex_table(fwd: fx.GraphModule, bwd: fx.GraphModule, phases: tuple[str, str] = ("fwd", "bwd")) -> dict:
+    """The IR table `multiplex` schedules: both graphs' tables, names prefixed per side
+    (`f:`/`b:`, `g:`/`c:` for a second graph of one phase), one source each."""
     sides = _SIDES.get(tuple(phases))
     if sides is None:
         raise ValueError(f"multiplex: phases must be one of {sorted(_SIDES)}, got {phases!r}")
@@ -38,9 +48,14 @@ def multiplex(
     control = [c for t in tables for c in t.get("control", [])]
     if control:
         table["control"] = control
-    result = schedule(table, ep_budget=ep_budget, explain=explain)
-    if explain:
-        print(format_explain(result) or "  (no launches)")
+    return table
+
+
+def build(fwd: fx.GraphModule, bwd: fx.GraphModule, table: dict, result: dict, phases: tuple[str, str] = ("fwd", "bwd")) -> fx.GraphModule:
+    """The multiplexed GraphModule of `fwd` and `bwd` in `result`'s order (a schedule of
+    `multiplex_table(fwd, bwd, phases)`). `.sched_lifetime` holds the IR, the schedule, the
+    order and `ir_names` (each call node's IR name, by its name in the module)."""
+    sides = _SIDES[tuple(phases)]
     graph = fx.Graph()
     envs: list[dict[fx.Node, fx.Node]] = [{}, {}]
     parts = [(fwd, sides[0][1]), (bwd, sides[1][1])]
@@ -51,11 +66,13 @@ def multiplex(
             elif n.op == "get_attr":
                 raise ValueError(f"multiplex takes AOT graphs without get_attr nodes; '{n.name}' in the {('first', 'second')[k]} ({phases[k]}) graph")
     by_name = {p + n.name: (k, n) for k, (gm, p) in enumerate(parts) for n in gm.graph.nodes}
+    ir_names: dict[str, str] = {}
     for name in result["order"]:
         if name not in by_name and is_stand_in(name):
             continue  # the other half of a collective split across graphs
         k, n = by_name[name]
         envs[k][n] = graph.node_copy(n, lambda x, env=envs[k]: env[x])
+        ir_names[envs[k][n].name] = name
     outs: list[Any] = []
     for k, (gm, _) in enumerate(parts):
         (ret,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
@@ -63,7 +80,7 @@ def multiplex(
     graph.output(tuple(outs))
     graph.lint()
     out = fx.GraphModule(torch.nn.Module(), graph)
-    out.sched_lifetime = {"ir": table, "schedule": result, "order": list(result["order"])}
+    out.sched_lifetime = {"ir": table, "schedule": result, "order": list(result["order"]), "ir_names": ir_names}
     return out
 
 
