@@ -28,8 +28,8 @@
 #   bash benches/gpu_pass.sh hftrace OUT  # nvidia-h200: where paging's time goes on HF models (fast attention), traces
 #   bash benches/gpu_pass.sh calib2 OUT # nvidia-h200-x2: the main job over NCCL, ours vs calibrated
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|final OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|final OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|final OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|final OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -229,8 +229,14 @@ hfpy)
     step hf_qwen_py 150 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 3 --determinism warn --pyprofile \
         --arms compiled,paging --out "$out/hf_qwen_py.json"
     ;;
+gscal)
+    # Issue 31: GraphStep's calibrated order on the GPU: its cuda test, then GraphStep on the
+    # emulated link (EP=8), calibrated vs the timing-free order, in one table.
+    step cuda_calibrate 100 "$py" -m pytest -q -m cuda -rs tests/python/test_calibrate.py -p no:logging
+    step graph_step_link 200 "$py" benches/compile_ab.py --config h200 --ep-link host:8 --graph-step 4 --steps 4 --out "$out"
+    ;;
 *)
-    echo "unknown mode $mode: one, one2, two, two2, cuda2, explain, capture, four, twopage, link, link2, page2, page3, calib, calibl, calib2, hf, hfdet, hftrace, hftrace2, hfmin, hfpy or final" >&2
+    echo "unknown mode $mode: one, one2, two, two2, cuda2, explain, capture, four, twopage, link, link2, page2, page3, calib, calibl, calib2, hf, hfdet, hftrace, hftrace2, hfmin, hfpy, gscal or final" >&2
     exit 2
     ;;
 esac
