@@ -70,6 +70,11 @@ TARGETS: dict[str, list[str]] = {
         T + "test_train_dist.py::test_main_job_loop_over_two_gloo_ranks_prints_the_table_and_writes_its_files",
     ],
     # File order (some tests rely on what an earlier one set up); the 2-rank EP test, 65 s, left out.
+    f"{PKG}/compile/graph_step.py": [
+        T + "test_calibrate.py::test_graph_step_calibrated_order_follows_measured_costs_and_stays_bit_exact",
+        T + "test_ep_link.py::test_graph_step_on_the_link_bit_exact_against_eager_microbatch_by_microbatch",
+        T + "test_compile.py -k 'graph_step or GraphStep or multiplex'",
+    ],
     f"{PKG}/compile/": [T + "test_compile.py -k 'not moe_model_with_ep'"],
     f"{PKG}/paging/": [
         T + "test_paging_plan.py", T + "test_paging_pool.py", T + "test_paging_slot_order.py", T + "test_paging_groups.py",

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets up everything from nothing (Rust, gcc, Python >= 3.10 and pip are assumed; torch is not),
+# Sets up everything from nothing (Rust, gcc, Python >= 3.11 and pip are assumed; torch is not),
 # then runs one job:
 #   scripts/setup.sh demo   the main job (trains the embedded MoE model under every arm), then
 #                           the lifetime A/B (GPU: measured figures; CPU: numerics only)
@@ -18,6 +18,12 @@ REQS=${SCHED_LIFETIME_REQUIREMENTS:-requirements-dev.txt}
 VENV=${SCHED_LIFETIME_VENV:-.venv}
 case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
 if [ ! -x "$VENV/bin/python" ]; then
+  # torch 2.15.0 and torchtitan 0.3.0 (requirements-dev.txt) have no wheels for Python 3.10.
+  if [ "$REQS" = requirements-dev.txt ] && ! "$BOOT" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    echo "scripts/setup.sh: $("$BOOT" --version 2>&1) is too old for requirements-dev.txt (torch 2.15.0, torchtitan 0.3.0 need Python >= 3.11);" \
+      "set PYTHON_BOOTSTRAP to a Python 3.11+, or SCHED_LIFETIME_REQUIREMENTS=requirements-torch2.11.txt" >&2
+    exit 2
+  fi
   "$BOOT" -m venv "$VENV"
 fi
 # shellcheck disable=SC1091

@@ -284,6 +284,22 @@ def test_graph_step_calibrated_order_follows_measured_costs_and_stays_bit_exact(
     assert gs.mux.sched_lifetime["order"] == want_fast and gs.calibration.replans == 2
     step(3)  # calibration over: nothing timed
     assert len(seen) == 3 and not gs.calibration.active and gs._runs is None
+    # The EP launch budget GraphStep was given survives the re-plan; a background search is
+    # refused (its module is re-planned at the calibration step's end).
+    budgeted = slc.GraphStep(m, tuple(m.batch(0, 0).values()), ep_budget=2)
+    assert budgeted.mux.sched_lifetime["schedule"]["budgets"]["ep"] == 2
+    budgeted.calibration = Calibration(steps=1, smoothing=1.0)
+    _fake(budgeted.calibration, [slow], [])
+    budgeted.step([tuple(m.batch(0, i).values()) for i in range(3)])
+    assert budgeted.calibration.replans == 1 and budgeted.calibration.end_ms
+    assert budgeted.mux.sched_lifetime["schedule"]["budgets"]["ep"] == 2
+    assert budgeted.mux.sched_lifetime["order"] == sl.schedule(with_costs(g, slow), rules="search", ep_budget=2)["order"]
+    budgeted.calibration = Calibration(background=True)
+    with pytest.raises(ValueError, match=r"Calibration\(background=True\) is not supported here"):
+        budgeted.step([tuple(m.batch(0, i).values()) for i in range(3)])
+    assert budgeted._runs is None
+    for p in m.parameters():
+        p.grad = None
     # Timing-free: nothing timed, the order rule ours gives.
     ours = slc.GraphStep(m, tuple(m.batch(0, 0).values()), order="ours")
     _fake(ours.calibration, [slow], seen := [])
@@ -316,6 +332,7 @@ def test_graph_step_calibration_on_cuda_times_with_events_and_stays_bit_exact():
             assert all(torch.equal(x, y) for x, y in zip(la, lb)), k
             assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters())), k
         costs = cal.calibration.costs
+        assert set(costs) == set(cal.mux.sched_lifetime["ir_names"].values())  # every node of the module, timed
         assert cal.calibration.from_step == 0 and not cal.calibration.active
         assert sum(us > 0 for us in costs.values()) > len(costs) // 2, costs
     finally:

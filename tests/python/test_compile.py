@@ -700,6 +700,54 @@ def test_graph_step_refuses_a_non_scalar_loss():
         slc.GraphStep(torch.nn.Linear(3, 2), (torch.randn(4, 3),))
 
 
+def test_graph_step_takes_a_model_with_buffers_and_refuses_one_that_updates_them():
+    """Buffers (a rotary cache, a scale; HF and torchtitan models have them) are graph inputs
+    beside the parameters: bit-exact with eager over two steps, a buffer change between steps
+    seen (not a constant baked in). A forward that updates a buffer (BatchNorm in training
+    mode) is refused: the graphs would drop the update."""
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 6)
+            self.register_buffer("scale", torch.linspace(0.5, 1.5, 6), persistent=False)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.mse_loss(self.lin(x) * self.scale, y)
+
+    torch.manual_seed(0)
+    m, ref = Scaled(), Scaled()
+    ref.load_state_dict(m.state_dict())
+    gs = slc.GraphStep(m, (torch.randn(4, 6), torch.randn(4, 6)), order="ours")
+    for step in range(2):
+        mbs = [(torch.randn(4, 6), torch.randn(4, 6)) for _ in range(3)]
+        losses = gs.step(mbs)
+        want = []
+        for mb in mbs:
+            loss = ref(*mb)
+            loss.backward()
+            want.append(loss.detach())
+        assert all(torch.equal(a, b) for a, b in zip(losses, want)), step
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(m.parameters(), ref.parameters())), step
+        assert m.scale.grad is None
+        for x in (m, ref):
+            x.zero_grad(set_to_none=True)
+            x.scale.mul_(2.0)  # the next step reads the new value
+    bn = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.BatchNorm1d(6))
+
+    class Loss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = bn
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x).sum()
+
+    with pytest.raises(ValueError, match=r"updates its buffers \['net.1.running_mean'"):
+        slc.GraphStep(Loss(), (torch.randn(4, 6),))
+    slc.GraphStep(Loss().eval(), (torch.randn(4, 6),))  # frozen statistics: fine
+
+
 def test_graph_step_paired_ends_needs_multiplexing():
     class Loss(torch.nn.Module):
         def __init__(self) -> None:

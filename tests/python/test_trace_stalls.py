@@ -26,6 +26,7 @@ def test_gaps_split_by_when_the_next_kernel_was_launched():
         kernel(20, 10, 2), launch(25, 1, 2),  # launched after the gap began: 10 us host late
         kernel(60, 10, 3), launch(5, 1, 3),  # queued long before: 30 us stalled
         {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 40, "dur": 10, "args": {"stream": 9}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 42, "dur": 6, "args": {"stream": 10}},  # both ways at once: counted once
         kernel(0, 100, 4, stream=8), launch(0, 1, 4),  # another stream: not the compute stream
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 4, "args": {}},
     ]

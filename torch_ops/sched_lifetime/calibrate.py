@@ -182,15 +182,15 @@ class Calibration:
         self.steps_done += 1
         return dict(self.costs)
 
-    def plan(self, graphs: Mapping[str, Any]) -> Optional[dict[str, dict]]:
+    def plan(self, graphs: Mapping[str, Any], **kw: Any) -> Optional[dict[str, dict]]:
         """The calibrated schedules of `graphs` (label -> graph table) with the costs as they are
         now: returned at once (`background=False`), or computed in a thread and returned
-        by `take_plans` (None here)."""
+        by `take_plans` (None here). `kw`: `schedule`'s other settings (e.g. `ep_budget`)."""
         costs = dict(self.costs)
 
         def run(out: dict) -> None:
             try:
-                out["plans"] = {k: schedule(with_costs(g, costs), rules="search") for k, g in graphs.items()}
+                out["plans"] = {k: schedule(with_costs(g, costs), rules="search", **kw) for k, g in graphs.items()}
             except BaseException as e:  # raised on the caller's thread by `take_plans`
                 out["error"] = e
 

@@ -22,21 +22,27 @@ ORDERS = (CALIBRATED, "ours")
 
 def capture_graphs(model: torch.nn.Module, example_inputs: tuple) -> tuple:
     """AOTAutograd's forward and backward graphs (no Inductor) of
-    `functional_call(model, params, inputs)`: the forward takes the parameters then the inputs
-    and returns the output then what the backward saves; the backward takes the saved values
-    then the output's gradient and returns one gradient per forward argument. Runs the model
-    once on `example_inputs` (forward and a zero backward) to capture both; the parameters'
-    `.grad` are left as they were. Returns (parameter names, parameters, {"fwd", "bwd"} graphs, output)."""
+    `functional_call(model, state, inputs)`, where the state is the module's parameters then
+    its buffers (a rotary cache, a scale: graph inputs, not constants baked into the graph):
+    the forward takes the state then the inputs and returns the output then what the backward
+    saves; the backward takes the saved values then the output's gradient and returns one
+    gradient per forward argument (None for the buffers). Runs the model once on
+    `example_inputs` (forward and a zero backward) to capture both; the parameters' `.grad`
+    are left as they were. A forward that updates a buffer (BatchNorm's running statistics)
+    is refused: the compiled graphs would drop the update. Returns (state names, state:
+    parameters then buffers, {"fwd", "bwd"} graphs, output)."""
     from functorch.compile import aot_function, make_boxed_func
     from torch._functorch.partitioners import default_partition
 
-    names = [n for n, _ in model.named_parameters()]
-    params = [p for _, p in model.named_parameters()]
+    params = list(model.named_parameters())
+    buffers = list(model.named_buffers())
+    names = [n for n, _ in params] + [n for n, _ in buffers]
+    state = [p for _, p in params] + [b for _, b in buffers]
     graphs: dict[str, fx.GraphModule] = {}
-    n_params = len(params)
+    n_state = len(state)
 
     def fn(*flat: Any) -> torch.Tensor:
-        return torch.func.functional_call(model, dict(zip(names, flat[:n_params])), tuple(flat[n_params:]))
+        return torch.func.functional_call(model, dict(zip(names, flat[:n_state])), tuple(flat[n_state:]))
 
     def keep(phase: str) -> Callable:
         def compiler(gm: fx.GraphModule, inputs: list) -> Callable:
@@ -46,14 +52,22 @@ def capture_graphs(model: torch.nn.Module, example_inputs: tuple) -> tuple:
         return compiler
 
     traced = aot_function(fn, fw_compiler=keep("fwd"), bw_compiler=keep("bwd"), partition_fn=default_partition)
-    out = traced(*params, *example_inputs)
+    versions = [b._version for _, b in buffers]
+    out = traced(*state, *example_inputs)
+    updated = [n for (n, b), v in zip(buffers, versions) if b._version != v]
+    if updated:
+        raise ValueError(
+            f"the module's forward updates its buffers {updated[:5]} (e.g. BatchNorm's running statistics in training "
+            "mode): compiled graphs run here would drop those updates; freeze them (module.eval() for BatchNorm, or "
+            "track_running_stats=False) or train this module eagerly"
+        )
     if not isinstance(out, torch.Tensor):
         raise ValueError(f"the module must return one tensor, got {type(out).__name__}")
-    before = [p.grad for p in params]
+    before = [p.grad for p in state]
     out.backward(torch.zeros_like(out))  # the backward graph is compiled on first use
-    for p, g in zip(params, before):
+    for p, g in zip(state, before):
         p.grad = g
-    return names, params, graphs, out.detach()
+    return names, state, graphs, out.detach()
 
 
 def compile_graphs(graphs: dict, ep_budget: Optional[int] = None) -> tuple:
@@ -75,8 +89,9 @@ class GraphStep:
     stage runs; here one stage (the whole model).
 
     `model(*inputs)` must return a scalar loss. The forward and backward graphs come from
-    AOTAutograd (no Inductor) on `torch.func.functional_call(model, params, inputs)`, so their
-    arguments are known: the forward takes the parameters then the inputs and returns the loss
+    AOTAutograd (no Inductor) on `torch.func.functional_call(model, state, inputs)`, so their
+    arguments are known: the forward takes the state (parameters, then buffers: `self.params`
+    holds both) then the inputs and returns the loss
     then what the backward saves; the backward takes the saved values then the loss's
     gradient and returns one gradient per forward argument. `step` accumulates the
     parameters' gradients into `.grad` (microbatch order, as eager accumulation does) and
@@ -96,7 +111,8 @@ class GraphStep:
     outside the module in microbatch order. The warm-up and cool-down graphs (and
     `paired_ends`' modules) keep the timing-free order. A timed step runs the module through
     `torch.fx.Interpreter`, which frees each value after its last use as the compiled runner
-    does.
+    does (and keeps none of its outputs past the run). `Calibration(background=True)` is
+    not supported here (a ValueError at the step).
 
 
     Example (bit-exact against eager backward per microbatch):
@@ -189,10 +205,15 @@ class GraphStep:
         agree_across_ranks(self, "GraphStep.step", facts)
         # Every rank times the same step (the facts above agree): the module runs in it.
         timing = self.order == CALIBRATED and multiplexed and self.calibration.active and len(microbatches) >= (3 if paired_ends else 2)
-        self._runs: Optional[list] = [] if timing else None
-        losses = self._step(microbatches, multiplexed, paired_ends)
-        if timing:
-            self._end_calibration()
+        if timing and self.calibration.background:
+            raise ValueError("GraphStep: Calibration(background=True) is not supported here (its module is re-planned at the calibration step's end); use background=False")
+        self._runs = [] if timing else None
+        try:
+            losses = self._step(microbatches, multiplexed, paired_ends)
+            if timing:
+                self._end_calibration()
+        finally:
+            self._runs = None
         return losses
 
     def _step(self, microbatches: list[tuple], multiplexed: bool, paired_ends: bool) -> list[torch.Tensor]:
@@ -233,29 +254,33 @@ class GraphStep:
         calibration step."""
         if self._runs is None:
             return self._mux(args)
-        timed = _TimedRun(self.mux, self.mux.sched_lifetime["ir_names"], cuda=any(getattr(a, "is_cuda", False) for a in args))
+        dev = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
+        timed = _TimedRun(self.mux, self.mux.sched_lifetime["ir_names"], dev)
         out = timed.boxed_run(args)
-        self._runs.append(timed)
+        timed.env = {}  # the interpreter keeps its output entry: drop it (the caller holds the outputs)
+        self._runs.append(timed.marks)
         return out
 
     def _end_calibration(self) -> None:
         """A calibration step's end: one sync, the nodes' costs agreed across the ranks and
         smoothed, the module scheduled again under rule `search`, rebuilt if its order changed."""
+        t0 = time.perf_counter()
         cal = self.calibration
         if cal.group is None:
             cal.group = self.rank_group
-        runs, self._runs = [t.times() for t in self._runs], None
+        runs, self._runs = [_times(m) for m in self._runs], None
         cal.end_step(runs)
-        plans = cal.plan({"mux": self._mux_table}) or {}
+        plans = cal.plan({"mux": self._mux_table}, ep_budget=self.ep_budget)
 
         def rebuild(label: str, result: dict) -> None:
             from . import boxed
 
             self.mux = build(self.graphs["fwd"], self.graphs["bwd"], self._mux_table, result)
             self._mux = boxed(self.mux)
+            self._graphs_digest = digest([g.sched_lifetime["order"] for g in (self.fwd, self.bwd, self.mux)])
 
         apply_plans(cal, plans, {"mux": self.mux.sched_lifetime["order"]}, rebuild, what="GraphStep's calibrated order")
-        self._graphs_digest = digest([g.sched_lifetime["order"] for g in (self.fwd, self.bwd, self.mux)])
+        cal.end_ms.append((time.perf_counter() - t0) * 1e3)
 
     def _step_paired(self, microbatches: list[tuple]) -> list[torch.Tensor]:
         ff, bb = self._paired()
@@ -287,23 +312,24 @@ class GraphStep:
 
 class _TimedRun(fx.Interpreter):
     """One run of a multiplexed module with every call node timed (us, by its IR name): CUDA
-    events recorded around the node on the current stream (read after one sync, `times`), or
-    the host clock on CPU."""
+    events recorded around the node on the device's current stream (read after one sync,
+    `_times`), or the host clock on CPU (`device` None)."""
 
-    def __init__(self, gm: fx.GraphModule, ir_names: dict, cuda: bool) -> None:
+    def __init__(self, gm: fx.GraphModule, ir_names: dict, device: Optional[torch.device]) -> None:
         super().__init__(gm)
-        self.ir_names, self.cuda = ir_names, cuda
+        self.ir_names = ir_names
+        self.stream = torch.cuda.current_stream(device) if device is not None else None
         self.marks: dict[str, Any] = {}
 
     def run_node(self, n: fx.Node) -> Any:
         name = self.ir_names.get(n.name) if n.op == "call_function" else None
         if name is None:
             return super().run_node(n)
-        if self.cuda:
+        if self.stream is not None:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+            a.record(self.stream)
             out = super().run_node(n)
-            b.record()
+            b.record(self.stream)
             self.marks[name] = (a, b)
         else:
             t0 = time.perf_counter()
@@ -311,10 +337,10 @@ class _TimedRun(fx.Interpreter):
             self.marks[name] = (time.perf_counter() - t0) * 1e6
         return out
 
-    def times(self) -> dict[str, float]:
-        """Each node's time in us (CUDA: synchronizes on the last event first)."""
-        if not self.cuda:
-            return dict(self.marks)
-        if self.marks:
-            next(reversed(self.marks.values()))[1].synchronize()
-        return {k: a.elapsed_time(b) * 1e3 for k, (a, b) in self.marks.items()}
+
+def _times(marks: dict) -> dict[str, float]:
+    """A timed run's node times in us (CUDA event pairs: synchronizes on the last one first)."""
+    pairs = [v for v in marks.values() if isinstance(v, tuple)]
+    if pairs:
+        pairs[-1][1].synchronize()
+    return {k: (v[0].elapsed_time(v[1]) * 1e3 if isinstance(v, tuple) else v) for k, v in marks.items()}
