@@ -36,3 +36,4 @@ bench:
 clean:
 	cargo clean
 	rm -f torch_ops/sched_lifetime/_C*.so build/torch2.11/_C.so
+	rm -rf target-2.11
