@@ -16,6 +16,7 @@ import datetime
 import json
 import os
 import socket
+from typing import Optional
 
 import pytest
 
@@ -38,7 +39,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _build(model: str, pipeline: str, world: int):
+def _build(model: str, pipeline: str, world: int, options: Optional[dict] = None):
     """A graph_trainer config, its model (2 layers, EP=2, SDPA) parallelized over the gloo
     ranks, and a minimal GraphTrainer around it (what torchtitan's own tests build)."""
     import importlib
@@ -54,7 +55,7 @@ def _build(model: str, pipeline: str, world: int):
     registry = importlib.import_module(f"torchtitan.experiments.graph_trainer.{model}.config_registry")
     config = getattr(registry, f"graph_trainer_{model}_{flavor}")()
     if pipeline == sltt.PIPELINE:
-        config = sltt.to_sched_lifetime_config(config)
+        config = sltt.to_sched_lifetime_config(config, **(options or {}))
     assert config.compile.pass_pipeline == pipeline
     spec_fn = importlib.import_module(f"torchtitan.experiments.graph_trainer.{model}").model_registry
     spec = spec_fn(flavor, attn_backend="sdpa")
@@ -94,8 +95,8 @@ def _build(model: str, pipeline: str, world: int):
     return t, m, mc.vocab_size
 
 
-def _run(model: str, pipeline: str, rank: int, world: int) -> tuple[list, dict, object]:
-    t, m, vocab = _build(model, pipeline, world)
+def _run(model: str, pipeline: str, rank: int, world: int, options: Optional[dict] = None) -> tuple[list, dict, object]:
+    t, m, vocab = _build(model, pipeline, world, options)
     g = torch.Generator().manual_seed(1 + rank)
     opt = torch.optim.SGD(m.parameters(), lr=1e-2)
     losses, grads = [], {}
@@ -189,6 +190,59 @@ def test_ours_matches_torchtitans_own_passes_bit_exact_on_deepseek_v3_and_qwen3_
             assert r["grad_names"] and r["grads_unequal"] == [], (model, rank, r["grads_unequal"])
 
 
+PAGING = {"paging": True, "paging_budget": 1.0, "paging_min_bytes": 1024}
+
+
+def _paging_worker(rank: int, port: int, out: str) -> None:
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "torch_ops"))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
+    import torchtitan.distributed.parallel_dims as pdm
+
+    pdm.device_type = "cpu"
+    res: dict = {}
+    try:
+        ref_losses, ref_grads, _ = _run("deepseek_v3", "default", rank, 2)
+        losses, grads, gm = _run("deepseek_v3", "sched_lifetime", rank, 2, PAGING)
+        pager = gm.sched_lifetime["paging"]
+        res = {
+            "losses_equal": all(torch.equal(a, b) for a, b in zip(ref_losses, losses)),
+            "grads_unequal": [n for n in ref_grads if not all(torch.equal(a, b) for a, b in zip(ref_grads[n], grads.get(n, [])))],
+            "grad_names": sorted(ref_grads) == sorted(grads) and len(grads) > 0,
+            "paged": len(pager.chosen) if pager is not None else 0,
+            "stats": pager.stats if pager is not None else {},
+            "page_nodes": sum(1 for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "__name__", "") == "_page_out"),
+        }
+    except Exception:
+        import traceback
+
+        res["error"] = traceback.format_exc()
+        raise
+    finally:
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(res, f)
+        dist.destroy_process_group()
+
+
+def test_our_paging_in_the_pass_pipeline_is_bit_exact_and_moves_what_it_planned(tmp_path):
+    """`--compile.sched_lifetime.paging` on DeepSeek-V3 (2 gloo ranks, EP=2, 2 steps): the
+    traced step with page nodes gives torchtitan's own losses and gradients bit for bit, and
+    every byte paged out came back (CPU: host copies, numerics only)."""
+    out = str(tmp_path / "res")
+    mp.spawn(_paging_worker, args=(_port(), out), nprocs=2, join=True)
+    for rank in range(2):
+        with open(f"{out}.{rank}") as f:
+            r = json.load(f)
+        assert "error" not in r, r["error"]
+        assert r["losses_equal"] and r["grad_names"] and r["grads_unequal"] == [], (rank, r)
+        assert r["paged"] >= 4 and r["page_nodes"] == r["paged"], (rank, r)
+        st = r["stats"]
+        assert st["bytes_out"] == st["bytes_in"] > 0 and st["copies_out"] == st["copies_in"] == STEPS * r["paged"], (rank, st)
+
+
 def _a2a_graph(annotated: bool, op: object = None) -> fx.GraphModule:
     """A step graph with a dispatch and a combine all-to-all (torchtitan's EP shape), built by
     hand; `annotated`: with torchtitan's EP annotations, as graph_trainer's tracer leaves them;
@@ -214,8 +268,10 @@ def test_an_option_the_pass_does_not_know_is_an_error_naming_it_and_the_valid_on
         sched_lifetime_order_pass(_a2a_graph(True), [], options={"overlpa": True})
     with pytest.raises(ValueError, match=r"option 'ep_budget' must be an int in 1..=1024"):
         sched_lifetime_order_pass(_a2a_graph(True), [], options={"ep_budget": 0})
-    with pytest.raises(ValueError, match=r"\['paging'\] are not available in the torchtitan pass pipeline"):
+    with pytest.raises(ValueError, match=r"paging in the torchtitan pass pipeline is the static plan \(paging_timed=False\)"):
         sched_lifetime_order_pass(_a2a_graph(True), [], options={"paging": True})
+    with pytest.raises(ValueError, match=r"option 'cudagraphs' is not available in the torchtitan pass pipeline"):
+        sched_lifetime_order_pass(_a2a_graph(True), [], options={"cudagraphs": True})
 
 
 def test_an_unknown_option_on_torchtitans_command_line_is_tyros_error_naming_it(capsys):
@@ -280,6 +336,17 @@ def test_the_documented_recipe_selects_our_pipeline_with_our_options():
     assert c.compile.pass_pipeline == "sched_lifetime" and c.compile.mode == "aot_fx_trace"
     assert c.compile.sched_lifetime.ep_budget == 2 and c.compile.sched_lifetime.overlap
     assert PASS_PIPELINE_REGISTRY["sched_lifetime"] is sltt.sched_lifetime_passes
+    assert not c.compile.sched_lifetime.paging
+    # Paging: one flag; the pipeline's options are the static plan. With torchtitan's
+    # cudagraph_pass (on by default) or full Inductor, the pipeline refuses it.
+    c = ConfigManager().parse_args(
+        ["--module", "sched_lifetime.integrations.torchtitan", "--config", "graph_trainer_qwen3_debugmodel_moe",
+         "--compile.sched_lifetime.paging", "--compile.sched_lifetime.paging_budget", "0.25"]
+    )
+    opts = c.compile.sched_lifetime.to_options()
+    assert opts["paging"] and not opts["paging_timed"] and opts["paging_budget"] == 0.25
+    with pytest.raises(ValueError, match="paging with torchtitan's cudagraph_pass"):
+        sltt.sched_lifetime_passes(None, c)
     with pytest.raises(AttributeError, match="offers graph_trainer's graph_trainer_\\* configs"):
         sltt.graph_trainer_no_such_model
 

@@ -29,8 +29,8 @@ a graph with no all-to-all at all.
 
 Paging: torchtitan's `--compile.memory_policy sac_and_offload` (its `cpu_offload` pass) stays
 in the pass list, before ours (not tried together yet: it needs an accelerator); our own paging
-(`compile` option `paging`) needs AOTAutograd's forward/backward split and is not offered on
-graph_trainer's joint graph yet.
+(`--compile.sched_lifetime.paging`, `compile.joint_paging_pass`: the static plan on the whole
+traced step, forward values the backward reads) runs after our order.
 """
 
 from __future__ import annotations
@@ -92,9 +92,23 @@ class SchedLifetimeOptions:
     explain: bool = False
     """Print the schedule: what each launch ran under."""
 
+    paging: bool = False
+    """Page forward values the backward reads to pinned host memory and back (static plan,
+    `compile.joint_paging_pass`), after our order."""
+
+    paging_budget: float = 0.5
+    """What to page: a fraction (0..1) of the candidates' bytes."""
+
+    paging_prefetch: int = 2
+    """A page-in is launched this many backward nodes before its first use."""
+
+    paging_min_bytes: int = 1 << 16
+    """Smaller values stay on the device."""
+
     def to_options(self) -> dict:
-        """The backend's option dict, checked (ValueError on a bad value)."""
-        return check_options({f.name: getattr(self, f.name) for f in fields(self)})
+        """The backend's option dict, checked (ValueError on a bad value); paging here is the
+        static plan (`paging_timed=False`)."""
+        return check_options({**{f.name: getattr(self, f.name) for f in fields(self)}, "paging_timed": False})
 
 
 @dataclass(kw_only=True, slots=True)
@@ -152,6 +166,17 @@ def sched_lifetime_passes(traced_result: Any, config: Any, *, parallel_dims: Any
         raise ValueError(
             "sched_lifetime pass pipeline: --compile.precompile_artifact_dir is not supported (a precompiled "
             "artifact was built with another pipeline's passes); leave it unset"
+        )
+    if opts["paging"] and config.compile.inductor_compilation == "full":
+        raise ValueError(
+            "sched_lifetime pass pipeline: --compile.sched_lifetime.paging needs the step to stay an FX graph "
+            "(its page nodes are Python calls): --compile.inductor_compilation full compiles it whole; use 'regional'"
+        )
+    if opts["paging"] and "cudagraph_pass" not in config.compile.disable_passes:
+        raise ValueError(
+            "sched_lifetime pass pipeline: --compile.sched_lifetime.paging with torchtitan's cudagraph_pass: a paged "
+            "step's release of device storage queries its copy's event, which capture does not allow; "
+            "add cudagraph_pass to --compile.disable_passes"
         )
     want_cudagraph = "cudagraph_pass" not in config.compile.disable_passes
     passes = compile_time_passes(
@@ -244,15 +269,26 @@ def sched_lifetime_order_pass(
     or a bad value is a ValueError listing the valid ones); `ep_degree`: torchtitan's expert
     parallel degree (> 1: every all-to-all must carry torchtitan's EP annotation)."""
     opts = check_options(options)
-    unused = [k for k in ("paging", "cudagraphs") if opts[k]]
-    if unused:
+    if opts["cudagraphs"]:
         raise ValueError(
-            f"sched_lifetime pass: option(s) {unused} are not available in the torchtitan pass pipeline "
-            "(cudagraphs: torchtitan's cudagraph_pass captures the step; paging: use "
-            "--compile.memory_policy sac_and_offload beside our order)"
+            "sched_lifetime pass: option 'cudagraphs' is not available in the torchtitan pass pipeline "
+            "(torchtitan's cudagraph_pass captures the step)"
+        )
+    if opts["paging"] and opts["paging_timed"]:
+        raise ValueError(
+            "sched_lifetime pass: paging in the torchtitan pass pipeline is the static plan (paging_timed=False): "
+            "the timed plan calibrates per saved tensor, which needs AOTAutograd's forward/backward split"
         )
     _annotate_ep(gm, ep_degree)
-    return compile_fx_graph(gm, "step", opts, in_place=True)
+    gm = compile_fx_graph(gm, "step", opts, in_place=True)
+    if opts["paging"]:
+        from ..compile.joint_paging_pass import page_step
+
+        pager = page_step(gm, opts["paging_budget"], prefetch=opts["paging_prefetch"], min_bytes=opts["paging_min_bytes"])
+        gm.sched_lifetime["paging"] = pager
+        if opts["explain"]:
+            print("[sched_lifetime] paging: " + (pager.explain() if pager is not None else "nothing to page"))
+    return gm
 
 
 def __getattr__(name: str) -> Callable[[], SchedLifetimeTrainer.Config]:
