@@ -1,6 +1,8 @@
 """torch.distributed.pipelining with our OVERLAP_F_B handler (CPU, 2 gloo ranks, in CI): the
 embedded MoE model as stages; losses and every gradient bit-exact against the same schedule
-run on the plain stage modules with no handler, over several optimizer steps."""
+run on the plain stage modules with no handler, over several optimizer steps. `dualpipev_ep2`:
+PP=2 x EP=2 over 4 ranks; `dualpipev_link`: PP=2 with EP=4 emulated inside each rank (the host
+link of `ep_link`, which one GPU runs)."""
 
 import os
 import socket
@@ -52,6 +54,10 @@ def _run_arm(kind: str, cfg, stage_ids, n_stages: int, handler: bool, steps: int
     # With EP, the autograd-aware functional all-to-all: the plain reference module must
     # differentiate through dispatch and combine (dist.all_to_all_single does not).
     transport = AllToAll(local=True) if ep_group is None else FunctionalAllToAll(ep_group)
+    if kind == "dualpipev_link":  # EP=4 emulated inside each pipeline rank (sched_lifetime.ep_link)
+        from sched_lifetime.ep_link import HostLinkAllToAll
+
+        transport = HostLinkAllToAll(4, device="cpu", min_chunk_bytes=0)
     model = MoEModel(cfg, transport=transport, seed=0)
     per = len(model.layers) // n_stages
     mods, stages = [], []
@@ -134,7 +140,7 @@ def _worker(rank: int, port: int, out: str, kind: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["dualpipev", "dualpipev_fused", "dualpipev_odd", "dualpipev_graph", "dualpipev_ep2", "interleaved", "1f1b"])
+@pytest.mark.parametrize("kind", ["dualpipev", "dualpipev_fused", "dualpipev_odd", "dualpipev_graph", "dualpipev_ep2", "dualpipev_link", "interleaved", "1f1b"])
 def test_pipeline_schedules_bit_exact_with_the_handler(tmp_path, kind):
     world = 4 if kind == "dualpipev_ep2" else 2
     mp.spawn(_worker, args=(_port(), str(tmp_path), kind), nprocs=world, join=True)
