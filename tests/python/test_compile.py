@@ -748,6 +748,55 @@ def test_graph_step_takes_a_model_with_buffers_and_refuses_one_that_updates_them
     slc.GraphStep(Loss().eval(), (torch.randn(4, 6),))  # frozen statistics: fine
 
 
+def test_graph_step_takes_tensor_constants_and_checks_each_microbatchs_shapes():
+    """A tensor literal in forward (HF's empty cache, a scale) is a constant of the captured
+    graphs: the multiplexed module carries it, bit-exact with eager. A microbatch whose shape or
+    dtype differs from the capture's is a clear error, not one from inside a graph; a forward
+    that cannot be captured (data-dependent control flow) says what GraphStep can capture."""
+
+    class Const(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            empty = torch.tensor([])
+            return (torch.cat([empty.view(0, 4), self.a(x)], 0) * torch.tensor(2.0)).sum()
+
+    torch.manual_seed(0)
+    m = Const()
+    ref = Const()
+    ref.load_state_dict(m.state_dict())
+    gs = slc.GraphStep(m, (torch.randn(2, 4),), order="ours")
+    assert any(n.op == "get_attr" for n in gs.mux.graph.nodes)
+    mbs = [(torch.randn(2, 4),) for _ in range(3)]
+    losses = gs.step(mbs, paired_ends=True)
+    for mb, loss in zip(mbs, losses):
+        want = ref(*mb)
+        want.backward()
+        assert torch.equal(loss, want.detach())
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(m.parameters(), ref.parameters()))
+    with pytest.raises(ValueError, match=r"microbatch 1 input 0 is shape \[4, 2\] float32, the graphs were captured for shape \[2, 4\] float32"):
+        gs.step([(torch.randn(2, 4),), (torch.randn(4, 2),)])
+    with pytest.raises(ValueError, match=r"microbatch 0 input 0 is shape \[2, 4\] float64"):
+        gs.step([(torch.randn(2, 4, dtype=torch.float64),)])
+    with pytest.raises(ValueError, match=r"microbatch 0 has 2 inputs, the graphs were captured with 1"):
+        gs.step([(torch.randn(2, 4), torch.randn(2, 4))])
+
+    class Branchy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            return h.sum() if (x > -10).all() else h.mean()
+
+    with pytest.raises(Exception) as info:
+        slc.GraphStep(Branchy(), (torch.randn(2, 4),))
+    assert any("cannot be captured" in n for n in getattr(info.value, "__notes__", [])), info.value
+
+
 def test_graph_step_paired_ends_needs_multiplexing():
     class Loss(torch.nn.Module):
         def __init__(self) -> None:

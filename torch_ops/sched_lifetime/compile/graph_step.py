@@ -53,7 +53,16 @@ def capture_graphs(model: torch.nn.Module, example_inputs: tuple) -> tuple:
 
     traced = aot_function(fn, fw_compiler=keep("fwd"), bw_compiler=keep("bwd"), partition_fn=default_partition)
     versions = [b._version for _, b in buffers]
-    out = traced(*state, *example_inputs)
+    try:
+        out = traced(*state, *example_inputs)
+    except Exception as e:
+        e.add_note(
+            "sched_lifetime: capturing the model's forward and backward graphs (AOTAutograd, static shapes) failed. "
+            "Python control flow on tensor values and data-dependent shapes (x.item(), .tolist(), nonzero(), "
+            "`if (x > 0).all():`) cannot be captured; docs/nodes.md#graphstep-the-same-step-on-compiled-graphs "
+            "lists what can and a recipe for Hugging Face models"
+        )
+        raise
     updated = [n for (n, b), v in zip(buffers, versions) if b._version != v]
     if updated:
         raise ValueError(
@@ -148,6 +157,8 @@ class GraphStep:
         #: to `rank_group`.
         self.calibration = Calibration()
         self.model = model
+        #: The inputs' shapes and dtypes the graphs were captured for (static: `step` checks them).
+        self.input_meta = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None for t in example_inputs]
         self.names, self.params, self.graphs, loss = capture_graphs(model, example_inputs)
         if loss.dim() != 0:
             raise ValueError(f"GraphStep needs a scalar loss, the model returned shape {tuple(loss.shape)}")
@@ -199,6 +210,7 @@ class GraphStep:
             raise ValueError("GraphStep.step needs at least one microbatch")
         if paired_ends and not multiplexed:
             raise ValueError("GraphStep.step: paired_ends needs multiplexed=True")
+        self._check_inputs(microbatches)
         if paired_ends and len(microbatches) == 1:  # a setting that selects nothing: say so
             warnings.warn("GraphStep.step: paired_ends pairs two microbatches; with 1 the step runs F(0) then B(0) unpaired", stacklevel=2)
         facts = {"microbatch count": len(microbatches), "multiplexed": multiplexed, "paired_ends": paired_ends, "graphs": self._graphs_digest}
@@ -248,6 +260,22 @@ class GraphStep:
             grads = self._bwd(saved)
         self._accumulate(grads)
         return losses
+
+    def _check_inputs(self, microbatches: list[tuple]) -> None:
+        """Each microbatch has the captured inputs' count, shapes and dtypes (the graphs are
+        static): a ValueError naming the first that does not, instead of an error from inside
+        a graph."""
+        want = self.input_meta
+        for i, mb in enumerate(microbatches):
+            if len(mb) != len(want):
+                raise ValueError(f"GraphStep.step: microbatch {i} has {len(mb)} inputs, the graphs were captured with {len(want)}")
+            for j, (t, w) in enumerate(zip(mb, want)):
+                got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None
+                if got != w:
+                    raise ValueError(
+                        f"GraphStep.step: microbatch {i} input {j} is {_meta(got)}, the graphs were captured for {_meta(w)} "
+                        "(static shapes and dtypes): give every microbatch the example's, or make a GraphStep per shape"
+                    )
 
     def _run_mux(self, args: list) -> Any:
         """The multiplexed module on `args` (boxed: the list is cleared), timed per node in a
@@ -308,6 +336,10 @@ class GraphStep:
         self._accumulate(grads[:half])  # microbatch n-2 first, as in every other order
         self._accumulate(grads[half:])
         return losses
+
+
+def _meta(m: Optional[tuple]) -> str:
+    return "not a tensor" if m is None else f"shape {list(m[0])} {str(m[1]).replace('torch.', '')}"
 
 
 class _TimedRun(fx.Interpreter):

@@ -3,6 +3,7 @@ one GraphModule out, both scheduled together by Rust as two sources."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -57,14 +58,17 @@ def build(fwd: fx.GraphModule, bwd: fx.GraphModule, table: dict, result: dict, p
     order and `ir_names` (each call node's IR name, by its name in the module)."""
     sides = _SIDES[tuple(phases)]
     graph = fx.Graph()
+    root = torch.nn.Module()  # holds each side's constants (get_attr targets), prefixed per side
     envs: list[dict[fx.Node, fx.Node]] = [{}, {}]
     parts = [(fwd, sides[0][1]), (bwd, sides[1][1])]
     for k, (gm, p) in enumerate(parts):
         for n in gm.graph.nodes:
             if n.op == "placeholder":
                 envs[k][n] = graph.placeholder(f"{p[0]}_{n.name}")
-            elif n.op == "get_attr":
-                raise ValueError(f"multiplex takes AOT graphs without get_attr nodes; '{n.name}' in the {('first', 'second')[k]} ({phases[k]}) graph")
+            elif n.op == "get_attr":  # a tensor constant of the traced code (`torch.tensor(2.0)` in a forward)
+                attr = f"{p[0]}_{str(n.target).replace('.', '_')}"
+                setattr(root, attr, functools.reduce(getattr, str(n.target).split("."), gm))
+                envs[k][n] = graph.get_attr(attr)
     by_name = {p + n.name: (k, n) for k, (gm, p) in enumerate(parts) for n in gm.graph.nodes}
     ir_names: dict[str, str] = {}
     for name in result["order"]:
@@ -79,7 +83,7 @@ def build(fwd: fx.GraphModule, bwd: fx.GraphModule, table: dict, result: dict, p
         outs += list(fx.map_arg(ret if isinstance(ret, (list, tuple)) else (ret,), lambda x, env=envs[k]: env[x]))
     graph.output(tuple(outs))
     graph.lint()
-    out = fx.GraphModule(torch.nn.Module(), graph)
+    out = fx.GraphModule(root, graph)
     out.sched_lifetime = {"ir": table, "schedule": result, "order": list(result["order"]), "ir_names": ir_names}
     return out
 
