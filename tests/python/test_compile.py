@@ -929,3 +929,73 @@ def test_reorder_moves_the_modules_own_nodes_and_keeps_its_codegen():
     assert [n.name for n in gm.graph.nodes if n.op == "call_function"] == order
     with pytest.raises(ValueError, match="the schedule's order does not match the FX graph: leaves out"):
         slc.reorder(gm, order[1:])
+
+
+def _joint_step():
+    """A whole training step traced into one FX graph (forward, loss, gradients), its backward
+    nodes marked as torch's autograd engine marks them for graph_trainer (`autograd_backward`)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(x, w1, w2):
+        h = torch.tanh(x @ w1)
+        g = torch.tanh(h @ w2)
+        loss = g.sum()
+        return (loss, *torch.autograd.grad(loss, [w1, w2]))
+
+    torch.manual_seed(0)
+    args = (torch.randn(64, 64), torch.randn(64, 64, requires_grad=True), torch.randn(64, 64, requires_grad=True))
+    gm = make_fx(step, tracing_mode="fake")(*args)
+    after_loss = False
+    for n in gm.graph.nodes:
+        if after_loss and n.op == "call_function":
+            n.meta["autograd_backward"] = True
+        after_loss = after_loss or (n.op == "call_function" and n.target is torch.ops.aten.sum.default)
+    return gm, args
+
+
+def test_joint_step_paging_is_exact_pages_each_storage_once_and_survives_a_failed_step(monkeypatch):
+    """The joint-graph paging pass (torchtitan's traced step): outputs bit-exact with the
+    unpaged step; aliases of one storage (`detach`) paged once; a step that raises between its
+    page-outs and its end leaves nothing held, and the next step reuses the one run slot;
+    `_page_finish` survives dead-code elimination; a graph with no backward is left as it is."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from sched_lifetime.compile import joint_paging_pass as jpp
+    from sched_lifetime.compile import paging_pass as pp
+
+    gm, args = _joint_step()
+    want = gm(*args)
+    vals = {n.name: n.meta["val"] for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}
+    jp = jpp.page_step(gm, 1.0, min_bytes=0)
+    assert jp is not None and jp.chosen
+    storages = [StorageWeakRef(vals[c].untyped_storage()) for c in jp.chosen]
+    assert len(set(storages)) == len(storages), jp.chosen  # one copy per storage
+    got = gm(*args)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert jp.stats["bytes_out"] == jp.stats["bytes_in"] > 0 and len(jp.runs) == 1 and not jp.runs[0].open
+    # A step that raises after its page-outs: nothing stays held; the next step is whole.
+    boom = RuntimeError("boom")
+
+    def fail(key, t):
+        raise boom
+
+    g = gm.forward.__globals__
+    names = [k for k, v in g.items() if v is pp._page_wait]
+    for k in names:
+        monkeypatch.setitem(g, k, fail)
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="boom"):
+            gm(*args)
+    for k in names:
+        monkeypatch.setitem(g, k, pp._page_wait)
+    got = gm(*args)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert len(jp.runs) == 1 and not jp.runs[0].open and not jp._held and not jp._owner
+    gm.graph.eliminate_dead_code()
+    assert any(getattr(n.target, "__name__", "") == "_page_finish" for n in gm.graph.nodes)
+    # No backward marks: nothing to page, the graph unchanged.
+    plain, _ = _joint_step()
+    for n in plain.graph.nodes:
+        n.meta.pop("autograd_backward", None)
+    code = plain.code
+    assert jpp.page_step(plain, 1.0, min_bytes=0) is None and plain.code == code

@@ -215,6 +215,7 @@ def _paging_worker(rank: int, port: int, out: str) -> None:
             "paged": len(pager.chosen) if pager is not None else 0,
             "stats": pager.stats if pager is not None else {},
             "page_nodes": sum(1 for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "__name__", "") == "_page_out"),
+            "slots": [len(pager.runs), any(r.open for r in pager.runs), len(pager._held)] if pager is not None else None,
         }
     except Exception:
         import traceback
@@ -239,6 +240,7 @@ def test_our_paging_in_the_pass_pipeline_is_bit_exact_and_moves_what_it_planned(
         assert "error" not in r, r["error"]
         assert r["losses_equal"] and r["grad_names"] and r["grads_unequal"] == [], (rank, r)
         assert r["paged"] >= 4 and r["page_nodes"] == r["paged"], (rank, r)
+        assert r["slots"] == [1, False, 0], (rank, r)  # one run slot, reused, closed, nothing held after the steps
         st = r["stats"]
         assert st["bytes_out"] == st["bytes_in"] > 0 and st["copies_out"] == st["copies_in"] == STEPS * r["paged"], (rank, st)
 

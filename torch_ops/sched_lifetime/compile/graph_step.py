@@ -56,7 +56,10 @@ def capture_graphs(model: torch.nn.Module, example_inputs: tuple) -> tuple:
     try:
         out = traced(*state, *example_inputs)
     except Exception as e:
-        e.add_note(
+        from ..executor import add_note
+
+        add_note(
+            e,
             "sched_lifetime: capturing the model's forward and backward graphs (AOTAutograd, static shapes) failed. "
             "Python control flow on tensor values and data-dependent shapes (x.item(), .tolist(), nonzero(), "
             "`if (x > 0).all():`) cannot be captured; docs/nodes.md#graphstep-the-same-step-on-compiled-graphs "

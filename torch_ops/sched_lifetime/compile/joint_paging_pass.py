@@ -7,7 +7,8 @@ Which nodes are the backward: `node.meta["autograd_backward"]`, which torch's au
 sets while the step is traced (torchtitan's `cpu_offload` reads the same mark). A candidate is
 a forward `call_function` value with a static size of at least `min_bytes` that a backward
 node reads, that is not a view, does not share storage with a graph input (parameters, user
-inputs: paging them frees nothing) and is not returned by the step. Rust's `page_plan` picks
+inputs: paging them frees nothing) or with an earlier candidate (`detach` aliases), is not
+written in place by an aten operator (the copy would be stale) and is not returned by the step. Rust's `page_plan` picks
 under the budget (the static plan: the step's save order against its use order), the same
 planner `GraphPager` uses; the copies are `GraphPager`'s (`HostPool`: page-outs on the page
 stream, device storage released through the lifetime manager, each host buffer's copies in
@@ -27,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from ..paging import Budget, page_plan
-from .paging_pass import GraphPager, _page_finish, _page_in_launch, _page_out, _page_wait, _Run
+from .paging_pass import GraphPager, _Run, _page_finish, _page_in_launch, _page_out, _page_wait
 
 
 def _backward(n: fx.Node) -> bool:
@@ -41,15 +42,28 @@ class JointPager(GraphPager):
     def __init__(self, budget: Budget, prefetch: int = 2, buffers: int = 1, min_bytes: int = 1 << 16, two_way: bool = False) -> None:
         super().__init__(budget, prefetch, buffers, min_bytes, timed=False, two_way=two_way)
 
+    def begin_forward(self) -> _Run:
+        """A step starts. One call of the graph is one whole step, so a run still open is a
+        step that raised between its page-outs and its end: its copies are waited for and its
+        buffers and device storage given back (nothing held, no new pool per failed step)."""
+        for r in self.runs:
+            if r.open:
+                r.pool.abandon()
+                r.open = False
+                r.owed.clear()
+        self._held.clear()
+        self._owner.clear()
+        self._events.clear()
+        return super().begin_forward()
+
     def page(self, gm: fx.GraphModule) -> fx.GraphModule:
-        """Plan what to page in `gm` (as ordered now) and add the page nodes; `gm` back."""
+        """Plan what to page in `gm` (as ordered now) and add the page nodes; `gm` back (as it
+        was when it has no backward: nothing to page)."""
         nodes = list(gm.graph.nodes)
         pos = {n: i for i, n in enumerate(nodes)}
         if not any(_backward(n) for n in nodes):
-            raise ValueError(
-                "sched_lifetime paging: the traced step has no node marked as backward (meta['autograd_backward']): "
-                "paging needs a step traced with its backward (graph_trainer's aot_fx_trace)"
-            )
+            self.left_out["(graph)"] = "no node is marked as backward (meta['autograd_backward']): nothing to page"
+            return gm
         cands = self._candidates(gm, pos)
         if not cands:
             return gm
@@ -86,7 +100,7 @@ class JointPager(GraphPager):
         out = next(iter(gm.graph.find_nodes(op="output")))
         returned = set(out.all_input_nodes)
         written = _written_storages(gm)
-        cands = []
+        cands, seen = [], set()
         for n in gm.graph.nodes:
             val = n.meta.get("val")
             if n.op != "call_function" or _backward(n) or not isinstance(val, torch.Tensor) or n in returned:
@@ -101,6 +115,9 @@ class JointPager(GraphPager):
             st = StorageWeakRef(val.untyped_storage())
             if val._is_view() or st in inputs:
                 continue
+            if st in seen:  # an alias that is not a view (`detach`): its storage is paged once, as the first value
+                continue
+            seen.add(st)
             if st in written:  # a copy taken before a later in-place write would be stale
                 self.left_out[n.name] = "an operator writes its storage in place"
                 continue

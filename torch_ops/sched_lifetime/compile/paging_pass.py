@@ -405,6 +405,10 @@ def _page_finish(key: int) -> None:
     _pager(key).end_backward()
 
 
+# `_page_finish` returns nothing and has no users: dead-code elimination must keep it.
+fx.node._side_effectful_functions.add(_page_finish)
+
+
 def _page_save(key: int, i: int, t: torch.Tensor) -> torch.Tensor:
     """Timed: the run's Pager's save hook for saved value `i` (the first starts a run); returns
     what the forward saves: `t`, or the host tensor it was paged into."""

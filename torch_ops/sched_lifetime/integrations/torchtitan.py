@@ -162,21 +162,11 @@ def sched_lifetime_passes(traced_result: Any, config: Any, *, parallel_dims: Any
     `sched_lifetime_order_pass` between torchtitan's graph passes and Inductor/cudagraph.
     Options come from `config.compile.sched_lifetime` (defaults when the config has none)."""
     opts = _options_of(config)
+    _check_paging(config, opts)
     if config.compile.precompile_artifact_dir:
         raise ValueError(
             "sched_lifetime pass pipeline: --compile.precompile_artifact_dir is not supported (a precompiled "
             "artifact was built with another pipeline's passes); leave it unset"
-        )
-    if opts["paging"] and config.compile.inductor_compilation == "full":
-        raise ValueError(
-            "sched_lifetime pass pipeline: --compile.sched_lifetime.paging needs the step to stay an FX graph "
-            "(its page nodes are Python calls): --compile.inductor_compilation full compiles it whole; use 'regional'"
-        )
-    if opts["paging"] and "cudagraph_pass" not in config.compile.disable_passes:
-        raise ValueError(
-            "sched_lifetime pass pipeline: --compile.sched_lifetime.paging with torchtitan's cudagraph_pass: a paged "
-            "step's release of device storage queries its copy's event, which capture does not allow; "
-            "add cudagraph_pass to --compile.disable_passes"
         )
     want_cudagraph = "cudagraph_pass" not in config.compile.disable_passes
     passes = compile_time_passes(
@@ -195,6 +185,21 @@ def sched_lifetime_passes(traced_result: Any, config: Any, *, parallel_dims: Any
     return passes
 
 
+def _check_paging(config: Any, opts: dict) -> None:
+    """Paging's refusals (at start-up and when the passes are built)."""
+    if opts["paging"] and config.compile.inductor_compilation == "full":
+        raise ValueError(
+            "sched_lifetime pass pipeline: --compile.sched_lifetime.paging needs the step to stay an FX graph "
+            "(its page nodes are Python calls): --compile.inductor_compilation full compiles it whole; use 'regional'"
+        )
+    if opts["paging"] and "cudagraph_pass" not in config.compile.disable_passes:
+        raise ValueError(
+            "sched_lifetime pass pipeline: --compile.sched_lifetime.paging with torchtitan's cudagraph_pass: a paged "
+            "step's release of device storage queries its copy's event, which capture does not allow; "
+            "add cudagraph_pass to --compile.disable_passes"
+        )
+
+
 @register_post_init_hook(PIPELINE)
 def _check_trainer(trainer: Any) -> None:
     """The pipeline runs only on graph_trainer's aot_fx_trace path: anything else would leave
@@ -211,7 +216,7 @@ def _check_trainer(trainer: Any) -> None:
         why = "pipeline parallelism is on (graph_pp builds its own passes)"
     if why is not None:
         raise ValueError(f"--compile.pass_pipeline {PIPELINE}: {why}, so the sched_lifetime pipeline would never run")
-    _options_of(trainer.config)  # bad values fail at start-up, not at the first step
+    _check_paging(trainer.config, _options_of(trainer.config))  # bad values fail at start-up, not at the first step
 
 
 def _layer_of(node: fx.Node) -> str:
