@@ -22,6 +22,11 @@ import argparse
 import collections
 import gzip
 import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_ops"))
+from sched_lifetime.train.figures import union  # noqa: E402  (the interval union the profile figures use)
 
 
 def load(path: str) -> list:
@@ -32,14 +37,9 @@ def load(path: str) -> list:
 
 def analyse(events: list) -> dict:
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
-    raw = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e.get("cat") in ("gpu_memcpy", "gpu_memset")
-                 and "Memcpy" in e.get("name", ""))
-    copies: list = []  # merged: copies on two streams at once count once
-    for c0, c1 in raw:
-        if copies and c0 <= copies[-1][1]:
-            copies[-1] = (copies[-1][0], max(copies[-1][1], c1))
-        else:
-            copies.append((c0, c1))
+    # Merged: copies on two streams at once count once.
+    copies = union([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e.get("cat") in ("gpu_memcpy", "gpu_memset")
+                    and "Memcpy" in e.get("name", "")])
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     streams = collections.Counter(e["args"].get("stream") for e in kernels)
@@ -80,7 +80,8 @@ def analyse(events: list) -> dict:
             counts[e["name"]] += 1
     return {"stream": compute, "kernels": len(ks), "span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
             "host_late_ms": late / 1e3, "stalled_ms": stalled / 1e3, "stalled_under_copy_ms": under_copy / 1e3,
-            "copy_ms": sum(c1 - c0 for c0, c1 in copies) / 1e3,  # time with any copy running "top_stalls_after": [(k, v / 1e3) for k, v in waits.most_common(5)],
+            "copy_ms": sum(c1 - c0 for c0, c1 in copies) / 1e3,  # time with any copy running
+            "top_stalls_after": [(k, v / 1e3) for k, v in waits.most_common(5)],
             "top_runtime_calls": [(k, v / 1e3, counts[k]) for k, v in runtime.most_common(6)],
             "top_cpu_ops": [(k, v / 1e3, counts[k]) for k, v in ops.most_common(10)],
             "our_ops": [(k, v / 1e3, counts[k]) for k, v in ops.most_common() if "sched_lifetime" in k]}

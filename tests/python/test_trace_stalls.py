@@ -42,3 +42,18 @@ def test_gaps_split_by_when_the_next_kernel_was_launched():
 
 def test_no_kernels_is_empty():
     assert trace_stalls.analyse([{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 4, "args": {}}]) == {}
+
+
+def test_the_command_prints_a_row_per_trace(tmp_path, capsys, monkeypatch):
+    """`python benches/trace_stalls.py TRACE...`: a row per trace and its longest stalls."""
+    import gzip
+    import json
+
+    events = [kernel(0, 10, 1, name="gemm"), launch(-5, 1, 1), kernel(100, 10, 2), launch(1, 1, 2)]  # a 90 us stall after gemm
+    path = tmp_path / "step.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    monkeypatch.setattr("sys.argv", ["trace_stalls.py", str(path)])
+    trace_stalls.main()
+    out = capsys.readouterr().out
+    assert "step.json.gz" in out and "stalled 0.09 ms after gemm" in out, out
