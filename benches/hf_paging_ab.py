@@ -53,6 +53,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_ops"))
 import sched_lifetime as sl  # noqa: E402,F401  (registers the backend)
 from sched_lifetime import compile as slc  # noqa: E402
+from sched_lifetime.train.figures import union  # noqa: E402
 
 #: A few hundred million parameters each (printed), bf16 on the GPU.
 CONFIGS = {
@@ -120,16 +121,7 @@ def profiled(step, model: torch.nn.Module, trace: str = "") -> dict:
         else:
             kern.append((start, end))
     kern.sort()
-    busy, cur_s, cur_e = 0.0, None, None
-    for s_, e_ in kern:
-        if cur_e is None or s_ > cur_e:
-            if cur_e is not None:
-                busy += cur_e - cur_s
-            cur_s, cur_e = s_, e_
-        else:
-            cur_e = max(cur_e, e_)
-    if cur_e is not None:
-        busy += cur_e - cur_s
+    busy = sum(t - s_ for s_, t in union(kern))
     span = (kern[-1][1] - kern[0][0]) if kern else 0.0
     return {"wall_ms": wall, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3, "copy_ms": copies, "kernels": len(kern), "mallocs": mallocs}
 

@@ -1,5 +1,6 @@
 """Shared by the compile-backend test files: train a module for a few SGD steps under a backend
-and compare two runs bit for bit (outputs, every gradient of every step, the final weights)."""
+and compare two runs bit for bit (outputs, every gradient of every step, the final weights);
+and check one GraphStep step against the same model run eagerly (`assert_matches_eager`)."""
 
 import torch
 
@@ -32,3 +33,18 @@ def same(a, b) -> bool:
         and all(torch.equal(x, y) for gx, gy in zip(ga, gb) for x, y in zip(gx, gy))
         and all(torch.equal(x, y) for x, y in zip(pa, pb))
     )
+
+
+def assert_matches_eager(losses, model, ref, microbatches, what="") -> None:
+    """A GraphStep step's `losses` and `model`'s accumulated `.grad` against `ref` (a model with
+    the same weights) run eagerly, one `loss.backward()` per microbatch: `torch.equal` on every
+    loss and every gradient. Then both models' gradients are cleared for the next step."""
+    want = []
+    for mb in microbatches:
+        loss = ref(*mb)
+        loss.backward()
+        want.append(loss.detach())
+    assert len(losses) == len(want) and all(torch.equal(a, b) for a, b in zip(losses, want)), f"{what}: losses differ"
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())), f"{what}: gradients differ"
+    for p in [*model.parameters(), *ref.parameters()]:
+        p.grad = None

@@ -17,6 +17,8 @@ import sched_lifetime as sl
 from sched_lifetime.calibrate import Calibration, format_costs, with_costs
 from sched_lifetime.models import CONFIGS, MoEModel
 
+from _compile_parity import assert_matches_eager  # noqa: E402
+
 
 def _costs(graph: dict, launch: float, compute: float = 100.0, bump: str = "") -> dict:
     """A cost table by kind (waits cost nothing): launches `launch` us, compute `compute` us,
@@ -260,16 +262,7 @@ def test_graph_step_calibrated_order_follows_measured_costs_and_stays_bit_exact(
 
     def step(k: int) -> None:
         mbs = [tuple(m.batch(k, i).values()) for i in range(3)]
-        losses = gs.step(mbs)
-        want = []
-        for mb in mbs:
-            loss = ref(*mb)
-            loss.backward()
-            want.append(loss.detach())
-        assert all(torch.equal(a, b) for a, b in zip(losses, want)), k
-        assert all(torch.equal(p.grad, q.grad) for p, q in zip(m.parameters(), ref.parameters())), k
-        for p in [*m.parameters(), *ref.parameters()]:
-            p.grad = None
+        assert_matches_eager(gs.step(mbs), m, ref, mbs, f"step {k}")
 
     step(0)
     assert len(seen[0]) == 2  # the module ran twice: F(1)+B(0), F(2)+B(1)

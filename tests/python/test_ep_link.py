@@ -18,6 +18,8 @@ from sched_lifetime import ep_link
 from sched_lifetime.ep import AllToAll, HostLinkAllToAll
 from sched_lifetime.ep_link import chunk_rows
 from sched_lifetime.models import CONFIGS, MoEModel
+
+from _compile_parity import assert_matches_eager  # noqa: E402
 from sched_lifetime.nodes import train_step
 
 #: Odd sizes beside the tiny config: 6 experts top-3 (k = 3 and 6 shard them), two dense
@@ -438,16 +440,7 @@ def test_graph_step_on_the_link_bit_exact_against_eager_microbatch_by_microbatch
         gs = slc.GraphStep(m, tuple(m.batch(0, 0).values()))
         for step, (mux, ends) in enumerate([(True, False), (False, False), (True, True)]):
             mbs = [tuple(m.batch(step, k).values()) for k in range(3)]
-            losses = gs.step(mbs, multiplexed=mux, paired_ends=ends)
-            want = []
-            for mb in mbs:
-                loss = ref(*mb)
-                loss.backward()
-                want.append(loss.detach())
-            assert all(torch.equal(a, b) for a, b in zip(losses, want)), step
-            assert all(torch.equal(p.grad, q.grad) for p, q in zip(m.parameters(), ref.parameters())), step
-            for p in [*m.parameters(), *ref.parameters()]:
-                p.grad = None
+            assert_matches_eager(gs.step(mbs, multiplexed=mux, paired_ends=ends), m, ref, mbs, f"step {step}")
     finally:
         torch.use_deterministic_algorithms(False)
     nodes = gs.mux.sched_lifetime["ir"]["nodes"]

@@ -27,6 +27,8 @@ import torch
 import sched_lifetime as sl  # noqa: F401  (registers the backend)
 from sched_lifetime import compile as slc
 
+from _compile_parity import assert_matches_eager  # noqa: E402
+
 transformers = pytest.importorskip("transformers", reason="pinned in requirements-dev.txt (scripts/setup.sh installs it)")
 
 STEPS = 3
@@ -153,14 +155,7 @@ def test_graph_step_on_hf_models_with_the_documented_recipe(name, impl, dtype):
     ours, ref = _Loss(model), _Loss(copy.deepcopy(model))
     gs = slc.GraphStep(ours, mbs[0][0])
     for step, batch in enumerate(mbs):
-        losses = gs.step(batch, paired_ends=step == 1)
-        for mb, loss in zip(batch, losses):
-            want = ref(*mb)
-            want.backward()
-            assert torch.equal(loss, want.detach()), step
-        assert all(torch.equal(p.grad, q.grad) for p, q in zip(ours.parameters(), ref.parameters())), step
-        for p in [*ours.parameters(), *ref.parameters()]:
-            p.grad = None
+        assert_matches_eager(gs.step(batch, paired_ends=step == 1), ours, ref, batch, f"step {step}")
     assert gs.calibration.from_step == 0
     model.config.use_cache = False
     with pytest.raises(Exception) as info:
