@@ -26,10 +26,12 @@
 #   bash benches/gpu_pass.sh hfdet OUT  # nvidia-h200: issue 27's GPU parity under strict determinism (Qwen3-MoE,
 #                                       # DeepSeek-V3, all arms incl. cudagraphs), a profiled step per arm, two page streams
 #   bash benches/gpu_pass.sh hftrace OUT  # nvidia-h200: where paging's time goes on HF models (fast attention), traces
+#   bash benches/gpu_pass.sh s4 OUT     # nvidia-h200: paging on a GPU-bound HF config and at 16384 tokens (issue 27),
+#                                       # one vs two page streams at 65536 tokens (issue 32)
 #   bash benches/gpu_pass.sh calib2 OUT # nvidia-h200-x2: the main job over NCCL, ours vs calibrated
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|final OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|final OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|final OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|final OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -235,8 +237,73 @@ gscal)
     step cuda_calibrate 100 "$py" -m pytest -q -m cuda -rs tests/python/test_calibrate.py -p no:logging
     step graph_step_link 200 "$py" benches/compile_ab.py --config h200 --ep-link host:8 --graph-step 4 --steps 4 --out "$out"
     ;;
+s4f)
+    # Issue 28: rule launch_first (arm ours+first) on the EMULATED link (EP=8) beside ours,
+    # calibrated (search seeded with it) and the paired ends, in one run.
+    export PYTHONUNBUFFERED=1
+    step main_job_link 300 "$py" -m sched_lifetime train --ep-link host:8 --config h200 --steps 2 --microbatches 8 \
+        --arms sequential,ours,ours+first,calibrated,ours+ends --profile-steps 5 --quiet --out /tmp/mjl --no-traces
+    for f in train.json calibrated_calibrated.txt; do cp "/tmp/mjl/$f" "$out/link_$f" 2>/dev/null; done
+    ;;
+s4e)
+    # Issue 31: GraphStep's calibrated order on the GPU (its cuda test, then GraphStep on the
+    # EMULATED link, EP=8: sequential, calibrated, ours, paired ends), with rule search's
+    # launch-wait model.
+    export PYTHONUNBUFFERED=1
+    step cuda_calibrate 90 "$py" -m pytest -q -m cuda -rs tests/python/test_calibrate.py -p no:logging
+    step graph_step_link 360 "$py" benches/compile_ab.py --config h200 --ep-link host:8 --graph-step 4 --steps 3 --out "$out"
+    ;;
+s4d)
+    # Issues 28 and 31 (about 6 minutes): the main job on the EMULATED link (EP=8) after rule
+    # search's model learned the launch waits (an EP launch waits for the compute issued before
+    # it) and the calibration timed comm nodes without that wait: sequential, ours, calibrated,
+    # ours+ends, exposed comm the median of 5 profiled steps; then the family's 27 shapes.
+    export PYTHONUNBUFFERED=1
+    step main_job_link 230 "$py" -m sched_lifetime train --ep-link host:8 --config h200 --steps 2 --microbatches 8 \
+        --arms sequential,ours,calibrated,ours+ends --profile-steps 5 --quiet --out /tmp/mjl --no-traces
+    for f in train.json durations.json calibrated_calibrated.txt; do cp "/tmp/mjl/$f" "$out/link_$f" 2>/dev/null; done
+    step schedule_family_calib 130 "$py" benches/gpu_schedule_ab.py --family all --ratios 0.5,1.0,2.0 --json "$out/family.json"
+    ;;
+s4c)
+    # Issue 27: step times with torch's fast attention (--determinism warn: strict makes
+    # AOTAutograd's graphs of Qwen3-MoE ~10x slower, so strict-mode times are not the model's),
+    # the GPU-bound config and 16384 tokens; then which kernel strict slows (default config,
+    # eager vs aot_eager, profiled).
+    export PYTHONUNBUFFERED=1
+    step hf_qwen_big_warn 170 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --determinism warn --profile \
+        --set hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024 \
+        --arms eager,save_on_cpu,aot_eager,compiled,paging --out "$out/hf_qwen_big_warn.json"
+    step hf_qwen_16k_warn 150 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 16384 --steps 4 --determinism warn --profile \
+        --arms aot_eager,compiled,paging --out "$out/hf_qwen_16k_warn.json"
+    step hf_strict_kernels 120 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 2 --profile \
+        --arms eager,aot_eager --out "$out/hf_strict_kernels.json"
+    ;;
+s4b)
+    # Issue 27 again: the GPU-bound config (num_experts spelled as the image's transformers
+    # takes it), and 16384 tokens with aot_eager for parity.
+    export PYTHONUNBUFFERED=1
+    step hf_qwen_big 230 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 \
+        --set hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024 \
+        --arms eager,save_on_cpu,aot_eager,compiled,paging --out "$out/hf_qwen_big.json"
+    step hf_qwen_16k 200 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 16384 --steps 4 \
+        --arms aot_eager,compiled,paging --out "$out/hf_qwen_16k.json"
+    ;;
+s4)
+    # Issues 27 and 32 on one H200 (about 9 minutes). Issue 27: paging on a GPU-bound Hugging Face
+    # config (Qwen3-MoE, hidden 2048, 16 experts of 1024, about 1B parameters) at 8192 tokens
+    # against off, save_on_cpu and aot_eager, and the default config at 16384 tokens. Issue 32:
+    # 65536 tokens, the timed Pager (slack 1) on one page stream vs two.
+    export PYTHONUNBUFFERED=1
+    step hf_qwen_big 220 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 \
+        --set hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024 \
+        --arms eager,save_on_cpu,aot_eager,compiled,paging --out "$out/hf_qwen_big.json"
+    step hf_qwen_16k 120 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 16384 --steps 4 \
+        --arms compiled,paging --out "$out/hf_qwen_16k.json"
+    step paging_long_two_way 190 "$py" benches/paging_ab.py --config h200 --set seq=65536,batch=1 --steps 3 \
+        --arms off,1s-timed:1.0:1.0,timed:1.0:1.0 --json "$out/paging_long_two_way.json"
+    ;;
 *)
-    echo "unknown mode $mode: one, one2, two, two2, cuda2, explain, capture, four, twopage, link, link2, page2, page3, calib, calibl, calib2, hf, hfdet, hftrace, hftrace2, hfmin, hfpy, gscal or final" >&2
+    echo "unknown mode $mode: one, one2, two, two2, cuda2, explain, capture, four, twopage, link, link2, page2, page3, calib, calibl, calib2, hf, hfdet, hftrace, hftrace2, hfmin, hfpy, gscal, s4 or final" >&2
     exit 2
     ;;
 esac

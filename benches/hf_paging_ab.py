@@ -79,6 +79,25 @@ REFERENCE = {"eager": "eager", "eager_again": "eager", "save_on_cpu": "eager", "
 
 
 
+def overrides(text: str) -> dict:
+    """`--set hidden_size=2048,moe_intermediate_size=1024`: config fields (ints, floats, or
+    strings) over the model's defaults; a field the config class does not know is an error."""
+    out: dict = {}
+    for item in filter(None, text.split(",")):
+        key, sep, val = item.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"--set takes KEY=VALUE[,KEY=VALUE...], got {item!r}")
+        for conv in (int, float):
+            try:
+                out[key.strip()] = conv(val)
+                break
+            except ValueError:
+                continue
+        else:
+            out[key.strip()] = val
+    return out
+
+
 def build(a: argparse.Namespace, dev: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     import transformers
 
@@ -86,6 +105,11 @@ def build(a: argparse.Namespace, dev: torch.device, dtype: torch.dtype) -> torch
     kw = {**kw, **TINY, **TINY_EXTRA[a.model]} if a.tiny else dict(kw)
     if a.experts:
         kw["experts_implementation"] = a.experts
+    kw.update(a.set)
+    default = getattr(transformers, cfg_cls)()  # a config takes unknown keys silently: check against its defaults
+    unknown = sorted(k for k in a.set if not hasattr(default, k) and k not in default.to_dict())
+    if unknown:
+        raise SystemExit(f"--set: {cfg_cls} has no field(s) {unknown}")
     cfg = getattr(transformers, cfg_cls)(**kw)
     torch.manual_seed(0)
     with torch.device(dev):
@@ -111,7 +135,7 @@ def profiled(step, model: torch.nn.Module, trace: str = "") -> dict:
     mallocs = torch.cuda.memory_stats().get("segment.all.allocated", 0) - mallocs
     if trace:
         prof.export_chrome_trace(trace)
-    kern, copies = [], 0.0
+    kern, copies, by_name = [], 0.0, {}
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
@@ -120,10 +144,13 @@ def profiled(step, model: torch.nn.Module, trace: str = "") -> dict:
             copies += (end - start) / 1e3
         else:
             kern.append((start, end))
+            by_name[e.name[:90]] = by_name.get(e.name[:90], 0.0) + (end - start) / 1e3
     kern.sort()
     busy = sum(t - s_ for s_, t in union(kern))
     span = (kern[-1][1] - kern[0][0]) if kern else 0.0
-    return {"wall_ms": wall, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3, "copy_ms": copies, "kernels": len(kern), "mallocs": mallocs}
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:5]
+    return {"wall_ms": wall, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3, "copy_ms": copies, "kernels": len(kern), "mallocs": mallocs,
+            "top_kernels_ms": [[n, round(ms, 2)] for n, ms in top]}
 
 
 def main() -> None:
@@ -133,6 +160,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per arm (after 2 warm-up steps)")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--experts", default="", help="transformers' experts_implementation ('' = its default: grouped_mm where torch has it)")
+    ap.add_argument("--set", type=overrides, default={}, help="config fields over the model's defaults, e.g."
+                    " hidden_size=2048,num_attention_heads=32,moe_intermediate_size=1024 (a larger, GPU-bound config)")
     ap.add_argument("--paging", default="", help="extra paging options as JSON, merged into the paging arm's (default: none)")
     ap.add_argument("--determinism", default="strict", choices=("strict", "warn", "off"),
                     help="torch.use_deterministic_algorithms: strict (True; an op with no deterministic kernel raises), warn (True,"
@@ -246,7 +275,7 @@ def main() -> None:
             pstats.Stats(cp, stream=text).sort_stats("cumulative").print_stats("sched_lifetime", 30)
             print(f"== cProfile, arm {arm}, one step (sorted by own time)\n" + text.getvalue())
         del run, model
-    out = {"model": a.model, "params": params, "seq": seq, "dtype": str(dtype), "device": str(dev), "tiny": a.tiny,
+    out = {"model": a.model, "params": params, "set": a.set, "seq": seq, "dtype": str(dtype), "device": str(dev), "tiny": a.tiny,
            "experts_implementation": base.config._experts_implementation, "paging_options": paging_opts, "arms": {}}
     print(f"HF A/B: {a.model} ({params / 1e6:.0f}M parameters, experts {base.config._experts_implementation}), seq {seq}, {dtype}, {dev};"
           f" medians of {a.steps} steps per arm (one fwd+bwd each) after 2 warm-up steps, arms one after another")
@@ -271,6 +300,10 @@ def main() -> None:
         print(f"{arm:<13}{ms:>9.1f}{ms / ref_ms:>8.3f}x{mib:>10}{pct:>8}  {ref:<10}{shown:>7}"
               + (f"  profiled step {prof['wall_ms']:.1f} ms: GPU busy {prof['busy_ms']:.1f}, kernels {prof['kernels']}, copies {prof['copy_ms']:.1f} ms,"
                  f" idle between kernels {prof['idle_ms']:.1f} ms, cudaMalloc {prof['mallocs']}" if prof else ""))
+    for arm in arms:
+        top = rows[arm].get("profile", {}).get("top_kernels_ms")
+        if top:
+            print(f"{arm}: top kernels of the profiled step: " + "; ".join(f"{n} {ms:.1f} ms" for n, ms in top))
     if rows.get("aot_eager", {}).get("vs_eager") is not None:
         out["aot_eager_bit_exact_with_eager"] = rows["aot_eager"]["vs_eager"]
         print(f"aot_eager bit-exact with eager: {rows['aot_eager']['vs_eager']}")

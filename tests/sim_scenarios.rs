@@ -143,3 +143,39 @@ fn control_edges_across_sources_are_retired_in_the_producers_plan() {
     let pos = |n: &str| searched.order.iter().position(|&u| g.nodes[u].name == n).unwrap();
     assert!(pos("B.dw") < pos("B2.dw"));
 }
+
+/// Lowering with launch waits (rule `search`'s model): an EP launch waits for every compute node
+/// issued before it, edges or not (on the GPU the transports allocate the output on the compute
+/// stream and make the EP stream wait for it). Filler compute issued ahead of a launch delays the link by its own cost; issued after the
+/// launch it runs under the transfer. A page launch is not held (no such wait in the model).
+#[test]
+fn an_ep_launch_waits_for_the_compute_issued_before_it() {
+    use sched_lifetime::ir::{Graph, GraphSpec};
+    let graph = |kind: &str, wait: &str| -> Graph {
+        let json = format!(
+            r#"{{"sources": [{{"name": "F", "phase": "F"}}, {{"name": "B", "phase": "B"}}],
+            "nodes": [
+              {{"name": "a", "source": "F", "kind": "compute", "outputs": [{{"value": "va", "bytes": 1}}], "cost": 100}},
+              {{"name": "L", "source": "F", "kind": "{kind}", "inputs": ["va"], "outputs": [{{"value": "vl", "bytes": 1}}], "cost": 1000}},
+              {{"name": "L.wait", "source": "F", "kind": "{wait}", "launch": "L"}},
+              {{"name": "c", "source": "F", "kind": "compute", "inputs": ["vl"], "outputs": [{{"value": "vc", "bytes": 1}}], "cost": 100}},
+              {{"name": "x", "source": "B", "kind": "compute", "outputs": [{{"value": "vx", "bytes": 1}}], "cost": 500}}
+            ]}}"#
+        );
+        Graph::new(serde_json::from_str::<GraphSpec>(&json).unwrap()).unwrap()
+    };
+    let span = |g: &Graph, names: &[&str]| {
+        let order = sched_lifetime::sched::order_by_names(g, &names.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap();
+        (sim::makespan_launch_waits(g, &order).unwrap(), sim::makespan(g, &order).unwrap())
+    };
+    let g = graph("comm_launch", "comm_wait");
+    let (before, after) = (span(&g, &["a", "x", "L", "L.wait", "c"]), span(&g, &["a", "L", "x", "L.wait", "c"]));
+    // x before L: L starts after a and x (600 us), ends 1600, c 1700. After: L 100-1100, c 1200.
+    assert!(before.0 > after.0 + 450.0, "x issued before the launch delays it: {before:?} vs {after:?} us");
+    assert!((after.0 - 1200.0).abs() < 20.0, "{after:?}");
+    // The edge-only model (`makespan`, `lower`) lets the launch start after a alone.
+    assert!((before.1 - after.1).abs() < 20.0, "edge-only model: {before:?} vs {after:?}");
+    let p = graph("page_out", "page_wait");
+    let (pb, pa) = (span(&p, &["a", "x", "L", "L.wait", "c"]).0, span(&p, &["a", "L", "x", "L.wait", "c"]).0);
+    assert!((pb - pa).abs() < 20.0, "a page launch is not held by unrelated compute: {pb} vs {pa}");
+}

@@ -43,7 +43,7 @@ const OPS: &[JsonOp] = &[
     JsonOp { schema: "schedule(str graph, str ep_budget, str page_budget, bool explain, str rules=\"\", str memory_slack=\"\") -> str", run: schedule },
     JsonOp { schema: "validate(str graph, str order, str syncs, str ep_budget, str page_budget) -> ()", run: validate },
     JsonOp { schema: "schedule_order(str graph, str order, str ep_budget, str page_budget) -> str", run: schedule_order },
-    JsonOp { schema: "lower(str graph, str order, bool serial) -> str", run: lower },
+    JsonOp { schema: "lower(str graph, str order, bool serial, bool launch_waits=False) -> str", run: lower },
     JsonOp { schema: "simulate_schedule(str graph, str order, str costs, str policy, bool trace) -> str", run: simulate_schedule },
     JsonOp { schema: "page_plan(str prefix, str budget, int min_distance, str timing=\"\") -> str", run: page_plan },
     JsonOp { schema: "live() -> str", run: |_| {
@@ -155,11 +155,18 @@ fn schedule_order(a: &Args) -> Result<Option<String>> {
     to_text(&crate::sched::named(&g, &s, Some(crate::sched::explain(&g, &s))), "schedule")
 }
 
-/// The simulator program that issues `order` (derived from the graph; `serial`: one stream).
+/// The simulator program that issues `order` (derived from the graph; `serial`: one stream;
+/// `launch_waits`: each EP launch also waits for the compute issued before it, rule `search`'s
+/// model, [`sim::lower_launch_waits`]).
 fn lower(a: &Args) -> Result<Option<String>> {
     let g = Graph::from_json(a.str("graph")?)?;
     let order = order_of(&g, a)?;
-    to_text(&sim::lower(&g, &order, a.flag("serial")?), "program")
+    let (serial, waits) = (a.flag("serial")?, a.flag("launch_waits")?);
+    if serial && waits {
+        return Err(Error::InvalidInput("lower: serial and launch_waits exclude each other (one stream has no launch to hold)".into()));
+    }
+    let program = if waits { sim::lower_launch_waits(&g, &order) } else { sim::lower(&g, &order, serial) };
+    to_text(&program, "program")
 }
 
 /// Any graph through the simulator under an order (ours when `order` is "" or "null"), with

@@ -106,20 +106,28 @@ pub struct Rules {
     /// Cost-guided search among orders (needs a cost model: `sim::schedule`; plain
     /// `schedule_with` refuses it).
     pub search: bool,
+    /// Opt-in: each EP launch moved up to just after its predecessors and the previous EP
+    /// launch, with the wait that frees a full budget moved up before it (a pass over the
+    /// policy's order). On the GPU a launch also waits for every compute kernel issued before
+    /// it (the transport allocates its output on the compute stream: `wait_stream`), so compute
+    /// issued ahead of a launch it does not need delays the link; see `policy`.
+    pub launch_first: bool,
 }
 
 impl Default for Rules {
     fn default() -> Rules {
-        Rules { ready_first: true, soonest_launch: false, critical_path: false, reverse_sources: false, search: false }
+        Rules { ready_first: true, soonest_launch: false, critical_path: false, reverse_sources: false, search: false, launch_first: false }
     }
 }
 
 impl Rules {
     /// The rule names `parse` accepts.
-    pub const NAMES: &'static [&'static str] = &["ready_first", "classic", "soonest_launch", "critical_path", "reverse_sources", "search"];
+    pub const NAMES: &'static [&'static str] =
+        &["ready_first", "classic", "soonest_launch", "critical_path", "reverse_sources", "search", "launch_first"];
 
     /// The policy before `ready_first` became default.
-    pub const CLASSIC: Rules = Rules { ready_first: false, soonest_launch: false, critical_path: false, reverse_sources: false, search: false };
+    pub const CLASSIC: Rules =
+        Rules { ready_first: false, soonest_launch: false, critical_path: false, reverse_sources: false, search: false, launch_first: false };
 
     /// Comma-separated rule names ("" = the default rules).
     pub fn parse(text: &str) -> Result<Rules> {
@@ -132,6 +140,7 @@ impl Rules {
                 "critical_path" => r.critical_path = true,
                 "reverse_sources" => r.reverse_sources = true,
                 "search" => r.search = true,
+                "launch_first" => r.launch_first = true,
                 other => {
                     return Err(crate::error::Error::InvalidInput(format!(
                         "unknown scheduler rule '{other}'; known rules: {}",

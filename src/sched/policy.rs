@@ -15,6 +15,17 @@
 //!    it never delays a launch, since it enables none).
 //! 4. Otherwise the oldest in-flight launch's wait is issued (a budget forces it, or nothing
 //!    else is left).
+//!
+//!
+//! Opt-in `launch_first` (a pass over that order): each EP launch, in order, moves up to just
+//! after the last of its predecessors and the previous EP launch; where the budget is full
+//! there, the waits that free it (of the launches `budget` back and older) move up with it,
+//! right before it. Everything else keeps its place. Without it a launch can sit behind compute
+//! it does not need (a weight-gradient filler before the budget's late wait), and on the GPU it
+//! then waits for that compute too: a transport allocates its output on the compute stream and
+//! makes the EP stream wait for everything the compute stream was given so far (`wait_stream`;
+//! the simulator models it: `sim::lower_launch_waits`). A trade: the link is kept busy, and the
+//! compute stream waits for the previous transfer sooner.
 
 use std::collections::{BTreeSet, VecDeque};
 
@@ -63,7 +74,8 @@ struct State<'g> {
 pub(super) fn order(g: &Graph, budgets: Budgets, rules: super::Rules) -> Result<Vec<NodeId>> {
     let mut st = State::new(g, budgets, rules);
     st.ready_first = rules.ready_first;
-    st.run()
+    let order = st.run()?;
+    Ok(if rules.launch_first { launch_first(g, order, budgets) } else { order })
 }
 
 /// Cost ranks (us, rounded; lower first) under the opt-in cost rules: `soonest_launch` ranks
@@ -353,4 +365,42 @@ impl<'g> State<'g> {
         }
         Ok(self.order)
     }
+}
+
+/// Rule `launch_first` (module docs): each EP launch of `order` moved up to just after the last
+/// of its predecessors and the previous EP launch, with the waits the budget needs before it
+/// (those of launches `budget` back and older) moved up right before it, when what they wait
+/// for allows (else the launch stays). Keeps every edge and budget of `order`.
+fn launch_first(g: &Graph, mut order: Vec<NodeId>, budgets: Budgets) -> Vec<NodeId> {
+    let budget = budgets.of(Role::Ep);
+    let launches: Vec<NodeId> = order.iter().copied().filter(|&u| g.nodes[u].kind == Kind::CommLaunch).collect();
+    let mut pos = vec![0usize; g.len()];
+    for k in 0..launches.len() {
+        for (i, &u) in order.iter().enumerate() {
+            pos[u.ix()] = i;
+        }
+        let l = launches[k];
+        let lo: Option<usize> = g.preds[l].iter().map(|p| pos[p.ix()]).chain(k.checked_sub(1).map(|j| pos[launches[j].ix()])).max();
+        // Launches up to `budget` back must have their waits issued before `l`: those after
+        // `lo` move up with it, in their order (each only if what it waits for is before `lo`).
+        let mut waits: Vec<NodeId> = if k >= budget {
+            launches[..=k - budget].iter().filter_map(|&x| g.nodes[x].partner).filter(|w| lo.is_none_or(|lo| pos[w.ix()] > lo)).collect()
+        } else {
+            Vec::new()
+        };
+        if waits.iter().any(|&w| g.preds[w].iter().any(|p| lo.is_none_or(|lo| pos[p.ix()] > lo))) {
+            continue;
+        }
+        waits.sort_by_key(|w| pos[w.ix()]);
+        let mut moved = waits;
+        moved.push(l);
+        let at = lo.map_or(0, |lo| lo + 1);
+        if pos[l.ix()] <= at + moved.len() - 1 {
+            continue;
+        }
+        let rest: Vec<NodeId> = order.iter().copied().filter(|u| !moved.contains(u)).collect();
+        // `at` counts positions in `order`; every moved node sits after it, so it is the same in `rest`.
+        order = rest[..at].iter().chain(moved.iter()).chain(rest[at..].iter()).copied().collect();
+    }
+    order
 }

@@ -1,6 +1,7 @@
 //! Cost-guided search (opt-in rule `search`; issue 8). The greedy policy is timing-free; given
 //! node costs, this picks among orders by an injected cost model (the simulator's makespan, see
-//! `sim::schedule`): the policy's order under each rule variant (the default first), then from
+//! `sim::schedule`): the policy's order under each rule variant (the default first; `launch_first`
+//! on and off), then from
 //! each distinct one a local search moving one to three adjacent nodes within a window, keeping a
 //! move only if it shortens the modelled makespan, then from the best the same moves anywhere in
 //! the order (graphs longer than four windows); at most `max_evals` model calls for the first
@@ -20,13 +21,21 @@ const WINDOW: usize = 8;
 /// The rule variants whose orders seed the search: the default first.
 fn variants(base: Rules) -> Vec<Rules> {
     let mut out = vec![Rules { search: false, ..base }];
-    for reverse_sources in [false, true] {
-        for (ready_first, soonest_launch, critical_path) in
-            [(true, false, false), (false, false, false), (true, true, false), (true, false, true), (true, true, true), (false, true, false), (false, false, true)]
-        {
-            let r = Rules { ready_first, soonest_launch, critical_path, reverse_sources, search: false };
-            if !out.contains(&r) {
-                out.push(r);
+    for launch_first in [base.launch_first, !base.launch_first] {
+        for reverse_sources in [false, true] {
+            for (ready_first, soonest_launch, critical_path) in [
+                (true, false, false),
+                (false, false, false),
+                (true, true, false),
+                (true, false, true),
+                (true, true, true),
+                (false, true, false),
+                (false, false, true),
+            ] {
+                let r = Rules { ready_first, soonest_launch, critical_path, reverse_sources, search: false, launch_first };
+                if !out.contains(&r) {
+                    out.push(r);
+                }
             }
         }
     }

@@ -1,7 +1,8 @@
 //! Lowering a graph and an issue order (ours or a baseline's) into a simulator [`ProgramSpec`]:
 //! the derived form the simulator runs. Waits are implied by data (the simulator waits at the
-//! consumer); other edges become zero-byte tokens. Lifetime drains go where the schedule puts
-//! them ([`crate::sched::finish`]), with each plan's hand-back last.
+//! consumer); other edges become zero-byte tokens (with [`lower_launch_waits`], so does an EP
+//! launch's wait for the compute issued before it, as on the GPU). Lifetime drains go where the
+//! schedule puts them ([`crate::sched::finish`]), with each plan's hand-back last.
 
 use super::program::{InputSpec, NodeSpec, OutputSpec, ProgramSpec, StreamSpec};
 use super::Engine;
@@ -18,6 +19,21 @@ pub fn lower(g: &Graph, order: &[NodeId], serial: bool) -> ProgramSpec {
 /// As [`lower`]; `scheduled_drains: false` drains at every node of a plan on its stream, as
 /// Megatron-LM's manager does.
 pub fn lower_drained(g: &Graph, order: &[NodeId], serial: bool, scheduled_drains: bool) -> ProgramSpec {
+    build(g, order, serial, scheduled_drains, false)
+}
+
+/// As [`lower`] (not serial, drains where the schedule puts them), and each EP launch also waits
+/// for every compute node issued before it, edges or not: what the transports do on the GPU.
+/// They allocate the output on the compute stream and make the EP stream wait for it
+/// (`ep_link.consumer_output`'s `wait_stream`, as torch's process groups do for NCCL), so
+/// compute issued ahead of a launch delays the link by its own cost. Rule `search` rates
+/// orders with it ([`super::makespan_launch_waits`]); the other figures keep the edge-only
+/// model (`lower`).
+pub fn lower_launch_waits(g: &Graph, order: &[NodeId]) -> ProgramSpec {
+    build(g, order, false, true, true)
+}
+
+fn build(g: &Graph, order: &[NodeId], serial: bool, scheduled_drains: bool, launch_waits: bool) -> ProgramSpec {
     let drains = finish(g, order.to_vec(), Budgets::default()).retires;
     let n = g.len();
     let mut extra_in: Vec<Vec<String>> = vec![Vec::new(); n];
@@ -41,6 +57,25 @@ pub fn lower_drained(g: &Graph, order: &[NodeId], serial: bool, scheduled_drains
                 let t = format!("tok:{}->{}", p.0, c.0);
                 extra_out[p].push(t.clone());
                 extra_in[c].push(t);
+            }
+        }
+    }
+    // `launch_waits`: an EP launch's stream waits for the last compute node in issue order.
+    if launch_waits && !serial {
+        let mut last_compute: Option<NodeId> = None;
+        for &u in order {
+            let nd = &g.nodes[u];
+            if nd.kind.is_wait() {
+                continue;
+            }
+            if Role::of(nd.kind) == Role::Compute {
+                last_compute = Some(u);
+            } else if nd.kind.is_launch() && Role::of(nd.kind) == Role::Ep {
+                if let Some(p) = last_compute.filter(|&p| !g.preds[u].contains(&p)) {
+                    let t = format!("tok:issued:{}->{}", p.0, u.0);
+                    extra_out[p].push(t.clone());
+                    extra_in[u].push(t);
+                }
             }
         }
     }

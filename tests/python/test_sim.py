@@ -99,3 +99,21 @@ def test_durations_override_by_name():
     assert slow["makespan_us"] > sl.simulate(TINY)["makespan_us"] + 8000
     with pytest.raises(ValueError, match="not in the plan: \\['ghost'\\]"):
         sl.simulate(TINY, durations={"ghost": 1})
+
+
+def test_lower_with_launch_waits_holds_each_ep_launch_behind_the_compute_issued_before_it():
+    """`sl.lower(..., launch_waits=True)` (rule search's model): an EP launch also waits for every
+    compute node issued before it, as the transports' wait_stream makes it on the GPU; the
+    default lowering keeps edges only. On the moe chunk, ours' order (which issues weight-gradient
+    filler before some launches) is slower under the launch waits, and serial with launch waits
+    is an error."""
+    graph = sl.scenario_graph("moe_chunk:2:1.0")["graph"]
+    order = sl.schedule(graph)["order"]
+    plain, held = sl.lower(graph, order), sl.lower(graph, order, launch_waits=True)
+    tokens = [i for n in held["nodes"] for i in n["inputs"] if i.startswith("tok:issued:")]
+    assert tokens and not any(i.startswith("tok:issued:") for n in plain["nodes"] for i in n["inputs"])
+    assert sl.simulate(held)["makespan_us"] > sl.simulate(plain)["makespan_us"]
+    first = sl.schedule(graph, rules="launch_first")["order"]
+    assert sorted(first) == sorted(order) and first != order
+    with pytest.raises(ValueError, match="serial and launch_waits exclude each other"):
+        sl.lower(graph, order, serial=True, launch_waits=True)

@@ -334,9 +334,15 @@ class Executor:
                 managers[plan].acquire(streams[owner])
         for p in self._syncs_into.get(name, ()):
             s.wait_event(self._events[p])
+        kind = node["kind"]
+        if marks is not None and kind == "comm_launch" and s is not streams["compute"] and self.device.type == "cuda":
+            # The transports make their stream wait for everything queued on compute (they
+            # allocate the output there: `ep_link.consumer_output`); waited here first, the
+            # start mark below times the transfer alone, not that wait (the simulator's launch
+            # waits model it: `sl.lower(..., launch_waits=True)`). The same wait: no new order.
+            s.wait_stream(streams["compute"])
         # Timed from after its waits: the node's own work.
         start = self._start_mark(s) if marks is not None else None
-        kind = node["kind"]
         if kind in ("comm_wait", "page_wait"):
             pass  # the sync edge from the launch is the wait
         else:

@@ -140,9 +140,12 @@ def schedule_order(
     )
 
 
-def lower(graph: Graph, order: Sequence[str], serial: bool = False) -> dict[str, Any]:
+def lower(graph: Graph, order: Sequence[str], serial: bool = False, launch_waits: bool = False) -> dict[str, Any]:
     """The simulator program (see `sl.simulate`) that issues `order` on the graph's streams
     (`serial`: all on one stream), with the lifetime drains where the schedule puts them.
+    `launch_waits`: each EP launch also waits for every compute node issued before it, as on
+    the GPU (the transports allocate the output on the compute stream and make the EP stream
+    wait for it); rule `search` rates orders with this model.
 
     Example:
 
@@ -154,7 +157,7 @@ def lower(graph: Graph, order: Sequence[str], serial: bool = False) -> dict[str,
         >>> sl.simulate(program)["makespan_us"]
         2603.0
     """
-    return json.loads(ops.lower(json_text(graph, "graph"), json.dumps(list(order)), serial))
+    return json.loads(ops.lower(json_text(graph, "graph"), json.dumps(list(order)), serial, launch_waits))
 
 
 def simulate_schedule(

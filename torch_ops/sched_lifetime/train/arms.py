@@ -89,6 +89,13 @@ ARM_TABLE: tuple[ArmSpec, ...] = (
         notes="e.g. a previous run's `durations.json`",
     ),
     ArmSpec(
+        "ours+first",
+        "`ours` under rule `launch_first`: each EP launch moved up to just after its inputs and the previous launch, "
+        "the wait that frees the budget with it",
+        order="ours:launch_first",
+        notes="a launch waits for all compute issued before it (the transport's wait_stream); timing-free",
+    ),
+    ArmSpec(
         "ours+ends",
         "`ours` with the warm-up and cool-down multiplexed too, F(0) with F(1) and B(n-2) with B(n-1)",
         paired_ends=True,
