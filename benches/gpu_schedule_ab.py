@@ -6,8 +6,12 @@ multiplexed graph today) vs everything on one stream, same process.
 Compute nodes are bf16 matmuls on the current stream, sized to the graph's costs; each EP
 dispatch/combine is a device-to-pinned-host copy on a high-priority side stream, sized the same
 way: on one GPU the copy engine stands in for the all-to-all (a device-to-device copy would be
-an SM kernel and could not run beside the matmuls). Each order runs with the
-record/wait edges its schedule lists. Prints a table; --json writes the figures."""
+an SM kernel and could not run beside the matmuls). Like the real transports (`AllToAll`,
+the emulated link, torch's NCCL groups), a copy first makes its stream wait for everything issued
+to the compute stream so far (they allocate the received rows there: `wait_stream`), so compute
+issued ahead of a launch delays it; `--edge-only-comm` leaves that wait out (the stand-in before
+2026-12-04). Each order runs with the record/wait edges its schedule lists. Prints a table;
+--json writes the figures."""
 
 from __future__ import annotations
 
@@ -54,8 +58,10 @@ class Runner:
     cost, launches are device-to-host copies sized to theirs; every node runs on the stream its
     schedule names, with that schedule's record/wait edges."""
 
-    def __init__(self, graph: dict, mm_us: float, small_us: float, copy_us_per_mib: float) -> None:
+    def __init__(self, graph: dict, mm_us: float, small_us: float, copy_us_per_mib: float, launch_wait: bool = True) -> None:
         self.graph = graph
+        self.launch_wait = launch_wait
+        self.compute: "torch.cuda.Stream | None" = None  # the stream a run starts on (`_timed`)
         self.nodes = {n["name"]: n for n in graph["nodes"]}
         self.mm_us, self.small_us, self.copy_us_per_mib = mm_us, small_us, copy_us_per_mib
         self.a = torch.randn(MM, MM, device="cuda", dtype=torch.bfloat16)
@@ -81,6 +87,9 @@ class Runner:
                     for _ in range(small):
                         torch.matmul(self.small, self.a, out=self.small_out)
                 elif n["kind"] == "comm_launch" and skip != "comm":
+                    here = torch.cuda.current_stream()
+                    if self.launch_wait and self.compute is not None and here != self.compute:
+                        here.wait_stream(self.compute)  # as a transport allocating on the compute stream
                     nbytes = int(n["cost"] / self.copy_us_per_mib * (1 << 20))
                     self.dst[:nbytes].copy_(self.src[:nbytes], non_blocking=True)
                 return outs
@@ -115,7 +124,7 @@ class Runner:
         return ex.take_times()
 
     def _timed(self, ex) -> float:
-        comp = torch.cuda.current_stream()
+        comp = self.compute = torch.cuda.current_stream()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(comp)
         ex.run({v if isinstance(v, str) else v["value"]: None for v in self.graph.get("inputs", [])})
@@ -130,6 +139,8 @@ def main() -> None:
     p.add_argument("--ratios", default="0.5,1.0,2.0")
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--json", default=None)
+    p.add_argument("--edge-only-comm", action="store_true", help="the stand-in copy waits only for its schedule's edges, not for all compute"
+                   " issued before it (the bench before 2026-12-04; real transports wait for it)")
     p.add_argument("--calibrate-runs", type=int, default=1, help="family: timed runs of ours the calibrated order's costs come from (1: one step, as train_step's default)")
     p.add_argument(
         "--family",
@@ -152,7 +163,7 @@ def main() -> None:
         sc = sl.scenario_graph(f"moe_chunk:{args.layers}:{ratio}")
         graph = sc["graph"]
         ours = sl.schedule(graph)
-        r = Runner(graph, mm_us, small_us, copy_us)
+        r = Runner(graph, mm_us, small_us, copy_us, launch_wait=not args.edge_only_comm)
         arms = {
             "one_stream": (ours, True, ""),
             "b_then_f": (sc["orders"]["b_then_f"], False, ""),
@@ -182,13 +193,14 @@ def main() -> None:
 
 def family(args, mm_us: float, small_us: float, copy_us: float) -> None:
     """Each family member (issue 8's asymmetric shapes) on real streams: one stream, B-then-F, the
-    layer pairing (where the layers pair), ours, ours under rule `search` (costs: the graph's),
+    layer pairing (where the layers pair), ours, ours under rule `launch_first`, ours under rule
+    `search` (costs: the graph's),
     the calibrated order (the default of `train_step`: ours timed on these streams, then rule
     `search` with the measured costs, `sl.Calibration`), and the SIMULATED makespan of ours and
     search beside the measured ones."""
     members = FAMILY if args.family == "all" else args.family.split(",")
     print(
-        f"{'member':>20}{'ratio':>6}{'bound':>7}{'one str':>8}{'BthenF':>8}{'pairing':>8}{'ours':>7}{'search':>7}{'calib':>7}"
+        f"{'member':>20}{'ratio':>6}{'bound':>7}{'one str':>8}{'BthenF':>8}{'pairing':>8}{'ours':>7}{'first':>7}{'search':>7}{'calib':>7}"
         f"{'ours/pair':>10}{'srch/ours':>10}{'cal/srch':>9}{'cal/bnd':>8}{'sim ours':>9}{'sim srch':>9}   (ms, median of {args.iters})"
     )
     rows = []
@@ -198,8 +210,10 @@ def family(args, mm_us: float, small_us: float, copy_us: float) -> None:
             graph = sc["graph"]
             ours = sl.schedule(graph)
             searched = sl.schedule(graph, rules="search")
-            r = Runner(graph, mm_us, small_us, copy_us)
+            first = sl.schedule(graph, rules="launch_first")
+            r = Runner(graph, mm_us, small_us, copy_us, launch_wait=not args.edge_only_comm)
             arms = {
+                "first": (first, False, ""),
                 "one_stream": (ours, True, ""),
                 "b_then_f": (sc["orders"]["b_then_f"], False, ""),
                 "ours": (ours, False, ""),
@@ -232,7 +246,7 @@ def family(args, mm_us: float, small_us: float, copy_us: float) -> None:
             print(
                 f"{m:>20}{ratio:>6.2f}{bound:>7.2f}{med['one_stream']:>8.2f}{med['b_then_f']:>8.2f}"
                 + (f"{pair:>8.2f}" if pair else f"{'-':>8}")
-                + f"{med['ours']:>7.2f}{med['search']:>7.2f}{med['calibrated']:>7.2f}"
+                + f"{med['ours']:>7.2f}{med['first']:>7.2f}{med['search']:>7.2f}{med['calibrated']:>7.2f}"
                 + (f"{med['ours'] / pair:>10.3f}" if pair else f"{'-':>10}")
                 + f"{med['search'] / med['ours']:>10.3f}{med['calibrated'] / med['search']:>9.3f}{med['calibrated'] / bound:>8.3f}"
                 + f"{sim['ours']:>9.2f}{sim['search']:>9.2f}"

@@ -367,40 +367,63 @@ impl<'g> State<'g> {
     }
 }
 
-/// Rule `launch_first` (module docs): each EP launch of `order` moved up to just after the last
-/// of its predecessors and the previous EP launch, with the waits the budget needs before it
-/// (those of launches `budget` back and older) moved up right before it, when what they wait
-/// for allows (else the launch stays). Keeps every edge and budget of `order`.
-fn launch_first(g: &Graph, mut order: Vec<NodeId>, budgets: Budgets) -> Vec<NodeId> {
+/// Rule `launch_first` (module docs): `order` again, with each EP launch placed as soon as its
+/// predecessors and the previous EP launch are placed, the waits its budget needs (those of the
+/// launches `budget` back and older) right before it when what they wait for is placed too (else
+/// it waits for that). One pass, O(N + E): keeps every edge and budget of `order`.
+fn launch_first(g: &Graph, order: Vec<NodeId>, budgets: Budgets) -> Vec<NodeId> {
     let budget = budgets.of(Role::Ep);
     let launches: Vec<NodeId> = order.iter().copied().filter(|&u| g.nodes[u].kind == Kind::CommLaunch).collect();
-    let mut pos = vec![0usize; g.len()];
-    for k in 0..launches.len() {
-        for (i, &u) in order.iter().enumerate() {
-            pos[u.ix()] = i;
-        }
-        let l = launches[k];
-        let lo: Option<usize> = g.preds[l].iter().map(|p| pos[p.ix()]).chain(k.checked_sub(1).map(|j| pos[launches[j].ix()])).max();
-        // Launches up to `budget` back must have their waits issued before `l`: those after
-        // `lo` move up with it, in their order (each only if what it waits for is before `lo`).
-        let mut waits: Vec<NodeId> = if k >= budget {
-            launches[..=k - budget].iter().filter_map(|&x| g.nodes[x].partner).filter(|w| lo.is_none_or(|lo| pos[w.ix()] > lo)).collect()
-        } else {
-            Vec::new()
-        };
-        if waits.iter().any(|&w| g.preds[w].iter().any(|p| lo.is_none_or(|lo| pos[p.ix()] > lo))) {
-            continue;
-        }
-        waits.sort_by_key(|w| pos[w.ix()]);
-        let mut moved = waits;
-        moved.push(l);
-        let at = lo.map_or(0, |lo| lo + 1);
-        if pos[l.ix()] <= at + moved.len() - 1 {
-            continue;
-        }
-        let rest: Vec<NodeId> = order.iter().copied().filter(|u| !moved.contains(u)).collect();
-        // `at` counts positions in `order`; every moved node sits after it, so it is the same in `rest`.
-        order = rest[..at].iter().chain(moved.iter()).chain(rest[at..].iter()).copied().collect();
+    let mut at = vec![0usize; g.len()];
+    for (i, &u) in order.iter().enumerate() {
+        at[u.ix()] = i;
     }
-    order
+    let mut pending: Vec<usize> = g.preds.iter().map(|p| p.len()).collect();
+    let mut placed = vec![false; g.len()];
+    let mut out = Vec::with_capacity(order.len());
+    let place = |u: NodeId, out: &mut Vec<NodeId>, placed: &mut [bool], pending: &mut [usize]| {
+        placed[u.ix()] = true;
+        out.push(u);
+        for &s in &g.succs[u] {
+            pending[s.ix()] -= 1;
+        }
+    };
+    let (mut next, mut first_unwaited) = (0usize, 0usize);
+    for &u in &order {
+        if placed[u.ix()] {
+            continue;
+        }
+        place(u, &mut out, &mut placed, &mut pending);
+        // The next EP launches in turn, each as soon as it can go.
+        while let Some(&l) = launches.get(next) {
+            if placed[l.ix()] {
+                next += 1;
+                continue;
+            }
+            if pending[l.ix()] > 0 {
+                break; // (the previous launch is placed: `next` moved past it)
+            }
+            while first_unwaited < launches.len() && g.nodes[launches[first_unwaited]].partner.is_none_or(|w| placed[w.ix()]) {
+                first_unwaited += 1;
+            }
+            let mut waits: Vec<NodeId> = match next.checked_sub(budget) {
+                Some(last) if first_unwaited <= last => launches[first_unwaited..=last]
+                    .iter()
+                    .filter_map(|&x| g.nodes[x].partner)
+                    .filter(|w| !placed[w.ix()])
+                    .collect(),
+                _ => Vec::new(),
+            };
+            if waits.iter().any(|w| pending[w.ix()] > 0) {
+                break;
+            }
+            waits.sort_by_key(|w| at[w.ix()]);
+            for w in waits {
+                place(w, &mut out, &mut placed, &mut pending);
+            }
+            place(l, &mut out, &mut placed, &mut pending);
+            next += 1;
+        }
+    }
+    out
 }

@@ -160,10 +160,21 @@ def test_bad_calibration_settings_are_clear_errors(kw, msg):
         Calibration(**kw)
 
 
-def test_calibrated_order_needs_one_chunk_and_the_cli_checks_its_settings(capsys):
+def test_a_pipelines_cross_chunk_pair_gets_its_own_calibration_and_the_cli_checks_its_settings(capsys):
+    """A pipeline's F of one stage with B of another (order "calibrated"): timed under a
+    Calibration of the backward chunk's own per forward chunk (both chunks name their nodes the
+    same), labelled apart from the chunk's own executors."""
+    from sched_lifetime.nodes.run import _cal_groups, _label
+
     a, b = MoEModel(CONFIGS["tiny"]).chunk(), MoEModel(CONFIGS["tiny"]).chunk()
-    with pytest.raises(ValueError, match="pair F and B of the same chunk"):
-        sl.nodes._executor(a, b, "calibrated", "scheduled")  # a pipeline's F of one stage with B of another
+    ex = sl.nodes._executor(a, b, "calibrated", "scheduled")
+    own = sl.nodes._executor(None, b, "calibrated", "scheduled")
+    assert ex.timing and own.timing and list(b._pair_calibrations) == [id(a)]
+    assert b._pair_calibrations[id(a)] is not b.calibration
+    groups = _cal_groups(b)
+    assert [len(g) for _, g in groups] == [1, 1] and groups[1][0] is b._pair_calibrations[id(a)]
+    labels = sorted(_label(b, k) for _, g in groups for k in g)
+    assert labels == ["B/scheduled", "F'0+B/scheduled"]
     from sched_lifetime.train.cli import main
 
     for argv, msg in ((["--calibrate-steps", "0"], "--calibrate-steps must be at least 1"), (["--calibrate-smoothing", "2"], "--calibrate-smoothing")):

@@ -2,7 +2,8 @@
 embedded MoE model as stages; losses and every gradient bit-exact against the same schedule
 run on the plain stage modules with no handler, over several optimizer steps. `dualpipev_ep2`:
 PP=2 x EP=2 over 4 ranks; `dualpipev_link`: PP=2 with EP=4 emulated inside each rank (the host
-link of `ep_link`, which one GPU runs)."""
+link of `ep_link`, which one GPU runs); `dualpipev_calibrated`: the stages' order "calibrated"
+(step 0 times every node, the orders are searched with those costs from step 1)."""
 
 import os
 import socket
@@ -48,7 +49,7 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, labels.reshape(-1))
 
 
-def _run_arm(kind: str, cfg, stage_ids, n_stages: int, handler: bool, steps: int, pp_group=None, ep_group=None):
+def _run_arm(kind: str, cfg, stage_ids, n_stages: int, handler: bool, steps: int, pp_group=None, ep_group=None, rank_group=None):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
 
     # With EP, the autograd-aware functional all-to-all: the plain reference module must
@@ -65,7 +66,12 @@ def _run_arm(kind: str, cfg, stage_ids, n_stages: int, handler: bool, steps: int
         m = MoEStage(model, k * per, (k + 1) * per)
         inp, out = stage_io(cfg, k, n_stages)
         if handler:
-            m = GraphStage(m, (inp,)) if kind.endswith("_graph") else NodeStage(m, dw_nodes=kind != "dualpipev_fused")
+            if kind.endswith("_graph"):
+                m = GraphStage(m, (inp,))
+            elif kind == "dualpipev_calibrated":  # costs measured in step 0, orders searched from step 1
+                m = NodeStage(m, order="calibrated", rank_group=rank_group)
+            else:
+                m = NodeStage(m, dw_nodes=kind != "dualpipev_fused")
         mods.append(m)
         stages.append(PipelineStage(m, k, n_stages, torch.device("cpu"), input_args=inp, output_args=out, group=pp_group))
     if kind.startswith("dualpipev"):
@@ -94,7 +100,9 @@ def _run_arm(kind: str, cfg, stage_ids, n_stages: int, handler: bool, steps: int
         opt.step()
     overlaps = [m.overlapped for m in mods] if handler else []
     deferred = [
-        {**m.dw_deferred, "dw_only": sum(1 for n in m.chunk.nodes if n.params and not n.grad_inputs)}
+        {**m.dw_deferred, "dw_only": sum(1 for n in m.chunk.nodes if n.params and not n.grad_inputs),
+         # Calibration steps done: the stage's own, and per other stage's forward paired with its backward.
+         "calibrated": [m.chunk.calibration.steps_done] + [c.steps_done for c in m.chunk._pair_calibrations.values()]}
         for m in mods
         if isinstance(m, NodeStage)
     ]
@@ -127,6 +135,9 @@ def _worker(rank: int, port: int, out: str, kind: str) -> None:
             n_stages, ids = 4, [rank, rank + 2]
         # Compiled graphs need the fixed-capacity dispatch (no host-read split sizes).
         cap = 1.0 if kind.endswith("_graph") else None
+        # Calibrated stages agree on their costs with the ranks that run the same stage: here each
+        # rank alone (every rank calls new_group for every group).
+        singles = [dist.new_group([r]) for r in range(world)] if kind == "dualpipev_calibrated" else None
         cfg = with_overrides(CONFIGS["tiny"], layers=n_stages, batch=1, capacity_factor=cap)
         if kind == "dualpipev_odd":
             # A made-up shape: dense first stages, no shared expert, 6 experts top-3, odd sizes,
@@ -134,13 +145,15 @@ def _worker(rank: int, port: int, out: str, kind: str) -> None:
             cfg = with_overrides(cfg, vocab=97, hidden=48, heads=3, dense_layers=2, experts=6, topk=3,
                                  expert_ffn=40, shared_ffn=0, dense_ffn=72, seq=12, batch=2, capacity_factor=0.75)
         ref = _run_arm(kind, cfg, ids, n_stages, False, STEPS)
-        ours = _run_arm(kind, cfg, ids, n_stages, True, STEPS)
+        ours = _run_arm(kind, cfg, ids, n_stages, True, STEPS, rank_group=singles[rank] if singles else None)
         torch.save({"ref": ref, "ours": ours}, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["dualpipev", "dualpipev_fused", "dualpipev_odd", "dualpipev_graph", "dualpipev_ep2", "dualpipev_link", "interleaved", "1f1b"])
+@pytest.mark.parametrize(
+    "kind", ["dualpipev", "dualpipev_fused", "dualpipev_odd", "dualpipev_graph", "dualpipev_ep2", "dualpipev_link", "dualpipev_calibrated", "interleaved", "1f1b"]
+)
 def test_pipeline_schedules_bit_exact_with_the_handler(tmp_path, kind):
     world = 4 if kind == "dualpipev_ep2" else 2
     mp.spawn(_worker, args=(_port(), str(tmp_path), kind), nprocs=world, join=True)
@@ -169,6 +182,10 @@ def test_pipeline_schedules_bit_exact_with_the_handler(tmp_path, kind):
                 # e.g. the embedding) still have a dW node to defer.
                 fused = kind == "dualpipev_fused"
                 assert all((d["input"] == 0) == (fused and not d["dw_only"]) for d in deferred), deferred
+            if kind == "dualpipev_calibrated":
+                # Each stage calibrated once (step 0) for its own runs and for the other stage's
+                # forward paired with its backward (OVERLAP_F_B), then kept its orders.
+                assert all(d["calibrated"][0] == 1 and len(d["calibrated"]) >= 2 and set(d["calibrated"]) == {1} for d in deferred), deferred
         else:
             assert registered is False  # no OVERLAP_F_B in these schedules: the handler stays out
             assert overlaps == [0] * len(overlaps)
@@ -271,6 +288,8 @@ def test_refusals_name_what_is_wrong():
     stage = NodeStage(torch.nn.Linear(2, 2), nodes=[NodeDef("l", "compute", ["x"], ["out"], torch.nn.Linear(2, 2), (), ["x"], ["out"])])
     with pytest.raises(ValueError, match="takes 1 inputs"):
         stage(torch.zeros(1, 2), torch.zeros(1, 2))
+    with pytest.raises(ValueError, match="NodeStage: order must be one of"):
+        NodeStage(torch.nn.Linear(2, 2), nodes=stage.chunk.nodes, order="fastest")
 
 
 def test_describe_takes_an_moe_layers_own_nodes():

@@ -121,7 +121,9 @@ def test_family_scenario_gives_a_member_with_its_baselines():
     assert "F.L0.router" in names and "F.L0.shared" in names
     assert set(sc["orders"]) == {"b_then_f", "pairing"}
     ours = sl.simulate_schedule(g)
-    searched = sl.simulate_schedule(g, sl.schedule(g, rules="search")["order"])
+    # Rule search rates orders with the launch waits (an EP launch waits for the compute issued before it).
+    held = lambda order: sl.simulate(sl.lower(g, order, launch_waits=True))["makespan_us"]  # noqa: E731
+    searched, ours_held = held(sl.schedule(g, rules="search")["order"]), held(ours["order"])
     for name, o in sc["orders"].items():
         assert sorted(o["order"]) == sorted(names)
         sl.validate(g, o["order"], [p[:2] for p in o["syncs"]])
@@ -129,7 +131,7 @@ def test_family_scenario_gives_a_member_with_its_baselines():
         assert not sim["hazards"]
         if name == "b_then_f":
             assert ours["makespan_us"] < sim["makespan_us"]
-    assert searched["makespan_us"] <= ours["makespan_us"]
+    assert searched <= ours_held
     # Unequal layer counts do not pair: no pairing baseline.
     assert set(sl.scenario_graph("family:F2_with_B4:0.5")["orders"]) == {"b_then_f"}
     for bad in ("family:nope:1.0", "family:mtp_3", "family:mtp_3:0", "family:mtp_3:1.0:x"):
@@ -217,7 +219,7 @@ def test_chunk_costs_reach_the_graph_and_order_ours_search_uses_them():
     g = c.graph(True, True)
     assert all(n["cost"] == c.costs[n["name"]] for n in g["nodes"])
     ours, found = c.order_schedule(True, True, "ours"), c.order_schedule(True, True, "ours:search")
-    m_ours = sl.simulate_schedule(g, ours["order"])["makespan_us"]
-    m_found = sl.simulate_schedule(g, found["order"])["makespan_us"]
-    # Measured 2 x H200 node times: 185.9 ms (ours) vs 178.2 ms (search), SIMULATED.
+    # Rated as search rates them: an EP launch also waits for the compute issued before it.
+    m_ours = sl.simulate(sl.lower(g, ours["order"], launch_waits=True))["makespan_us"]
+    m_found = sl.simulate(sl.lower(g, found["order"], launch_waits=True))["makespan_us"]
     assert m_found < 0.99 * m_ours, (m_found, m_ours)

@@ -43,7 +43,8 @@ def test_lookups_are_derived_from_the_table():
     assert parser().parse_args([]).arms == default_arms()
     assert arms_mod.ARMS == {"sequential": ("sequential", "scheduled"), "b_then_f": ("b_then_f", "scheduled"), "ours": ("ours", "scheduled"), "calibrated": ("calibrated", "scheduled"), "ours+record": ("ours", "record_stream")}
     assert arms_mod.GRAPH_ARMS == {"ours+graph": ("ours", "scheduled"), "ours+graph+record": ("ours", "record_stream")}
-    assert list(arms_mod.EXTRA_ARMS) == ["ours+classic", "ours+ep2", "ours+search", "ours+ends", "ours+page", "ours+reduce_after"]
+    assert list(arms_mod.EXTRA_ARMS) == ["ours+classic", "ours+ep2", "ours+search", "ours+first", "ours+ends", "ours+page", "ours+reduce_after"]
+    assert arms_mod.EXTRA_ARMS["ours+first"] == ("ours:launch_first", "scheduled")
     assert arms_mod.EXTRA_ARMS["ours+page"] == ("ours:page_budget=8", "scheduled")
     assert (arms_mod.PAGED, arms_mod.PAIRED_ENDS, arms_mod.REDUCE_AFTER) == ({"ours+page"}, {"ours+ends"}, {"ours+reduce_after"})
     assert len(SPECS) == len(ARM_TABLE)  # names are unique

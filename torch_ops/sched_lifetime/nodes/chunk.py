@@ -65,6 +65,9 @@ class Chunk(ChunkGraph):
         self._calibrated: dict[tuple, dict] = {}
         # Executor keys of the last calibration step, by their rank-independent label.
         self._cal_keys: dict[str, tuple] = {}
+        #: Order "calibrated" on a pipeline's F of another chunk with B of this one: a
+        #: Calibration per forward chunk (by id; its node names may be this chunk's too).
+        self._pair_calibrations: dict[int, Any] = {}
         #: Values (chunk names) that some node's forward saved for its backward (autograd holds
         #: their storage): their cross-stream retire drops the reference instead of emptying the
         #: storage (rule 3 would make that backward read freed memory). Found on each node's

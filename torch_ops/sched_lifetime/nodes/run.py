@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
-from ..calibrate import CALIBRATED, apply_plans, timed_end
+from ..calibrate import CALIBRATED, Calibration, apply_plans, timed_end
 from ..ep import agree_across_ranks, digest, schedule_digest
 from ..executor import Executor
 from .graph import ORDERS, _order_schedule, _pair_graph, _two_graph, is_ours
@@ -30,15 +30,14 @@ def _executor(fchunk: Optional[Chunk], bchunk: Optional[Chunk], order: str, life
     backward chunk, or the forward one when there is no backward)."""
     home = bchunk if bchunk is not None else fchunk
     assert home is not None
-    if order == CALIBRATED and fchunk is not None and bchunk is not None and fchunk is not bchunk:
-        raise ValueError("order 'calibrated' times the nodes of one chunk: pair F and B of the same chunk, or use order 'ours'")
+    cal = _calibration_of(home, fchunk, bchunk)
     # Calibration times its executors itself (`Executor.timing`, read at the step's end).
     timing = order != CALIBRATED and bool((fchunk and fchunk.timing) or (bchunk and bchunk.timing))
     key = (id(fchunk), id(bchunk), order, lifetime, timing)
     ex = home._executors.get(key)
     if ex is None:
         g = _pair_graph(fchunk, bchunk)
-        s = home._calibrated.pop(key, None) or _order_schedule(g, order, home.calibration)
+        s = home._calibrated.pop(key, None) or _order_schedule(g, order, cal)
         calls = {}
         if fchunk is not None:
             calls.update(fchunk.callables(True, False, release_points=bchunk is not None))
@@ -51,48 +50,85 @@ def _executor(fchunk: Optional[Chunk], bchunk: Optional[Chunk], order: str, life
             ex.autograd_saved = fchunk.autograd_saved
         ex.graph = g
     if order == CALIBRATED:
-        ex.timing = home.calibration.active
+        ex.timing = cal.active
     return ex
+
+
+def _calibration_of(home: Chunk, fchunk: Optional[Chunk], bchunk: Optional[Chunk]) -> Calibration:
+    """The Calibration behind an executor homed on `home`: the chunk's own (its forward and/or
+    backward, `run_two`), or for a pipeline's F of another chunk with B of `home` one per forward
+    chunk, made with the chunk's settings (the two chunks' node names may coincide: a stage's
+    `describe` names its layers L0, L1, ... whatever the stage)."""
+    if fchunk is None or bchunk is None or fchunk is bchunk:
+        return home.calibration
+    cal = home._pair_calibrations.get(id(fchunk))
+    if cal is None:
+        base = home.calibration
+        cal = home._pair_calibrations[id(fchunk)] = Calibration(base.steps, base.smoothing, base.group, base.background)
+    return cal
 
 
 def _label(chunk: Chunk, key: tuple) -> str:
     """An executor key of `chunk` (`_executor`, `run_two`) as text that every rank spells the
-    same: the sources it multiplexes and its lifetime policy."""
+    same: the sources it multiplexes and its lifetime policy (`F'k`: the forward of the k-th other
+    chunk paired with this one's backward, in the order they first paired)."""
     if key[0] == "two":
         return f"{key[1]}+{key[1]}2/{key[3]}"
+    if key[0] in chunk._pair_calibrations:  # (an absent chunk's id is id(None): not in it)
+        k = list(chunk._pair_calibrations).index(key[0])
+        return f"F'{k}+B/{key[3]}"
     f, b = key[0] == id(chunk), key[1] == id(chunk)
     return f"{'F' if f else ''}{'+' if f and b else ''}{'B' if b else ''}/{key[3]}"
+
+
+def _cal_groups(chunk: Chunk) -> list[tuple[Calibration, dict]]:
+    """`chunk`'s calibrated executors by the Calibration that times them: its own, then one per
+    other forward chunk paired with its backward (each {key: executor})."""
+    own: dict = {}
+    pairs: dict[int, dict] = {}
+    for k, ex in chunk._executors.items():
+        if k[2] != CALIBRATED:
+            continue
+        if k[0] in chunk._pair_calibrations:
+            pairs.setdefault(k[0], {})[k] = ex
+        else:
+            own[k] = ex
+    return [(chunk.calibration, own)] + [(chunk._pair_calibrations[f], exs) for f, exs in pairs.items()]
 
 
 def end_calibration(chunk: Chunk, order: str) -> None:
     """At a step's end with order `"calibrated"` while calibrating: the step's node times (one
     device sync), agreed across the ranks and smoothed (`Calibration.end_step`), then every
     calibrated executor of `chunk` scheduled again (`Calibration.plan`: now, or in the
-    background, applied by `begin_calibrated_step` two steps on). Nothing once calibration is
-    done."""
-    cal = chunk.calibration
-    if order != CALIBRATED or not cal.active:
+    background, applied by `begin_calibrated_step` two steps on). A pipeline's F of another
+    chunk with B of this one has a Calibration of its own (`_calibration_of`), ended here too.
+    Nothing once calibration is done."""
+    if order != CALIBRATED:
         return
-    _apply_plans(chunk, cal.take_plans(wait=True))  # an earlier calibration step's, first
-    if cal.group is None:  # the ranks that agree on the step's facts agree on its costs
-        cal.group = chunk.rank_group
-    t0 = time.perf_counter()
-    mine = {k: ex for k, ex in chunk._executors.items() if k[2] == CALIBRATED}
-    cal.end_step(timed_end(cal, mine.values(), chunk.device))
-    # A label the same on every rank (the keys hold object ids): which sources, which lifetime.
-    chunk._cal_keys = {_label(chunk, k): k for k in mine}
-    _apply_plans(chunk, cal.plan({label: mine[k].graph for label, k in sorted(chunk._cal_keys.items())}))
-    cal.end_ms.append((time.perf_counter() - t0) * 1e3)
+    for cal, mine in _cal_groups(chunk):
+        if not cal.active:
+            continue
+        _apply_plans(chunk, cal, cal.take_plans(wait=True))  # an earlier calibration step's, first
+        if cal.group is None:  # the ranks that agree on the step's facts agree on its costs
+            cal.group = chunk.rank_group
+        t0 = time.perf_counter()
+        cal.end_step(timed_end(cal, mine.values(), chunk.device))
+        # A label the same on every rank (the keys hold object ids): which sources, which lifetime.
+        labels = {_label(chunk, k): k for k in mine}
+        chunk._cal_keys.update(labels)
+        _apply_plans(chunk, cal, cal.plan({label: mine[k].graph for label, k in sorted(labels.items())}))
+        cal.end_ms.append((time.perf_counter() - t0) * 1e3)
 
 
 def begin_calibrated_step(chunk: Chunk, order: str) -> None:
     """At a step's start with order `"calibrated"`: a background search's orders take over
     once one whole step has run beside it (the same step on every rank)."""
     if order == CALIBRATED:
-        _apply_plans(chunk, chunk.calibration.take_plans(wait=False))
+        for cal, _ in _cal_groups(chunk):
+            _apply_plans(chunk, cal, cal.take_plans(wait=False))
 
 
-def _apply_plans(chunk: Chunk, plans: Optional[dict]) -> None:
+def _apply_plans(chunk: Chunk, cal: Calibration, plans: Optional[dict]) -> None:
     if plans is None:
         return
 
@@ -101,8 +137,8 @@ def _apply_plans(chunk: Chunk, plans: Optional[dict]) -> None:
         chunk._calibrated[key] = s  # the next use builds the executor with it
         chunk._executors.pop(key, None)
 
-    current = {label: (chunk._executors[k]._order if k in chunk._executors else None) for label, k in chunk._cal_keys.items()}
-    apply_plans(chunk.calibration, plans, current, rebuild)
+    current = {label: (chunk._executors[k]._order if k in chunk._executors else None) for label, k in chunk._cal_keys.items() if label in plans}
+    apply_plans(cal, plans, current, rebuild)
 
 
 def _feed_forward(c: Chunk, source: str, fwd: tuple[MicrobatchState, dict[str, Any]], inputs: dict[str, Any]) -> None:

@@ -57,7 +57,12 @@ class NodeStage(_DualPipeHook, nn.Module):
 
     `nodes`: the description (defaults to `module.nodes()`); `inputs`: the names of the
     forward's positional arguments; `output`: the value it returns (one tensor). `order`:
-    "ours" (the scheduler's) or a baseline ("b_then_f", "sequential"); `lifetime`:
+    "ours" (the scheduler's timing-free order), "calibrated" (the first step times every node,
+    then rule `search` re-plans with the measured costs: `enable_overlap` ends the calibration
+    step at the stage's last backward of the step; `rank_group` is then the process group of the
+    ranks that run this same stage and must agree on its costs, e.g. `dist.new_group([rank])` when
+    each rank holds its own stages, required when torch.distributed is initialized with more
+    than one rank), or a baseline ("b_then_f", "sequential"); `lifetime`:
     "scheduled" or "record_stream" (the executor's modes); `dw_nodes`: separate dW nodes the
     scheduler can place under transfers and a pipeline can defer to BACKWARD_WEIGHT (True), or
     dW computed with dI in one autograd call (False: a cheaper host path, no dI/dW split).
@@ -88,8 +93,21 @@ class NodeStage(_DualPipeHook, nn.Module):
         order: str = "ours",
         lifetime: str = "scheduled",
         dw_nodes: bool = True,
+        rank_group: Any = None,
     ) -> None:
         super().__init__()
+        from ..calibrate import CALIBRATED
+        from ..nodes.graph import ORDERS
+
+        if order not in ORDERS and not order.startswith("ours:"):
+            raise ValueError(f"NodeStage: order must be one of {ORDERS} (or 'ours:<rules>'), got {order!r}")
+        if order == CALIBRATED and rank_group is None and torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            raise ValueError(
+                "NodeStage(order='calibrated') in a process group of several ranks needs rank_group: the ranks that run this "
+                "same stage and agree on its measured costs (pipeline ranks run other stages), e.g. dist.new_group([rank]) "
+                "when each rank holds its own stages"
+            )
         self.module = module
         if nodes is None:
             if not hasattr(module, "nodes"):
@@ -105,6 +123,7 @@ class NodeStage(_DualPipeHook, nn.Module):
             )
         dev = torch.device(device) if device is not None else _module_device(module)
         self.chunk = Chunk(nodes, inputs, output, dev, dw_nodes=dw_nodes)
+        self.chunk.rank_group = rank_group
         self._params = [p for n in self.chunk.nodes for p in n.params]
         self.order, self.lifetime = order, lifetime
         self._count = itertools.count()

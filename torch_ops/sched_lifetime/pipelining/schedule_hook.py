@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 
+from ..calibrate import CALIBRATED
 from .arming import _armed
 from .graph_stage import GraphStage
 from .node_stage import NodeStage
@@ -64,20 +65,38 @@ def enable_overlap(schedule: Any) -> bool:
 
 def _split_dw_on_input_backward(stage: Any) -> None:
     """Wrap `stage.backward_one_chunk` so its NodeStage defers dW (to the dw_builder's runner)
-    only for an input-only backward (`full_backward=False`, BACKWARD_INPUT)."""
+    only for an input-only backward (`full_backward=False`, BACKWARD_INPUT); and, with order
+    "calibrated", end the stage's calibration step after its last backward of the step (the
+    runtime's `last_backward`: a full backward's, or the weight action's when dW is split)."""
     if getattr(stage, "_sl_split_wrapped", False):
         return
     orig, mod = stage.backward_one_chunk, stage.submod
+    orig_weight = stage.backward_weight_one_chunk
+
+    def end_step(last: bool) -> None:
+        if last and mod.order == CALIBRATED:
+            # One device sync, the costs agreed over the stage's rank_group, the orders searched
+            # again; nothing once calibration is done.
+            mod.chunk.end_calibration_step()
+
+    def backward_weight_one_chunk(*args: Any, **kwargs: Any) -> Any:
+        out = orig_weight(*args, **kwargs)
+        end_step(bool(kwargs.get("last_backward", args[1] if len(args) > 1 else False)))
+        return out
 
     def backward_one_chunk(*args: Any, **kwargs: Any) -> Any:
         full = bool(kwargs.get("full_backward", args[2] if len(args) > 2 else True))
+        last = bool(kwargs.get("last_backward", args[3] if len(args) > 3 else False))
         mod.split_dw, mod._full_backward = not full, full
         try:
-            return orig(*args, **kwargs)
+            out = orig(*args, **kwargs)
         finally:
             mod.split_dw, mod._full_backward = False, True
+        end_step(last)
+        return out
 
     stage.backward_one_chunk = backward_one_chunk
+    stage.backward_weight_one_chunk = backward_weight_one_chunk
     stage._sl_split_wrapped = True
 
 
