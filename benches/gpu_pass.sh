@@ -30,8 +30,8 @@
 #                                       # one vs two page streams at 65536 tokens (issue 32)
 #   bash benches/gpu_pass.sh calib2 OUT # nvidia-h200-x2: the main job over NCCL, ours vs calibrated
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|final OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|final OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|final OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|final OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -236,6 +236,14 @@ gscal)
     # emulated link (EP=8), calibrated vs the timing-free order, in one table.
     step cuda_calibrate 100 "$py" -m pytest -q -m cuda -rs tests/python/test_calibrate.py -p no:logging
     step graph_step_link 200 "$py" benches/compile_ab.py --config h200 --ep-link host:8 --graph-step 4 --steps 4 --out "$out"
+    ;;
+s4h)
+    # Issue 27: the GPU-bound Qwen3-MoE config (fast attention) with paging's budget at 1.0 and the
+    # timed plan's slack at 1.0 (defaults 0.5 and 1.25), against paging off.
+    export PYTHONUNBUFFERED=1
+    step hf_qwen_big_b1s1 100 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --determinism warn \
+        --set hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024 \
+        --arms compiled,paging --paging '{"paging_budget": 1.0, "paging_slack": 1.0}' --out "$out/hf_qwen_big_b1s1.json"
     ;;
 s4g)
     # Issues 28/31: the family's 27 shapes with the stand-in transfers waiting for the compute

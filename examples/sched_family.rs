@@ -17,11 +17,12 @@ fn main() {
                 let r = family::row(&name, &spec, budget).expect("row");
                 let pair = r.pairing.map_or("-".to_string(), f);
                 let vs = r.pairing.map_or("-".to_string(), |p| format!("{:.3}", r.ours.0 / p.0));
-                let vs_s = r.pairing.map_or("-".to_string(), |p| format!("{:.3}", r.ours_search.0 / p.0));
+                let searched = r.ours_search.expect("row() searches");
+                let vs_s = r.pairing.map_or("-".to_string(), |p| format!("{:.3}", searched.0 / p.0));
                 println!(
                     "{:<18} {:>5.2} {:>2} {:>7.2} {:>14} {:>14} {:>14} {:>14} {:>8.3} {:>9} {:>14} {:>14} {:>9}",
                     name, ratio, budget, r.bound_us / 1e3, f(r.serial), f(r.b_then_f), pair, f(r.ours), r.ours.0 / r.bound_us, vs,
-                    f(r.ours_classic), f(r.ours_search), vs_s
+                    f(r.ours_classic), f(searched), vs_s
                 );
             }
         }

@@ -246,7 +246,7 @@ pub struct FamilyRow {
     /// Our schedule under the `classic` rules (before `ready_first` became default).
     pub ours_classic: (f64, f64),
     /// Our schedule under rule `search` (cost-guided: the graph's costs, the simulator).
-    pub ours_search: (f64, f64),
+    pub ours_search: Option<(f64, f64)>,
     /// Reuse hazards the race checker found over every simulated order (must be 0).
     pub hazards: usize,
 }
@@ -270,13 +270,20 @@ pub fn members(ratio: f64) -> Vec<(String, FamilySpec)> {
 
 /// Simulate every order for one member.
 pub fn row(name: &str, spec: &FamilySpec, budget: u32) -> Result<FamilyRow> {
+    row_with(name, spec, budget, true)
+}
+
+/// As [`row`]; `search: false` leaves rule `search` out (`ours_search` None): it is the slow
+/// part (thousands of simulations per member).
+pub fn row_with(name: &str, spec: &FamilySpec, budget: u32, search: bool) -> Result<FamilyRow> {
     let budgets = Budgets::new(budget, 2)?;
     let g = Graph::new(build(spec))?;
     let compute: f64 = g.nodes.iter().filter(|n| n.kind == Kind::Compute).map(|n| n.cost).sum();
     let comm: f64 = g.nodes.iter().filter(|n| n.kind.is_launch()).map(|n| n.cost).sum();
     let ours = schedule(&g, budgets)?.order;
     let classic = crate::sched::schedule_with(&g, budgets, crate::sched::Rules::CLASSIC)?.order;
-    let searched = crate::sim::schedule(&g, budgets, crate::sched::Rules { search: true, ..Default::default() })?.order;
+    let searched =
+        if search { Some(crate::sim::schedule(&g, budgets, crate::sched::Rules { search: true, ..Default::default() })?.order) } else { None };
     let table: Vec<NodeId> = g.node_ids().collect();
     let mut hazards = 0;
     // Our drain points for every order; the serial one drains at every node, as in the sweep.
@@ -299,7 +306,10 @@ pub fn row(name: &str, spec: &FamilySpec, budget: u32) -> Result<FamilyRow> {
         pairing,
         ours: sim(&ours, false)?,
         ours_classic: sim(&classic, false)?,
-        ours_search: sim(&searched, false)?,
+        ours_search: match searched {
+            Some(o) => Some(sim(&o, false)?),
+            None => None,
+        },
         hazards,
     })
 }
