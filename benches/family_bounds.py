@@ -33,13 +33,12 @@ def _value(v) -> str:
     return v if isinstance(v, str) else v["value"]
 
 
-def heads_tails(g: dict) -> tuple[dict, dict, dict, dict]:
-    """Nodes by name, their costs (waits 0), heads (longest chain before a node) and tails
-    (longest chain after it)."""
-    nodes = {n["name"]: n for n in g["nodes"]}
+def graph_preds(g: dict) -> dict[str, set]:
+    """Each node's predecessors by name: the producers of its inputs (a launch's output is
+    usable at its wait), its launch (for a wait) and its control edges."""
     producer = {_value(o): n["name"] for n in g["nodes"] for o in n.get("outputs", [])}
     wait_of = {n["launch"]: n["name"] for n in g["nodes"] if n.get("launch")}
-    preds: dict[str, set] = {k: set() for k in nodes}
+    preds: dict[str, set] = {n["name"]: set() for n in g["nodes"]}
     for n in g["nodes"]:
         for v in n.get("inputs", []):
             p = producer.get(_value(v))
@@ -49,6 +48,14 @@ def heads_tails(g: dict) -> tuple[dict, dict, dict, dict]:
             preds[n["name"]].add(n["launch"])
     for a, b in g.get("control", []):
         preds[b].add(a)
+    return preds
+
+
+def heads_tails(g: dict) -> tuple[dict, dict, dict, dict]:
+    """Nodes by name, their costs (waits 0), heads (longest chain before a node) and tails
+    (longest chain after it)."""
+    nodes = {n["name"]: n for n in g["nodes"]}
+    preds = graph_preds(g)
     succs: dict[str, set] = {k: set() for k in nodes}
     for b, ps in preds.items():
         for a in ps:

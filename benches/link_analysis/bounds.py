@@ -10,25 +10,11 @@ os.makedirs(OUT, exist_ok=True)
 import sys
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
-from family_bounds import heads_tails, one_machine
+from family_bounds import graph_preds, heads_tails, one_machine
 
 def closure(nodes, g):
     """ancestors per node (names), launches' waits folded into the launch."""
-    producer = {}
-    for n in g["nodes"]:
-        for o in n.get("outputs", []):
-            producer[o if isinstance(o, str) else o["value"]] = n["name"]
-    wait_of = {n["launch"]: n["name"] for n in g["nodes"] if n.get("launch")}
-    preds = {k: set() for k in nodes}
-    for n in g["nodes"]:
-        for v in n.get("inputs", []):
-            p = producer.get(v if isinstance(v, str) else v["value"])
-            if p is not None:
-                preds[n["name"]].add(wait_of.get(p, p))
-        if n.get("launch"):
-            preds[n["name"]].add(n["launch"])
-    for a, b in g.get("control", []):
-        preds[b].add(a)
+    preds = graph_preds(g)
     anc = {}
     def A(u):
         if u not in anc:

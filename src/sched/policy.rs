@@ -16,7 +16,6 @@
 //! 4. Otherwise the oldest in-flight launch's wait is issued (a budget forces it, or nothing
 //!    else is left).
 //!
-//!
 //! Opt-in `launch_first` (a pass over that order): each EP launch, in order, moves up to just
 //! after the last of its predecessors and the previous EP launch; where the budget is full
 //! there, the waits that free it (of the launches `budget` back and older) move up with it,

@@ -31,6 +31,13 @@ def is_ours(order: str) -> bool:
     return order in ("ours", CALIBRATED) or order.startswith("ours:")
 
 
+def check_order(order: str, who: str = "") -> None:
+    """Raise unless `order` is one of `ORDERS` or `ours:<rules,budgets>` (`who`: the message's
+    prefix, e.g. "NodeStage: ")."""
+    if order not in ORDERS and not order.startswith("ours:"):
+        raise ValueError(f"{who}order must be one of {ORDERS} (or 'ours:<rules,budgets>'), got {order!r}")
+
+
 @dataclass
 class NodeDef:
     """One forward node of a chunk.

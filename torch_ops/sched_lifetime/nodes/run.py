@@ -18,7 +18,7 @@ import torch
 from ..calibrate import CALIBRATED, Calibration, apply_plans, timed_end
 from ..ep import agree_across_ranks, digest, schedule_digest
 from ..executor import Executor
-from .graph import ORDERS, _order_schedule, _pair_graph, _two_graph, is_ours
+from .graph import _order_schedule, _pair_graph, _two_graph, check_order, is_ours
 from .state import MicrobatchState
 
 if TYPE_CHECKING:
@@ -373,8 +373,7 @@ def train_step(
     n = len(microbatches)
     if n == 0:
         raise ValueError("train_step needs at least one microbatch")
-    if order not in ORDERS and not order.startswith("ours:"):
-        raise ValueError(f"order must be one of {ORDERS} (or 'ours:<rules,budgets>'), got {order!r}")
+    check_order(order)
     if paired_ends and not is_ours(order):
         raise ValueError(f"paired_ends needs one of our orders ('calibrated', 'ours' or 'ours:...'), got {order!r}")
     if paired_ends and n == 1:  # a setting that selects nothing: say so

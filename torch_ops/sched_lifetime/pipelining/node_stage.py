@@ -97,10 +97,9 @@ class NodeStage(_DualPipeHook, nn.Module):
     ) -> None:
         super().__init__()
         from ..calibrate import CALIBRATED
-        from ..nodes.graph import ORDERS
+        from ..nodes.graph import check_order
 
-        if order not in ORDERS and not order.startswith("ours:"):
-            raise ValueError(f"NodeStage: order must be one of {ORDERS} (or 'ours:<rules>'), got {order!r}")
+        check_order(order, "NodeStage: ")
         if order == CALIBRATED and rank_group is None and torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:
             raise ValueError(
