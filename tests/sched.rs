@@ -852,3 +852,35 @@ fn launch_first_rule_issues_budget_blocked_launches_before_more_compute() {
         assert!(t(&searched) <= t(&first).min(t(&ours)) + 1e-6, "{layers} layers: search is seeded with both");
     }
 }
+
+/// Rule `launch_first` never moves a wait above what it waits for: on random graphs whose waits
+/// also wait (control edges) for compute of another source, every order stays valid (a wait the
+/// budget needs moves up with a launch only once its own predecessors are placed).
+#[test]
+fn launch_first_keeps_a_budget_wait_behind_its_own_predecessors() {
+    use sched_lifetime::sched::Rules;
+    let lf = Rules::parse("launch_first").unwrap();
+    let mut moved = 0;
+    for seed in 0..500u64 {
+        let mut spec = random_graph(seed);
+        let mut r = Rng::new(seed ^ 0x5eed);
+        for i in 0..spec.nodes.len() {
+            let nd = &spec.nodes[i];
+            if nd.kind != Kind::CommWait {
+                continue;
+            }
+            let others: Vec<String> =
+                spec.nodes[..i].iter().filter(|n| n.kind == Kind::Compute && n.source != nd.source).map(|n| n.name.clone()).collect();
+            if !others.is_empty() && r.below(2) == 0 {
+                let x = others[r.below(others.len() as u64) as usize].clone();
+                spec.control.push((x, nd.name.clone()));
+            }
+        }
+        let g = Graph::new(spec).unwrap();
+        let budgets = Budgets::new(1 + (seed % 3) as u32, 1 + (seed % 2) as u32).unwrap();
+        let s = sched::schedule_with(&g, budgets, lf).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        validate(&g, &s).unwrap_or_else(|e| panic!("seed {seed}: {e}\n{}", names(&g, &s)));
+        moved += usize::from(s.order != sched::schedule(&g, budgets).unwrap().order);
+    }
+    assert!(moved > 0, "launch_first moved nothing on these graphs: the test would prove nothing");
+}
