@@ -30,8 +30,8 @@
 #                                       # one vs two page streams at 65536 tokens (issue 32)
 #   bash benches/gpu_pass.sh calib2 OUT # nvidia-h200-x2: the main job over NCCL, ours vs calibrated
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|final OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|final OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|final OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|final OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -236,6 +236,66 @@ gscal)
     # emulated link (EP=8), calibrated vs the timing-free order, in one table.
     step cuda_calibrate 100 "$py" -m pytest -q -m cuda -rs tests/python/test_calibrate.py -p no:logging
     step graph_step_link 200 "$py" benches/compile_ab.py --config h200 --ep-link host:8 --graph-step 4 --steps 4 --out "$out"
+    ;;
+s5a)
+    # Issue 27: the GPU-bound Qwen3-MoE config (fast attention), paging budget 1.0 at the default
+    # slack and at slack 1.0, each against compiled in its own run. Issue 32: page nodes, one page
+    # stream vs two, at budgets 0.3 and 0.4, in one run with off.
+    export PYTHONUNBUFFERED=1
+    big=hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024
+    step hf_qwen_big_b1 110 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --determinism warn \
+        --set "$big" --arms compiled,paging --paging '{"paging_budget": 1.0}' --out "$out/hf_qwen_big_b1.json"
+    step hf_qwen_big_b1s1 110 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --determinism warn \
+        --set "$big" --arms compiled,paging --paging '{"paging_budget": 1.0, "paging_slack": 1.0}' --out "$out/hf_qwen_big_b1s1.json"
+    step paging_nodes 240 "$py" benches/paging_nodes_ab.py --config h200 --microbatches 4 \
+        --arms off,1s-page:0.3:6:8,page:0.3:6:8,1s-page:0.4:6:8,page:0.4:6:8 --json "$out/paging_nodes.json"
+    ;;
+s5b)
+    # Issue 27: where paging's extra time goes at budget 1.0 / slack 1.0 on the GPU-bound Qwen3-MoE
+    # config (one traced step per arm, split by trace_stalls.py), and slack 1.1 / 1.15 between
+    # s5a's 1.0 and the default 1.25.
+    export PYTHONUNBUFFERED=1
+    big=hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024
+    step hf_qwen_big_b1s1_trace 130 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --determinism warn \
+        --set "$big" --arms compiled,paging --paging '{"paging_budget": 1.0, "paging_slack": 1.0}' --profile --trace "$out/traces" \
+        --out "$out/hf_qwen_big_b1s1.json"
+    step stalls 60 "$py" benches/trace_stalls.py "$out"/traces/*.json
+    gzip "$out"/traces/*.json
+    for sl in 1.1 1.15; do
+        step hf_qwen_big_b1s$sl 110 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --determinism warn \
+            --set "$big" --arms compiled,paging --paging "{\"paging_budget\": 1.0, \"paging_slack\": $sl}" --out "$out/hf_qwen_big_b1s$sl.json"
+    done
+    ;;
+s5c)
+    # Issue 27: fewer host calls per step: paging only saved values of at least 4 MiB, budget 1.0,
+    # slack 1.0 and 1.1 (s5a/s5b: 64 KiB, the default).
+    export PYTHONUNBUFFERED=1
+    big=hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024
+    for sl in 1.0 1.1; do
+        step hf_qwen_big_b1s${sl}_4m 110 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --determinism warn \
+            --set "$big" --arms compiled,paging --paging "{\"paging_budget\": 1.0, \"paging_slack\": $sl, \"paging_min_bytes\": 4194304}" \
+            --out "$out/hf_qwen_big_b1s${sl}_4m.json"
+    done
+    ;;
+s5d)
+    # Issue 27: the timed plan counts host time (page_host_us: a value whose copy is shorter than
+    # a page-out's host calls stays). The paging cuda tests, then the GPU-bound Qwen3-MoE config
+    # at the defaults, budget 1.0 / slack 1.1 and 1.0; the default (host-bound) config with and
+    # without count_host; the eager Pager at 8192 tokens (config h200).
+    export PYTHONUNBUFFERED=1
+    step paging_cuda_tests 150 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_paging_plan.py tests/python/test_paging_pager.py \
+        tests/python/test_paging_pool.py tests/python/test_paging_slot_order.py tests/python/test_paging_groups.py
+    big=hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024
+    step hf_qwen_big_default 100 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --determinism warn \
+        --set "$big" --arms compiled,paging --out "$out/hf_qwen_big_default.json"
+    for sl in 1.1 1.0; do
+        step hf_qwen_big_b1s$sl 100 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --determinism warn \
+            --set "$big" --arms compiled,paging --paging "{\"paging_budget\": 1.0, \"paging_slack\": $sl}" --out "$out/hf_qwen_big_b1s$sl.json"
+    done
+    step hf_qwen_small 90 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --determinism warn \
+        --arms compiled,paging --out "$out/hf_qwen_small.json"
+    step hf_qwen_small_nohost 90 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --determinism warn \
+        --arms compiled,paging --paging '{"paging_count_host": false}' --out "$out/hf_qwen_small_nohost.json"
     ;;
 s4h)
     # Issue 27: the GPU-bound Qwen3-MoE config (fast attention) with paging's budget at 1.0 and the

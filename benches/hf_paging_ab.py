@@ -317,9 +317,17 @@ def main() -> None:
         if pagers:
             info["paging"] = {"bytes_out": sum(p.stats["bytes_out"] for p in pagers), "run_slots": sum(len(p.runs) for p in pagers),
                               "explain": [p.explain() for p in pagers]}
+            plans = [p.plan for p in pagers if p.plan is not None]
+            if plans:  # per step: how many values paged, how many kept for host time, the host time measured
+                text = [line for pl in plans for line in pl["explain"]]
+                info["paging"]["paged_values"] = sum(len(pl["page"]) for pl in plans)
+                info["paging"]["kept_for_host_time"] = sum("us of host time" in line for line in text)
+                info["paging"]["page_host_us"] = [(pl.get("timing") or {}).get("page_host_us") for pl in plans]
         out["arms"][arm]["graphs"] = info
         print(f"{arm}: {info['fwd_graphs']} fwd / {info['bwd_graphs']} bwd graphs, AOT order kept in {info['kept_aot_order']},"
-              f" scheduled/AOT estimated peak at most {info['est_peak_vs_aot_order']}" + (f", paged {info['paging']['bytes_out'] / 2**20:.0f} MiB in all, {info['paging']['run_slots']} run slots" if pagers else ""))
+              f" scheduled/AOT estimated peak at most {info['est_peak_vs_aot_order']}" + (f", paged {info['paging']['bytes_out'] / 2**20:.0f} MiB in all, {info['paging']['run_slots']} run slots" if pagers else "")
+              + (f", {info['paging']['paged_values']} values paged per step, {info['paging']['kept_for_host_time']} kept for host time"
+                 f" (a page-out and its page-in: {info['paging']['page_host_us']} us of host)" if "paged_values" in info.get("paging", {}) else ""))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1, default=str)

@@ -25,6 +25,12 @@
 //! follow the last save at once (the real gap only finishes copies earlier). Copies that run
 //! while the other direction is busy are planned at half the two-way rate: every page-out time
 //! after the forward, and every page-in time before the last page-out ends.
+//!
+//! Host time (the timing's `page_host_us`: what one page-out and its page-in cost the host
+//! thread that runs the step, measured on this host): a tensor whose device->host copy is
+//! shorter than that is never paged. Its copy would hide, but the host calls that queue it
+//! would not: on a model whose host runs barely ahead of the GPU, paging many small tensors
+//! makes the GPU wait for the host (measured: Qwen3-MoE on one H200, docs/results.md).
 
 use serde::{Deserialize, Serialize};
 
@@ -109,6 +115,10 @@ pub struct Timing {
     /// module docs); without it (one page stream) every page-out ends under the forward.
     #[serde(default)]
     pub both_bytes_per_us: Option<f64>,
+    /// Host time, us, one page-out and its page-in take on the thread that runs the step (0:
+    /// not counted). A tensor whose device->host copy is shorter is kept (see the module docs).
+    #[serde(default)]
+    pub page_host_us: f64,
 }
 
 fn default_slack() -> f64 {
@@ -134,6 +144,9 @@ impl Timing {
         if !(self.slack.is_finite() && self.slack >= 1.0) {
             return bad(&format!("slack must be >= 1, got {}", self.slack));
         }
+        if !(self.page_host_us.is_finite() && self.page_host_us >= 0.0) {
+            return bad(&format!("page_host_us must be finite and >= 0, got {}", self.page_host_us));
+        }
         Ok(())
     }
 
@@ -155,10 +168,16 @@ impl Timing {
         let (ns, nu) = (t.save_us.len(), t.unpack_us.len());
         let mut placed = Vec::with_capacity(prefix.len());
         for s in prefix {
+            let copy_us = s.bytes as f64 / t.d2h_bytes_per_us;
             if s.saved_at as usize >= ns || s.used_at as usize >= nu {
                 explain.push(format!(
                     "{}: kept (not placed: saved at {} and used at {}, but the timeline has {ns} saves and {nu} unpacks)",
                     s.name, s.saved_at, s.used_at
+                ));
+            } else if copy_us < t.page_host_us {
+                explain.push(format!(
+                    "{}: kept (its copy takes {copy_us:.1} us, less than the {:.1} us of host time a page-out and its page-in take)",
+                    s.name, t.page_host_us
                 ));
             } else {
                 placed.push(s);
@@ -510,6 +529,7 @@ mod tests {
             unpack_peak: vec![],
             tail_peak: 0,
             both_bytes_per_us: None,
+            page_host_us: 0.0,
         }
     }
 
@@ -594,6 +614,33 @@ mod tests {
             edit(&mut t);
             let e = choose_timed(&prefix(), Budget::Fraction(0.5), 1, Some(&t)).unwrap_err().to_string();
             assert!(e.contains(msg), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_tensor_whose_copy_is_shorter_than_its_host_time_is_kept_and_said() {
+        // At 10 bytes/us, L0.b and L1.b (50 bytes) copy in 5 us, L0.a and L1.a (100) in 10.
+        let host = Timing { page_host_us: 6.0, ..timing(10.0) };
+        let all = choose_timed(&prefix(), Budget::Fraction(1.0), 1, Some(&timing(10.0))).unwrap();
+        assert!(all.page.contains(&"L0.b".to_string()), "{:?}", all.page);
+        let p = choose_timed(&prefix(), Budget::Fraction(1.0), 1, Some(&host)).unwrap();
+        assert_eq!(p.page, ["L0.a", "L1.a"]);
+        assert!(
+            p.explain.iter().any(|l| l == "L0.b: kept (its copy takes 5.0 us, less than the 6.0 us of host time a page-out and its page-in take)"),
+            "{:?}",
+            p.explain
+        );
+        // A copy exactly as long as the host time is paged; the memory-timeline plan obeys it too.
+        let p = choose_timed(&prefix(), Budget::Fraction(1.0), 1, Some(&Timing { page_host_us: 5.0, ..timing(10.0) })).unwrap();
+        assert!(p.page.contains(&"L0.b".to_string()), "{:?}", p.page);
+        let p = choose_timed(&prefix(), Budget::Fraction(1.0), 1, Some(&Timing { page_host_us: 6.0, ..with_memory(10) })).unwrap();
+        assert_eq!(p.page, ["L0.a", "L1.a"]);
+        // Absent from the JSON: not counted; negative or not finite: an error.
+        let t: Timing = serde_json::from_str(r#"{"save_us": [0], "unpack_us": [0], "d2h_bytes_per_us": 1, "h2d_bytes_per_us": 1}"#).unwrap();
+        assert_eq!(t.page_host_us, 0.0);
+        for bad in [-1.0, f64::NAN, f64::INFINITY] {
+            let e = choose_timed(&prefix(), Budget::Fraction(1.0), 1, Some(&Timing { page_host_us: bad, ..timing(10.0) })).unwrap_err();
+            assert!(e.to_string().contains("page_host_us must be finite and >= 0"), "{e}");
         }
     }
 

@@ -105,7 +105,9 @@ def test_a_timed_plan_releases_paged_storage_under_the_forward_and_stays_bit_exa
 
     step(contextlib.nullcontext())  # warm (the first matmul allocates its workspace)
     held_off, ref = step(contextlib.nullcontext())
-    timed = sl.Pager(1.0, min_distance=0, min_bytes=1, slack=1.5)
+    # count_host=False: these 512 KiB inputs copy in ~10 us, less than a page-out's host time;
+    # the rule that keeps them has its own test (test_paging_plan.py).
+    timed = sl.Pager(1.0, min_distance=0, min_bytes=1, slack=1.5, count_host=False)
     untimed = sl.Pager(1.0, min_distance=0, min_bytes=1, timed=False, drain_distance=1000, prefetch=2)
     step(timed.step())  # calibrates: the memory timeline
     assert timed.plan is None
@@ -114,7 +116,7 @@ def test_a_timed_plan_releases_paged_storage_under_the_forward_and_stays_bit_exa
     step(untimed.step())  # warm: a first paged step is slow on the host, the GPU catches up
     t = timed.plan["timing"]
     assert len(t["save_us"]) > 12 and t["d2h_bytes_per_us"] > 1e3  # > 1 GB/s: a real link
-    assert t["both_bytes_per_us"] > 1e3  # two-way (the default): both directions at once, measured
+    assert "both_bytes_per_us" not in t and t["page_host_us"] == 0.0  # one page stream (the default); host time not counted
     assert len(timed.plan["release_at"]) == len(timed.plan["launch_at"]) == len(timed.plan["page"]) > 0
     # Released under the forward (a two-way plan may also release a page-out in the backward,
     # at point len(save_us) + unpack, where it lowers a backward peak: not counted here).

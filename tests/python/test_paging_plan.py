@@ -56,3 +56,50 @@ def test_a_timed_plan_through_the_op_places_releases_and_page_ins():
     assert "#3: released at unpack 2 (after the forward)" in "\n".join(two["explain"])
     with pytest.raises(ValueError, match="both_bytes_per_us must be > 0"):
         sl.page_plan(prefix, 1.0, 1, dict(timing, both_bytes_per_us=0))
+
+
+def test_the_timed_plan_keeps_what_costs_the_host_more_than_the_link_and_the_cost_is_measured():
+    """`page_host_us` in the timing: #2's copy (100 bytes at 10 bytes/us, 10 us) is shorter than
+    12 us of host time and stays, said in `explain`; #0 (the same size) too; a 300-byte tensor
+    (30 us) is still paged. `page_host_us` measures a real HostPool's round trip (here on CPU):
+    a positive, finite number of us; a Pager with `count_host=False` leaves it out."""
+    import math
+
+    import torch
+
+    from sched_lifetime.paging.plan import page_host_us
+
+    prefix = [
+        {"name": "#0", "bytes": 100, "saved_at": 0, "used_at": 5},
+        {"name": "#1", "bytes": 300, "saved_at": 1, "used_at": 4},
+        {"name": "#2", "bytes": 100, "saved_at": 2, "used_at": 3},
+    ]
+    timing = {"save_us": [0, 10, 40, 50, 60], "unpack_us": [0, 10, 20, 30, 40, 50], "d2h_bytes_per_us": 10, "h2d_bytes_per_us": 10, "slack": 1}
+    assert sl.page_plan(prefix, 1.0, 1, timing)["page"] == ["#0", "#1", "#2"]
+    p = sl.page_plan(prefix, 1.0, 1, dict(timing, page_host_us=12))
+    assert p["page"] == ["#1"]
+    assert "#2: kept (its copy takes 10.0 us, less than the 12.0 us of host time a page-out and its page-in take)" in p["explain"]
+    with pytest.raises(ValueError, match="page_host_us must be finite and >= 0"):
+        sl.page_plan(prefix, 1.0, 1, dict(timing, page_host_us=-1))
+    us = page_host_us(torch.device("cpu"), reps=8)
+    assert math.isfinite(us) and us > 0
+    assert sl.Pager(0.5)._calib.count_host and not sl.Pager(0.5, count_host=False)._calib.count_host
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_a_timed_pagers_calibration_measures_the_host_time_of_a_page_out_on_cuda():
+    """On CUDA the timed Pager's plan is made with the measured host time (explain's inputs), and
+    a saved tensor whose copy is shorter than it stays on the device."""
+    import torch
+
+    x = torch.randn(64, 64, device="cuda", requires_grad=True)
+    w = torch.randn(64, 64, device="cuda", requires_grad=True)
+    pager = sl.Pager(1.0, min_bytes=1)
+    for _ in range(3):
+        with pager.step():
+            torch.tanh(x @ w).sum().backward()
+    host = pager.calibration["timing"]["page_host_us"]
+    assert host > 0
+    # 16 KiB tensors copy in well under a microsecond at tens of GB/s: each is kept for host time.
+    assert not pager.plan["page"] and any("us of host time" in line for line in pager.plan["explain"]), pager.explain()

@@ -63,6 +63,7 @@ OPTIONS: dict[str, Any] = {
     "paging_min_bytes": 1 << 16,  # smaller saved values stay on the device
     "paging_timed": True,  # sl.Pager decides at run time after calibration (False: the static plan)
     "paging_slack": 1.25,  # timed: copies planned this many times slower than measured
+    "paging_count_host": True,  # timed: a value whose copy is shorter than a page-out's host time stays (False: every one may be paged)
     "paging_two_way": False,  # True: page-ins on their own stream beside the page-outs (opt-in: not bit-exact under capture yet)
     "cudagraphs": False,  # capture each compiled graph in a CUDA graph (torch's cudagraph trees)
     # The order may raise a graph's estimated peak (liveness of the values' bytes) over
@@ -88,7 +89,7 @@ def check_options(options: Optional[dict]) -> dict:
         if k not in OPTIONS:
             raise ValueError(f"sched_lifetime backend: unknown option {k!r}; valid options: {sorted(OPTIONS)}")
         opts[k] = v
-    for k in ("overlap", "explain", "paging", "cudagraphs", "paging_timed", "paging_two_way"):
+    for k in ("overlap", "explain", "paging", "cudagraphs", "paging_timed", "paging_two_way", "paging_count_host"):
         if not isinstance(opts[k], bool):
             raise ValueError(f"sched_lifetime backend: option {k!r} must be a bool, got {opts[k]!r}")
     if opts["ep_budget"] is not None:
@@ -149,7 +150,7 @@ def backend(gm: fx.GraphModule, example_inputs: list, options: Optional[dict] = 
     if opts["paging"]:
         pager = GraphPager(
             opts["paging_budget"], opts["paging_prefetch"], opts["paging_buffers"], opts["paging_min_bytes"],
-            timed=opts["paging_timed"], slack=opts["paging_slack"], two_way=opts["paging_two_way"],
+            timed=opts["paging_timed"], slack=opts["paging_slack"], two_way=opts["paging_two_way"], count_host=opts["paging_count_host"],
         )
         partition = pager.partition(partition)
 

@@ -78,9 +78,10 @@ class GraphPager:
 
     def __init__(
         self, budget: Budget, prefetch: int = 2, buffers: int = 2, min_bytes: int = 1 << 16, timed: bool = False, slack: float = 1.25,
-        two_way: bool = True,
+        two_way: bool = True, count_host: bool = True,
     ) -> None:
         # The values come checked (`compile.check_options`).
+        self.count_host = count_host
         self.budget, self.prefetch, self.buffers, self.min_bytes = budget, prefetch, buffers, min_bytes
         self.two_way = two_way
         self.key = next(_KEYS)
@@ -251,7 +252,7 @@ class GraphPager:
                     "a forward whose backward never runs holds its host buffers: run it under torch.no_grad()"
                 )
             if self.timed:
-                run = _Run(pager=Pager(self.budget, min_bytes=self.min_bytes, prefetch=self.prefetch, slack=self.slack, two_way=self.two_way))
+                run = _Run(pager=Pager(self.budget, min_bytes=self.min_bytes, prefetch=self.prefetch, slack=self.slack, two_way=self.two_way, count_host=self.count_host))
             else:
                 run = _Run(pool=self._new_pool())
             self.runs.append(run)

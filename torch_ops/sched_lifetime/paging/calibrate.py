@@ -5,7 +5,8 @@ shape, dtype, whether a weight or restorable) and the backward order of its firs
 prefix Rust plans from. Timed on CUDA, that first step also measures the memory line (the most
 memory allocated between saves and unpacks) and a second step the time line (an event at every
 save and unpack), to which `timing` adds the link's measured rates (for a two-way pager, both
-directions at once too: Rust then plans page-outs that end in the backward).
+directions at once too: Rust then plans page-outs that end in the backward) and the host time
+one page-out and its page-in take (`page_host_us`: Rust keeps a tensor whose copy is shorter).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from .paged import is_weight, restorable
-from .plan import link_rates
+from .plan import link_rates, page_host_us
 
 
 class MemoryLine:
@@ -66,8 +67,9 @@ class Calibration:
     (save index -> the backward unpack that first reads it) and, when `timed` on CUDA, the
     memory line of the first step and the time line of the second (`timing_pass`)."""
 
-    def __init__(self, timed: bool, slack: float, two_way: bool = False) -> None:
+    def __init__(self, timed: bool, slack: float, two_way: bool = False, count_host: bool = True) -> None:
         self.timed = timed
+        self.count_host = count_host  # measure the host time of a page-out: the plan keeps shorter copies
         self.slack = slack  # copies planned that many times slower than measured
         self.two_way = two_way  # page-outs and page-ins on two streams: the plan gets the two-way rate
         self.saved: list[dict] = []
@@ -190,7 +192,8 @@ class Calibration:
                 f"paging: the second calibration step saved {len(saves)} and unpacked {len(unpacks)} tensors, "
                 f"the first {len(self.saved)} and {len(peaks['unpack'])}; make a new Pager for a new shape"
             )
-        rates = link_rates(self._dev if self._dev is not None else self.saved[0]["device"])
+        dev = self._dev if self._dev is not None else self.saved[0]["device"]
+        rates = link_rates(dev)
         out = {
             "save_us": [saves[0].elapsed_time(e) * 1e3 for e in saves],
             "unpack_us": [unpacks[0].elapsed_time(e) * 1e3 for e in unpacks],
@@ -200,6 +203,8 @@ class Calibration:
             "save_peak": peaks["save"],
             "unpack_peak": peaks["unpack"],
             "tail_peak": self._tail,
+            # A tensor whose copy is shorter than this is kept: the host calls would cost more.
+            "page_host_us": page_host_us(dev, self.two_way) if self.count_host else 0.0,
         }
         if self.two_way:
             out["both_bytes_per_us"] = rates.both

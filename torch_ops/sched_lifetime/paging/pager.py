@@ -107,6 +107,7 @@ class Pager:
         slack: float = 1.25,
         measure_waits: bool = False,
         two_way: bool = False,
+        count_host: bool = True,
     ) -> None:
         """`timed` (CUDA): calibration takes two steps, the first measuring the memory timeline
         (the most memory allocated between saves and unpacks: it resets the peak memory
@@ -121,11 +122,14 @@ class Pager:
         than `drain_distance` copies are in flight, and page-ins are queued `prefetch` unpacks
         ahead. `two_way` (CUDA): page-ins on their own stream, beside the page-outs (the
         link's two directions at once; a timed plan is made with the two-way rate and may let
-        page-outs end in the backward); False: one page stream for both (the baseline)."""
+        page-outs end in the backward); False: one page stream for both (the baseline).
+        `count_host` (timed): calibration also measures the host time one page-out and its
+        page-in take, and a tensor whose copy is shorter stays on the device (its host calls
+        would cost the step more than the link does); False: any tensor that hides may be paged."""
         _check_settings(budget, drain_distance, prefetch, slack)
         self.prefetch = prefetch
         self.two_way = bool(two_way)
-        self._calib = Calibration(bool(timed), float(slack), self.two_way)
+        self._calib = Calibration(bool(timed), float(slack), self.two_way, bool(count_host))
         self._launch_at: dict[int, int] = {}
         self._release_at: list[int] = []  # save index of each release, ascending
         self._released0 = 0

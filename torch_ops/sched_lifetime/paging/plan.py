@@ -4,12 +4,14 @@
 use), a budget and, when measured, the step's timeline and the link's rates (`link_rates`: each
 direction alone and, for a two-way pager, both at once); Rust answers with the tensors to page
 and, timed, where each page-out is released and each page-in launched. `explain_plan` prints
-the answer.
+the answer. `page_host_us` measures what one page-out and its page-in cost the host: the timed
+plan keeps a tensor whose copy is shorter than that.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -103,3 +105,30 @@ def link_rates(dev: torch.device, mib: int = 64, reps: int = 2) -> LinkRates:
             end.synchronize()
     both = 2 * reps * n / (max(start.elapsed_time(e) for e in ends) * 1e3)  # the copies are done: the buffers may go
     return LinkRates(rates[0], rates[1], both)
+
+
+def page_host_us(dev: torch.device, two_way: bool = False, nbytes: int = 1 << 16, reps: int = 32) -> float:
+    """Host time, us, of one page-out and its page-in through a `HostPool` on `dev` (the pool's
+    calls a pager makes per paged tensor: page-out, release, page-in launch, the compute
+    stream's wait): the median of `reps` rounds of an `nbytes` tensor after a warm-up, timed
+    with the host clock (the copies themselves run on the GPU meanwhile). A lower bound of what
+    a paged tensor costs a step's host thread: the hooks around these calls add to it."""
+    from .pool import HostPool  # pool -> release -> lifetime: loaded when first measured
+
+    t = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    pool = HostPool([nbytes], dev, drain_distance=1, two_way=two_way)
+    times = []
+    for i in range(reps + 4):  # four warm-up rounds
+        t0 = time.perf_counter()
+        p = pool.page_out(t)
+        pool.drain()
+        out, ev = pool.page_in_launch(p)
+        pool.page_wait(ev)
+        pool.recycle(ev)
+        if i >= 4:
+            times.append((time.perf_counter() - t0) * 1e6)
+        del out
+    if dev.type == "cuda":
+        torch.cuda.current_stream(dev).synchronize()  # the buffers go with the pool: copies done first
+    times.sort()
+    return times[len(times) // 2]
