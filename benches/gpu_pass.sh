@@ -30,8 +30,8 @@
 #                                       # one vs two page streams at 65536 tokens (issue 32)
 #   bash benches/gpu_pass.sh calib2 OUT # nvidia-h200-x2: the main job over NCCL, ours vs calibrated
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|final OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|final OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|final OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|final OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -296,6 +296,16 @@ s5d)
         --arms compiled,paging --out "$out/hf_qwen_small.json"
     step hf_qwen_small_nohost 90 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --determinism warn \
         --arms compiled,paging --paging '{"paging_count_host": false}' --out "$out/hf_qwen_small_nohost.json"
+    ;;
+s5e)
+    # Issue 31: what calibration costs a step, foreground and background search, on the node API
+    # and on GraphStep (EMULATED EP=8 link); the paging and calibration cuda tests after this
+    # session's changes (the host-time rule, GraphStep's background search).
+    export PYTHONUNBUFFERED=1
+    step calibration_cost 300 "$py" benches/calibration_cost.py --config h200 --ep-link host:8 --microbatches 8 --steps 6 \
+        --json "$out/calibration_cost.json"
+    step cuda_tests 200 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_paging_plan.py tests/python/test_paging_pager.py \
+        tests/python/test_paging_pool.py tests/python/test_calibrate.py tests/python/test_compile.py
     ;;
 s4h)
     # Issue 27: the GPU-bound Qwen3-MoE config (fast attention) with paging's budget at 1.0 and the

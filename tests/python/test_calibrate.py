@@ -288,8 +288,7 @@ def test_graph_step_calibrated_order_follows_measured_costs_and_stays_bit_exact(
     assert gs.mux.sched_lifetime["order"] == want_fast and gs.calibration.replans == 2
     step(3)  # calibration over: nothing timed
     assert len(seen) == 3 and not gs.calibration.active and gs._runs is None
-    # The EP launch budget GraphStep was given survives the re-plan; a background search is
-    # refused (its module is re-planned at the calibration step's end).
+    # The EP launch budget GraphStep was given survives the re-plan.
     budgeted = slc.GraphStep(m, tuple(m.batch(0, 0).values()), ep_budget=2)
     assert budgeted.mux.sched_lifetime["schedule"]["budgets"]["ep"] == 2
     budgeted.calibration = Calibration(steps=1, smoothing=1.0)
@@ -298,10 +297,23 @@ def test_graph_step_calibrated_order_follows_measured_costs_and_stays_bit_exact(
     assert budgeted.calibration.replans == 1 and budgeted.calibration.end_ms
     assert budgeted.mux.sched_lifetime["schedule"]["budgets"]["ep"] == 2
     assert budgeted.mux.sched_lifetime["order"] == sl.schedule(with_costs(g, slow), rules="search", ep_budget=2)["order"]
-    budgeted.calibration = Calibration(background=True)
-    with pytest.raises(ValueError, match=r"Calibration\(background=True\) is not supported here"):
-        budgeted.step([tuple(m.batch(0, i).values()) for i in range(3)])
-    assert budgeted._runs is None
+    # Background: the calibration step ends without a search; the next step runs the old
+    # module beside it; the module in the searched order takes over at the step after, and
+    # every step stays bit-exact with eager.
+    for p in m.parameters():
+        p.grad = None  # budgeted's step accumulated here
+    bg = slc.GraphStep(m, tuple(m.batch(0, 0).values()), ep_budget=2)
+    old = bg.mux
+    bg.calibration = Calibration(steps=1, smoothing=1.0, background=True)
+    _fake(bg.calibration, [slow], [])
+    for k in range(4):
+        mbs = [tuple(m.batch(k, i).values()) for i in range(3)]
+        assert_matches_eager(bg.step(mbs), m, ref, mbs, f"background step {k}")
+        if k < 2:  # the calibration step, then the step the search runs beside
+            assert bg.mux is old and bg.calibration.replans == 0 and bg.calibration.planning, k
+        else:
+            assert bg.mux.sched_lifetime["order"] == budgeted.mux.sched_lifetime["order"] and bg.calibration.replans == 1, k
+            assert not bg.calibration.planning and bg._runs is None
     for p in m.parameters():
         p.grad = None
     # Timing-free: nothing timed, the order rule ours gives.

@@ -123,8 +123,10 @@ class GraphStep:
     outside the module in microbatch order. The warm-up and cool-down graphs (and
     `paired_ends`' modules) keep the timing-free order. A timed step runs the module through
     `torch.fx.Interpreter`, which frees each value after its last use as the compiled runner
-    does (and keeps none of its outputs past the run). `Calibration(background=True)` is
-    not supported here (a ValueError at the step).
+    does (and keeps none of its outputs past the run). `Calibration(background=True)`: the
+    search runs in a thread beside the next step, and the module it gives is built and takes
+    over at the start of the step after (the same step on every rank); the calibration step
+    then ends with the sync and the costs' agreement only.
 
 
     Example (bit-exact against eager backward per microbatch):
@@ -214,14 +216,14 @@ class GraphStep:
         if paired_ends and not multiplexed:
             raise ValueError("GraphStep.step: paired_ends needs multiplexed=True")
         self._check_inputs(microbatches)
+        if self.order == CALIBRATED:  # a background search's module takes over (the same step on every rank)
+            self._apply(self.calibration.take_plans(wait=False))
         if paired_ends and len(microbatches) == 1:  # a setting that selects nothing: say so
             warnings.warn("GraphStep.step: paired_ends pairs two microbatches; with 1 the step runs F(0) then B(0) unpaired", stacklevel=2)
         facts = {"microbatch count": len(microbatches), "multiplexed": multiplexed, "paired_ends": paired_ends, "graphs": self._graphs_digest}
         agree_across_ranks(self, "GraphStep.step", facts)
         # Every rank times the same step (the facts above agree): the module runs in it.
         timing = self.order == CALIBRATED and multiplexed and self.calibration.active and len(microbatches) >= (3 if paired_ends else 2)
-        if timing and self.calibration.background:
-            raise ValueError("GraphStep: Calibration(background=True) is not supported here (its module is re-planned at the calibration step's end); use background=False")
         self._runs = [] if timing else None
         try:
             losses = self._step(microbatches, multiplexed, paired_ends)
@@ -295,13 +297,21 @@ class GraphStep:
     def _end_calibration(self) -> None:
         """A calibration step's end: one sync, the nodes' costs agreed across the ranks and
         smoothed, the module scheduled again under rule `search`, rebuilt if its order changed."""
-        t0 = time.perf_counter()
         cal = self.calibration
+        self._apply(cal.take_plans(wait=True))  # an earlier calibration step's background search, first
+        t0 = time.perf_counter()
         if cal.group is None:
             cal.group = self.rank_group
         runs, self._runs = [_times(m) for m in self._runs], None
         cal.end_step(runs)
-        plans = cal.plan({"mux": self._mux_table}, ep_budget=self.ep_budget)
+        self._apply(cal.plan({"mux": self._mux_table}, ep_budget=self.ep_budget))  # None: searching in the background
+        cal.end_ms.append((time.perf_counter() - t0) * 1e3)
+
+    def _apply(self, plans: Optional[dict]) -> None:
+        """The calibrated schedule takes over: the module rebuilt when its order changed, then
+        the ranks' orders checked identical. Nothing when `plans` is None."""
+        if plans is None:
+            return
 
         def rebuild(label: str, result: dict) -> None:
             from . import boxed
@@ -310,8 +320,7 @@ class GraphStep:
             self._mux = boxed(self.mux)
             self._graphs_digest = digest([g.sched_lifetime["order"] for g in (self.fwd, self.bwd, self.mux)])
 
-        apply_plans(cal, plans, {"mux": self.mux.sched_lifetime["order"]}, rebuild, what="GraphStep's calibrated order")
-        cal.end_ms.append((time.perf_counter() - t0) * 1e3)
+        apply_plans(self.calibration, plans, {"mux": self.mux.sched_lifetime["order"]}, rebuild, what="GraphStep's calibrated order")
 
     def _step_paired(self, microbatches: list[tuple]) -> list[torch.Tensor]:
         ff, bb = self._paired()
