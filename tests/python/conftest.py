@@ -3,6 +3,11 @@ import sys
 
 # Deterministic cuBLAS for the bit-exact GPU tests (must be set before the first cuBLAS call).
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+# One CPU thread per process: the tests' tensors are tiny, and the two-rank tests spawn ranks
+# that would otherwise each start a thread per core and oversubscribe them (on 2 cores
+# test_train_dist.py took 85 s with torch's default, 55 s with this). Before torch is imported;
+# the spawned ranks inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
