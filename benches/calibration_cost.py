@@ -7,10 +7,11 @@ Per path, three instances of one model (same weights, same microbatches): order 
 `calibrated` with the search in a thread beside the next step (`background=True`, the new order
 from the step after). First a throwaway instance in order `ours` runs one untimed step (kernels and
 allocator warm); then the three, each fresh (its first step builds what any first step builds,
-and the calibrated ones' is their calibration step), run `--steps` rounds, each instance one timed step per round
-(interleaved, a sync around each). The table prints each instance's step 0 (the calibration
+and the calibrated ones' is their calibration step), run `--steps` steps each, one instance
+after the other (a background search runs beside its own instance's next step), a sync around
+each step. The table prints each instance's step 0 (the calibration
 step), step 1 (the background search runs beside it), step 2 (its order takes over) and the
-median of the later steps, each against `ours` in the same round, and the host time of the
+median of the later steps, each against `ours`' step of the same index, and the host time of the
 calibration step's end (`Calibration.end_ms`: the sync, the costs' agreement, and the search when
 not in the background).
 
@@ -86,17 +87,23 @@ def graph_path(cfg, spec: str, dev: torch.device, n: int, steps: int, sync) -> d
 
 
 def _rounds(steps_of: dict, cals: dict, steps: int, sync) -> dict:
-    times: dict[str, list] = {k: [] for k in steps_of}
-    for s in range(steps):
-        for k, step in steps_of.items():
+    """Each instance's steps in a row (a background search then runs beside its own instance's
+    next step, not another's), each step timed alone; whether a search was in flight when the
+    instance's step 1 began."""
+    out = {}
+    for k, step in steps_of.items():
+        times, beside = [], None
+        for s in range(steps):
+            if s == 1:
+                beside = cals[k].planning
             sync()
             t0 = time.perf_counter()
             step(s + 1)
             sync()
-            times[k].append((time.perf_counter() - t0) * 1e3)
-    for cal in cals.values():  # a search still in flight is joined before the process ends
-        cal.take_plans(wait=True)
-    return {k: {"ms": v, "end_ms": list(cals[k].end_ms), "replans": cals[k].replans} for k, v in times.items()}
+            times.append((time.perf_counter() - t0) * 1e3)
+        cals[k].take_plans(wait=True)  # a search still in flight is joined before the process ends
+        out[k] = {"ms": times, "end_ms": list(cals[k].end_ms), "replans": cals[k].replans, "search_beside_step_1": beside}
+    return out
 
 
 def table(title: str, rows: dict) -> str:
@@ -108,6 +115,8 @@ def table(title: str, rows: dict) -> str:
         later_ours = statistics.median(ours[3:]) if len(ours) > 3 else float("nan")
         rel = " / ".join(f"{a / b:.3f}" for a, b in zip(ms[:3] + [later], ours[:3] + [later_ours]))
         end = f"{r['end_ms'][0]:.1f} ms, {r['replans']} re-plan(s)" if r["end_ms"] else "-"
+        if r["search_beside_step_1"]:
+            end += ", search in flight at step 1's start"
         out.append(f"{k:<24}" + "".join(f"{x:>10.1f}" for x in ms[:3] + [later]) + f"   {rel:<31}{end}")
     return "\n".join(out)
 
@@ -117,7 +126,7 @@ def main() -> None:
     ap.add_argument("--config", default="h200", choices=sorted(CONFIGS))
     ap.add_argument("--ep-link", default=None, metavar="host[:K]", help="the EMULATED EP link (default on CUDA: host:8; CPU: the local transport)")
     ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=6, help="timed rounds (>= 4: step 0, 1, 2 and the later ones)")
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per instance (>= 4: step 0, 1, 2 and the later ones)")
     ap.add_argument("--paths", default="nodes,graph_step")
     ap.add_argument("--json")
     a = ap.parse_args()

@@ -108,7 +108,7 @@ def test_background_search_applies_its_orders_two_steps_later_and_stays_bit_exac
     want, ours = _searched(g, costs), sl.schedule(g)["order"]
     assert want != ours
     assert not chunk.calibration.background  # the default: at the step's end
-    chunk.calibration = Calibration(background=True)
+    chunk.calibration = Calibration(background=True, wait_after=1)
     _fake(chunk.calibration, [costs], [])
     assert _step(model, ref, chunk, 0)  # timed; the search starts
     assert chunk.calibration.planning and _pair_executor(chunk)._order == ours
@@ -117,6 +117,41 @@ def test_background_search_applies_its_orders_two_steps_later_and_stays_bit_exac
     assert _step(model, ref, chunk, 2)  # the new orders from here
     assert not chunk.calibration.planning and _pair_executor(chunk)._order == want
     assert chunk.calibration.describe().startswith("calibrated order from step 0's costs")
+
+
+def test_a_background_search_longer_than_a_step_takes_over_when_done_and_no_step_waits_for_it(monkeypatch):
+    """`background=True` (wait_after None): a search still running at the second step after is
+    not waited for; the steps keep the old order until a step starts with it done, and that
+    step takes it over."""
+    import threading
+
+    import sched_lifetime.calibrate as calmod
+
+    model, ref = MoEModel(CONFIGS["tiny"]), MoEModel(CONFIGS["tiny"])
+    chunk = model.chunk()
+    g = chunk.graph(True, True)
+    costs = _costs(g, 1000.0)
+    want, ours = _searched(g, costs), sl.schedule(g)["order"]
+    release = threading.Event()
+    real = calmod.schedule
+
+    def slow(*a, **kw):  # the search thread's calls held until the test lets it finish
+        if threading.current_thread() is not threading.main_thread():
+            release.wait(60)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(calmod, "schedule", slow)
+    chunk.calibration = Calibration(background=True)
+    _fake(chunk.calibration, [costs], [])
+    for k in range(4):  # the calibration step, then three steps the search outlasts
+        assert _step(model, ref, chunk, k)
+        assert chunk.calibration.planning and _pair_executor(chunk)._order == ours, k
+    release.set()
+    chunk.calibration._pending[0].join(60)  # done now; the next step's start takes it over
+    assert _step(model, ref, chunk, 4)
+    assert not chunk.calibration.planning and _pair_executor(chunk)._order == want
+    with pytest.raises(ValueError, match="wait_after must be None or an int >= 1"):
+        Calibration(background=True, wait_after=0)
 
 
 def test_smoothing_weighs_each_step_and_order_ours_stays_timing_free():
@@ -210,7 +245,7 @@ def _two_rank_worker(rank: int, port: int, out: str) -> None:
     # Each rank's own timings differ (rank 1 sees fast links, rank 0 slow ones).
     mine = _costs(g, 1000.0) if rank == 0 else _costs(g, 10.0, bump="F.L0.attn")
     agreed = {k: max(_costs(g, 1000.0)[k], _costs(g, 10.0, bump="F.L0.attn")[k]) for k in mine}
-    chunk.calibration = Calibration(steps=1, background=True)
+    chunk.calibration = Calibration(steps=1, background=True, wait_after=1)
     _fake(chunk.calibration, [mine], [])
     for step in range(3):  # the search in the background: its orders from step 2 on
         model.zero_grad(set_to_none=True)
@@ -304,7 +339,7 @@ def test_graph_step_calibrated_order_follows_measured_costs_and_stays_bit_exact(
         p.grad = None  # budgeted's step accumulated here
     bg = slc.GraphStep(m, tuple(m.batch(0, 0).values()), ep_budget=2)
     old = bg.mux
-    bg.calibration = Calibration(steps=1, smoothing=1.0, background=True)
+    bg.calibration = Calibration(steps=1, smoothing=1.0, background=True, wait_after=1)
     _fake(bg.calibration, [slow], [])
     for k in range(4):
         mbs = [tuple(m.batch(k, i).values()) for i in range(3)]
@@ -314,6 +349,18 @@ def test_graph_step_calibrated_order_follows_measured_costs_and_stays_bit_exact(
         else:
             assert bg.mux.sched_lifetime["order"] == budgeted.mux.sched_lifetime["order"] and bg.calibration.replans == 1, k
             assert not bg.calibration.planning and bg._runs is None
+    # Two background calibration steps: the second step's end applies the first's search
+    # before it starts its own, whose order takes over two steps later.
+    two = slc.GraphStep(m, tuple(m.batch(0, 0).values()))
+    two.calibration = Calibration(steps=2, smoothing=1.0, background=True, wait_after=1)
+    _fake(two.calibration, [slow, fast], [])
+    for k in range(4):
+        mbs = [tuple(m.batch(k, i).values()) for i in range(3)]
+        assert_matches_eager(two.step(mbs), m, ref, mbs, f"two background steps, step {k}")
+        want = {0: None, 1: want_slow, 2: want_slow, 3: want_fast}[k]
+        if want is not None:
+            assert two.mux.sched_lifetime["order"] == want, k
+    assert two.calibration.from_step == 1 and two.calibration.replans == 2
     for p in m.parameters():
         p.grad = None
     # Timing-free: nothing timed, the order rule ours gives.

@@ -69,12 +69,19 @@ def test_options_are_checked():
         slc.check_options({"partition": "auto"})
     with pytest.raises(ValueError, match="paging=True with cudagraphs=True is not supported"):
         slc.check_options({"paging": True, "cudagraphs": True})
-    for k, v in (("paging_budget", 1.5), ("paging_budget", "half"), ("paging_prefetch", -1), ("paging_buffers", 0), ("paging_min_bytes", 1.0), ("paging_timed", 1), ("paging_slack", 0.5), ("paging_two_way", 1), ("paging_slack", True), ("paging_budget", True), ("paging_prefetch", True)):
+    for k, v in (("paging_budget", 1.5), ("paging_budget", "half"), ("paging_prefetch", -1), ("paging_buffers", 0), ("paging_min_bytes", 1.0), ("paging_timed", 1), ("paging_slack", 0.5), ("paging_two_way", 1), ("paging_count_host", 1), ("paging_slack", True), ("paging_budget", True), ("paging_prefetch", True)):
         with pytest.raises(ValueError, match=f"option '{k}' must be"):
             slc.check_options({"paging": True, k: v})
     with pytest.raises(ValueError, match="'cudagraphs' must be a bool"):
         slc.check_options({"cudagraphs": 1})
     assert "sched_lifetime" in torch._dynamo.list_backends()
+    # The host-time rule reaches each run slot's Pager (on by default, off by the option).
+    from sched_lifetime.compile.paging_pass import GraphPager
+
+    for on in (True, False):
+        gp = GraphPager(0.5, timed=True, count_host=on)
+        assert gp.begin_forward().pager._calib.count_host is on
+    assert slc.check_options({"paging": True})["paging_count_host"] is True
 
 
 PAGING = {"paging": True, "paging_budget": 1.0, "paging_min_bytes": 0}

@@ -98,8 +98,9 @@ def test_a_timed_pagers_calibration_measures_the_host_time_of_a_page_out_on_cuda
     pager = sl.Pager(1.0, min_bytes=1)
     for _ in range(3):
         with pager.step():
-            torch.tanh(x @ w).sum().backward()
+            torch.tanh((x * 2) @ w).sum().backward()  # the matmul saves x * 2: an activation, 16 KiB
     host = pager.calibration["timing"]["page_host_us"]
     assert host > 0
-    # 16 KiB tensors copy in well under a microsecond at tens of GB/s: each is kept for host time.
-    assert not pager.plan["page"] and any("us of host time" in line for line in pager.plan["explain"]), pager.explain()
+    # 16 KiB copies in well under a microsecond at tens of GB/s: kept for host time, and said.
+    kept = [line for line in pager.plan["explain"] if "us of host time" in line]
+    assert kept and f"{host:.1f} us of host time" in kept[0], pager.explain()

@@ -77,7 +77,11 @@ class Calibration:
     search runs at the calibration step's end and applies from the next step. True: it runs
     in a thread (the op releases the GIL) while the next step runs in the old order, and the
     new orders apply from the step after it, on every rank at the same step (the calibration
-    step's own extra is then the events, one sync and the agreement); the thread must be
+    step's own extra is then the events, one sync and the agreement): from the second step
+    after, each step's start asks every rank whether its search is done (one small collective
+    while one is in flight) and the orders take over at the first step where all are, so a
+    search longer than a step never makes a step wait; `wait_after=N`: the step start waits for
+    it once N steps ran beside it (1: always the second step after). The thread must be
     joined before the process ends (a thread left running at exit aborted spawned ranks in
     CI, 1 run in 4: hence the default). `group`:
     the process group whose ranks must agree (None: the chunk's `rank_group`, itself None for
@@ -99,7 +103,9 @@ class Calibration:
         True
     """
 
-    def __init__(self, steps: int = 1, smoothing: float = 0.5, group: Any = None, background: bool = False) -> None:
+    def __init__(
+        self, steps: int = 1, smoothing: float = 0.5, group: Any = None, background: bool = False, wait_after: Optional[int] = None
+    ) -> None:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"calibration steps must be an int >= 1, got {steps!r} (to time nothing, use order='ours')")
         if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0.0 < float(smoothing) <= 1.0:
@@ -107,7 +113,10 @@ class Calibration:
         self.steps = steps
         self.smoothing = float(smoothing)
         self.group = group
+        if wait_after is not None and (isinstance(wait_after, bool) or not isinstance(wait_after, int) or wait_after < 1):
+            raise ValueError(f"calibration wait_after must be None or an int >= 1 (steps beside a background search), got {wait_after!r}")
         self.background = bool(background)
+        self.wait_after = wait_after
         # The search in flight: (thread, its result holder, the step whose costs it uses, the
         # steps begun since it started).
         self._pending: Optional[list] = None
@@ -210,20 +219,36 @@ class Calibration:
         return None
 
     def take_plans(self, wait: bool) -> Optional[dict[str, dict]]:
-        """At a step's start: the background search's schedules once a whole step has run
-        beside it (`wait`: now, whatever the steps; every rank takes them at the same step), else
-        None (one more step begun)."""
+        """At a step's start (`wait=False`): the background search's schedules once a whole
+        step has run beside it, else None (one more step begun); every rank takes them at the
+        same step. `wait=True`: now, whatever the steps (a calibration step's end applies an
+        earlier search's first). The caller applies what it gets: called only to join the
+        thread before the process ends, the orders are dropped."""
         if self._pending is None:
             return None
-        if not wait and self._pending[3] < 1:
+        if not wait:
             self._pending[3] += 1
-            return None
+            beside = self._pending[3] - 1  # steps run beside the search so far
+            if beside < 1:
+                return None
+            if not self._all_done() and (self.wait_after is None or beside < self.wait_after):
+                return None  # one more step beside it, on every rank
         t, holder, _, _ = self._pending
         t.join()
         self._pending = None
         if "error" in holder:
             raise holder["error"]
         return holder["plans"]
+
+    def _all_done(self) -> bool:
+        """Whether the background search has finished on every rank of `group` (one small
+        collective when torch.distributed is initialized: every rank asks at the same step)."""
+        done = not self._pending[0].is_alive()
+        if not (dist.is_available() and dist.is_initialized()):
+            return done
+        got: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(got, done, group=self.group)
+        return all(got)
 
     @property
     def planning(self) -> bool:

@@ -295,8 +295,10 @@ class GraphStep:
         return out
 
     def _end_calibration(self) -> None:
-        """A calibration step's end: one sync, the nodes' costs agreed across the ranks and
-        smoothed, the module scheduled again under rule `search`, rebuilt if its order changed."""
+        """A calibration step's end: an earlier calibration step's background search applied
+        first, then one sync, the nodes' costs agreed across the ranks and smoothed, and the
+        module scheduled again under rule `search` (rebuilt if its order changed), or, with
+        `background=True`, that search started in a thread (`step` applies it two steps on)."""
         cal = self.calibration
         self._apply(cal.take_plans(wait=True))  # an earlier calibration step's background search, first
         t0 = time.perf_counter()

@@ -64,7 +64,7 @@ def _calibration_of(home: Chunk, fchunk: Optional[Chunk], bchunk: Optional[Chunk
     cal = home._pair_calibrations.get(id(fchunk))
     if cal is None:
         base = home.calibration
-        cal = home._pair_calibrations[id(fchunk)] = Calibration(base.steps, base.smoothing, base.group, base.background)
+        cal = home._pair_calibrations[id(fchunk)] = Calibration(base.steps, base.smoothing, base.group, base.background, base.wait_after)
     return cal
 
 

@@ -35,8 +35,9 @@ def page_plan(prefix: list[dict], budget: Budget, min_distance: int = 1, timing:
     under `budget` (fraction of the live bytes, bytes, or a dict), furthest backward use first,
     never within `min_distance` backward steps of its use. With a measured `timing`
     (`{"save_us", "unpack_us", "d2h_bytes_per_us", "h2d_bytes_per_us", "slack"}`, and for
-    page-outs and page-ins on two streams `"both_bytes_per_us"`) only what hides under the
-    forward and lowers the planned peak, with release and page-in points (`release_at`: a save
+    page-outs and page-ins on two streams `"both_bytes_per_us"`; `"page_host_us"`: the host
+    time of a page-out and its page-in, a tensor whose copy is shorter stays) only what hides
+    under the forward and lowers the planned peak, with release and page-in points (`release_at`: a save
     index, or the number of saves plus an unpack index for a two-way page-out released in the
     backward; `launch_at`). What `Pager` and `Chunk.enable_paging` call.
 
@@ -110,25 +111,29 @@ def link_rates(dev: torch.device, mib: int = 64, reps: int = 2) -> LinkRates:
 def page_host_us(dev: torch.device, two_way: bool = False, nbytes: int = 1 << 16, reps: int = 32) -> float:
     """Host time, us, of one page-out and its page-in through a `HostPool` on `dev` (the pool's
     calls a pager makes per paged tensor: page-out, release, page-in launch, the compute
-    stream's wait): the median of `reps` rounds of an `nbytes` tensor after a warm-up, timed
-    with the host clock (the copies themselves run on the GPU meanwhile). A lower bound of what
-    a paged tensor costs a step's host thread: the hooks around these calls add to it."""
+    stream's wait): the fastest of `reps` rounds of an `nbytes` tensor after a warm-up, timed
+    with the host clock (the copies themselves run on the GPU meanwhile; the fastest, since a
+    busy host only adds to it). A lower bound of what a paged tensor costs a step's host
+    thread: the hooks around these calls add to it."""
     from .pool import HostPool  # pool -> release -> lifetime: loaded when first measured
 
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise ValueError(f"page_host_us: reps must be an int >= 1, got {reps!r}")
     t = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     pool = HostPool([nbytes], dev, drain_distance=1, two_way=two_way)
-    times = []
-    for i in range(reps + 4):  # four warm-up rounds
-        t0 = time.perf_counter()
-        p = pool.page_out(t)
-        pool.drain()
-        out, ev = pool.page_in_launch(p)
-        pool.page_wait(ev)
-        pool.recycle(ev)
-        if i >= 4:
-            times.append((time.perf_counter() - t0) * 1e6)
-        del out
-    if dev.type == "cuda":
-        torch.cuda.current_stream(dev).synchronize()  # the buffers go with the pool: copies done first
-    times.sort()
-    return times[len(times) // 2]
+    best = float("inf")
+    try:
+        for i in range(reps + 4):  # four warm-up rounds
+            t0 = time.perf_counter()
+            p = pool.page_out(t)
+            pool.drain()
+            out, ev = pool.page_in_launch(p)
+            pool.page_wait(ev)
+            pool.recycle(ev)
+            if i >= 4:
+                best = min(best, (time.perf_counter() - t0) * 1e6)
+            del out
+    finally:
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()  # the buffers go with the pool: copies done first
+    return best
