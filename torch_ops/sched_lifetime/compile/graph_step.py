@@ -121,11 +121,11 @@ class GraphStep:
     changed (the ranks then check their orders are identical); later steps time nothing.
     Numerics do not change: every order keeps the graphs' edges, and gradients accumulate
     outside the module in microbatch order. The warm-up and cool-down graphs (and
-    `paired_ends`' modules) keep the timing-free order. A timed step runs the module through
-    `torch.fx.Interpreter`, which frees each value after its last use as the compiled runner
-    does (and keeps none of its outputs past the run). `Calibration(background=True)`: the
-    search runs in a thread beside the next step, and the module it gives is built and takes
-    over at the start of the step after (the same step on every rank); the calibration step
+    `paired_ends`' modules) keep the timing-free order. A timed step runs a copy of the module with a tick
+    (an event, or the host clock on CPU) before and after each node, compiled like the module
+    (each value freed at its last use). `Calibration(background=True)`: the
+    search runs in a thread beside the next steps, and the module it gives is built and takes
+    over at the start of the first step that finds every rank's search done; the calibration step
     then ends with the sync and the costs' agreement only.
 
 
@@ -183,6 +183,7 @@ class GraphStep:
         self.rank_group: Any = None
         self._rank_agreed: Optional[str] = None
         self._runs: Optional[list] = None  # a calibration step's timed runs of the module
+        self._timed_mux: Optional[tuple] = None  # (the module, its timed runner), made at the first timed run
         self._graphs_digest = digest([g.sched_lifetime["order"] for g in (self.fwd, self.bwd, self.mux)])
 
     def _forward(self, inputs: tuple) -> tuple:
@@ -288,10 +289,15 @@ class GraphStep:
         if self._runs is None:
             return self._mux(args)
         dev = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
-        timed = _TimedRun(self.mux, self.mux.sched_lifetime["ir_names"], dev)
-        out = timed.boxed_run(args)
-        timed.env = {}  # the interpreter keeps its output entry: drop it (the caller holds the outputs)
-        self._runs.append(timed.marks)
+        if self._timed_mux is None or self._timed_mux[0] is not self.mux:
+            self._timed_mux = (self.mux, _timed_runner(self.mux))
+        timer = _Timer(torch.cuda.current_stream(dev) if dev is not None else None)
+        _TIMERS[_TIMED_KEY] = timer
+        try:
+            out = self._timed_mux[1](args)
+        finally:
+            _TIMERS.pop(_TIMED_KEY, None)
+        self._runs.append(timer.marks)
         return out
 
     def _end_calibration(self) -> None:
@@ -356,32 +362,61 @@ def _meta(m: Optional[tuple]) -> str:
     return "not a tensor" if m is None else f"shape {list(m[0])} {str(m[1]).replace('torch.', '')}"
 
 
-class _TimedRun(fx.Interpreter):
-    """One run of a multiplexed module with every call node timed (us, by its IR name): CUDA
-    events recorded around the node on the device's current stream (read after one sync,
-    `_times`), or the host clock on CPU (`device` None)."""
+#: The timer of the timed run in progress (one at a time: GraphStep runs its module on the
+#: calling thread), by the key the timed module's tick nodes carry.
+_TIMERS: dict[int, "_Timer"] = {}
+_TIMED_KEY = 0
 
-    def __init__(self, gm: fx.GraphModule, ir_names: dict, device: Optional[torch.device]) -> None:
-        super().__init__(gm)
-        self.ir_names = ir_names
-        self.stream = torch.cuda.current_stream(device) if device is not None else None
+
+class _Timer:
+    """One timed run's marks by IR name: CUDA event pairs recorded on `stream` (read after one
+    sync, `_times`), or host-clock microseconds on CPU (`stream` None)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
         self.marks: dict[str, Any] = {}
+        self._open: dict[str, Any] = {}
 
-    def run_node(self, n: fx.Node) -> Any:
-        name = self.ir_names.get(n.name) if n.op == "call_function" else None
-        if name is None:
-            return super().run_node(n)
-        if self.stream is not None:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record(self.stream)
-            out = super().run_node(n)
-            b.record(self.stream)
-            self.marks[name] = (a, b)
-        else:
-            t0 = time.perf_counter()
-            out = super().run_node(n)
-            self.marks[name] = (time.perf_counter() - t0) * 1e6
-        return out
+
+def _tick(key: int, name: str, end: bool) -> None:
+    """A tick node of a timed module: the start or the end of node `name`."""
+    t = _TIMERS[key]
+    if t.stream is not None:
+        now: Any = torch.cuda.Event(enable_timing=True)
+        now.record(t.stream)
+    else:
+        now = time.perf_counter()
+    if not end:
+        t._open[name] = now
+    elif t.stream is not None:
+        t.marks[name] = (t._open.pop(name), now)
+    else:
+        t.marks[name] = (now - t._open.pop(name)) * 1e6
+
+
+# Tick nodes return nothing and have no users: dead-code elimination must keep them.
+fx.node._side_effectful_functions.add(_tick)
+
+
+def _timed_runner(mux: fx.GraphModule) -> Callable:
+    """`mux` with a tick before and after each node that has an IR name, compiled like the
+    module itself (boxed: each value still freed at its last use), so a timed run costs the
+    host the ticks only, not an interpreter's per-node work."""
+    from . import boxed
+
+    names = mux.sched_lifetime["ir_names"]
+    g = fx.Graph()
+    env: dict = {}
+    for n in mux.graph.nodes:
+        name = names.get(n.name) if n.op == "call_function" else None
+        if name is not None:
+            g.call_function(_tick, (_TIMED_KEY, name, False))
+        env[n] = g.node_copy(n, lambda x: env[x])
+        if name is not None:
+            g.call_function(_tick, (_TIMED_KEY, name, True))
+    timed = fx.GraphModule(mux, g)
+    timed.sched_lifetime = {}
+    return boxed(timed)
 
 
 def _times(marks: dict) -> dict[str, float]:
