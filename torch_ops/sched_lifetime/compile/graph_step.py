@@ -291,12 +291,12 @@ class GraphStep:
         dev = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
         if self._timed_mux is None or self._timed_mux[0] is not self.mux:
             self._timed_mux = (self.mux, _timed_runner(self.mux))
-        timer = _Timer(torch.cuda.current_stream(dev) if dev is not None else None)
-        _TIMERS[_TIMED_KEY] = timer
+        global _TIMER
+        timer = _TIMER = _Timer(torch.cuda.current_stream(dev) if dev is not None else None)
         try:
             out = self._timed_mux[1](args)
         finally:
-            _TIMERS.pop(_TIMED_KEY, None)
+            _TIMER = None
         self._runs.append(timer.marks)
         return out
 
@@ -363,9 +363,8 @@ def _meta(m: Optional[tuple]) -> str:
 
 
 #: The timer of the timed run in progress (one at a time: GraphStep runs its module on the
-#: calling thread), by the key the timed module's tick nodes carry.
-_TIMERS: dict[int, "_Timer"] = {}
-_TIMED_KEY = 0
+#: calling thread); the timed module's tick nodes record into it.
+_TIMER: Optional["_Timer"] = None
 
 
 class _Timer:
@@ -378,9 +377,9 @@ class _Timer:
         self._open: dict[str, Any] = {}
 
 
-def _tick(key: int, name: str, end: bool) -> None:
+def _tick(name: str, end: bool) -> None:
     """A tick node of a timed module: the start or the end of node `name`."""
-    t = _TIMERS[key]
+    t = _TIMER
     if t.stream is not None:
         now: Any = torch.cuda.Event(enable_timing=True)
         now.record(t.stream)
@@ -410,10 +409,10 @@ def _timed_runner(mux: fx.GraphModule) -> Callable:
     for n in mux.graph.nodes:
         name = names.get(n.name) if n.op == "call_function" else None
         if name is not None:
-            g.call_function(_tick, (_TIMED_KEY, name, False))
+            g.call_function(_tick, (name, False))
         env[n] = g.node_copy(n, lambda x: env[x])
         if name is not None:
-            g.call_function(_tick, (_TIMED_KEY, name, True))
+            g.call_function(_tick, (name, True))
     timed = fx.GraphModule(mux, g)
     timed.sched_lifetime = {}
     return boxed(timed)
