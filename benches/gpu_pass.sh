@@ -30,8 +30,8 @@
 #                                       # one vs two page streams at 65536 tokens (issue 32)
 #   bash benches/gpu_pass.sh calib2 OUT # nvidia-h200-x2: the main job over NCCL, ours vs calibrated
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|final OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|final OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|final OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|final OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -237,6 +237,25 @@ gscal)
     step cuda_calibrate 100 "$py" -m pytest -q -m cuda -rs tests/python/test_calibrate.py -p no:logging
     step graph_step_link 200 "$py" benches/compile_ab.py --config h200 --ep-link host:8 --graph-step 4 --steps 4 --out "$out"
     ;;
+s6a)
+    # Issue 27: where a paged tensor's host time goes (each CUDA primitive of a page-out and its
+    # page-in, one page stream and two), and two page streams on the GPU-bound Qwen3-MoE config
+    # at budget 1.0 / slack 1.15 and 1.2 beside one stream at 1.15. Issue 31: GraphStep's
+    # calibration step with the tick nodes (instead of torch.fx.Interpreter) and its cuda test.
+    export PYTHONUNBUFFERED=1
+    step page_host_parts 60 "$py" benches/page_host_parts.py --json "$out/page_host_parts.json"
+    step page_host_parts_two_way 60 "$py" benches/page_host_parts.py --two-way --json "$out/page_host_parts_two_way.json"
+    big=hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024
+    for arm in '1.15 false' '1.15 true' '1.2 true'; do
+        set -- $arm
+        step hf_qwen_big_b1s$1_tw$2 75 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --determinism warn \
+            --set "$big" --arms compiled,paging --paging "{\"paging_budget\": 1.0, \"paging_slack\": $1, \"paging_two_way\": $2}" \
+            --out "$out/hf_qwen_big_b1s$1_tw$2.json"
+    done
+    step calibration_cost_graph_step 140 "$py" benches/calibration_cost.py --config h200 --ep-link host:8 --microbatches 8 --steps 7 \
+        --paths graph_step --json "$out/calibration_cost_graph_step.json"
+    step cuda_calibrate 80 "$py" -m pytest -q -m cuda -rs -p no:logging tests/python/test_calibrate.py
+    ;;
 s5a)
     # Issue 27: the GPU-bound Qwen3-MoE config (fast attention), paging budget 1.0 at the default
     # slack and at slack 1.0, each against compiled in its own run. Issue 32: page nodes, one page
@@ -334,7 +353,7 @@ s4e)
     # EMULATED link, EP=8: sequential, calibrated, ours, paired ends), with rule search's
     # launch-wait model.
     export PYTHONUNBUFFERED=1
-    step cuda_calibrate 90 "$py" -m pytest -q -m cuda -rs tests/python/test_calibrate.py -p no:logging
+    step cuda_calibrate 80 "$py" -m pytest -q -m cuda -rs tests/python/test_calibrate.py -p no:logging
     step graph_step_link 360 "$py" benches/compile_ab.py --config h200 --ep-link host:8 --graph-step 4 --steps 3 --out "$out"
     ;;
 s4d)

@@ -372,6 +372,47 @@ def test_graph_step_calibrated_order_follows_measured_costs_and_stays_bit_exact(
         slc.GraphStep(m, tuple(m.batch(0, 0).values()), order="search")
 
 
+def test_graph_step_builds_its_timed_module_before_the_steps_that_time_it(monkeypatch):
+    """The timed copy of the multiplexed module (a tick around each node) is generated when the
+    module is built (construction, a re-plan while calibration steps remain), never inside a
+    timed run: its code generation took about as long as a step on the H200 (calibration step
+    1.54x with it inside, benches/calibration_cost.py). Order "ours" never builds one."""
+    from dataclasses import replace
+
+    from sched_lifetime import compile as slc
+    from sched_lifetime.compile import graph_step
+    from sched_lifetime.ep_link import HostLinkAllToAll
+    from sched_lifetime.ep import AllToAll
+
+    built: list = []
+    real = graph_step._timed_runner
+    cfg = replace(CONFIGS["tiny"], capacity_factor=1.0)
+    ref, m = MoEModel(cfg, AllToAll(), seed=0), MoEModel(cfg, HostLinkAllToAll(2, device="cpu", min_chunk_bytes=0), seed=0)
+    holder: dict = {}
+
+    def runner(mux):
+        built.append((mux, holder["gs"]._runs if "gs" in holder else None))
+        return real(mux)
+
+    monkeypatch.setattr(graph_step, "_timed_runner", runner)
+    gs = holder["gs"] = slc.GraphStep(m, tuple(m.batch(0, 0).values()))
+    assert [b[0] for b in built] == [gs.mux] and gs._timed_mux[0] is gs.mux
+    g = gs._mux_table
+    slow, fast = _costs(g, 1000.0, compute=1.0), _costs(g, 10.0)
+    gs.calibration = Calibration(steps=3, smoothing=1.0)
+    _fake(gs.calibration, [slow, slow, fast], [])
+    for k in range(4):
+        mbs = [tuple(m.batch(k, i).values()) for i in range(3)]
+        assert_matches_eager(gs.step(mbs), m, ref, mbs, f"step {k}")
+    # Re-planned twice (steps 0 and 2); a new timed module only after step 0's, when a
+    # calibration step was still to come; none during a timed run.
+    assert gs.calibration.replans == 2 and len(built) == 2, built
+    assert all(runs is None for _, runs in built)
+    built.clear()
+    slc.GraphStep(m, tuple(m.batch(0, 0).values()), order="ours").step([tuple(m.batch(0, i).values()) for i in range(3)])
+    assert built == []
+
+
 @pytest.mark.cuda
 def test_graph_step_calibration_on_cuda_times_with_events_and_stays_bit_exact():
     """On a GPU the calibration step times the module's nodes with CUDA events (positive

@@ -183,7 +183,13 @@ class GraphStep:
         self.rank_group: Any = None
         self._rank_agreed: Optional[str] = None
         self._runs: Optional[list] = None  # a calibration step's timed runs of the module
-        self._timed_mux: Optional[tuple] = None  # (the module, its timed runner), made at the first timed run
+        # (the module, its timed runner): made here for a calibrated order and again when the
+        # module is rebuilt while calibration steps remain, so no step pays for the timed
+        # module's code generation (about as long as a step on the H200); a calibration that
+        # restarts later builds it at its first timed run.
+        self._timed_mux: Optional[tuple] = None
+        if order == CALIBRATED:
+            self._timed_mux = (self.mux, _timed_runner(self.mux))
         self._graphs_digest = digest([g.sched_lifetime["order"] for g in (self.fwd, self.bwd, self.mux)])
 
     def _forward(self, inputs: tuple) -> tuple:
@@ -327,6 +333,8 @@ class GraphStep:
             self.mux = build(self.graphs["fwd"], self.graphs["bwd"], self._mux_table, result)
             self._mux = boxed(self.mux)
             self._graphs_digest = digest([g.sched_lifetime["order"] for g in (self.fwd, self.bwd, self.mux)])
+            if self.calibration.active:  # the next calibration step times the new module
+                self._timed_mux = (self.mux, _timed_runner(self.mux))
 
         apply_plans(self.calibration, plans, {"mux": self.mux.sched_lifetime["order"]}, rebuild, what="GraphStep's calibrated order")
 
