@@ -30,8 +30,8 @@
 #                                       # one vs two page streams at 65536 tokens (issue 32)
 #   bash benches/gpu_pass.sh calib2 OUT # nvidia-h200-x2: the main job over NCCL, ours vs calibrated
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|final OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|final OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|final OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|final OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -236,6 +236,48 @@ gscal)
     # emulated link (EP=8), calibrated vs the timing-free order, in one table.
     step cuda_calibrate 100 "$py" -m pytest -q -m cuda -rs tests/python/test_calibrate.py -p no:logging
     step graph_step_link 200 "$py" benches/compile_ab.py --config h200 --ep-link host:8 --graph-step 4 --steps 4 --out "$out"
+    ;;
+s6c)
+    # Issue 27: the page copies' raw event calls against torch.cuda's wrappers in one process
+    # (page_host_us alternating), and the GPU-bound Qwen3-MoE config at budget 1.0 / slack 1.1
+    # twice more, slack 1.05, and slack 1.1 with 4 MiB min_bytes. Issue 31: GraphStep's
+    # calibration step timing one run of the module instead of every run.
+    export PYTHONUNBUFFERED=1
+    step page_host_parts 80 "$py" benches/page_host_parts.py --json "$out/page_host_parts.json"
+    step calibration_cost_graph_step 140 "$py" benches/calibration_cost.py --config h200 --ep-link host:8 --microbatches 8 --steps 7 \
+        --paths graph_step --json "$out/calibration_cost_graph_step.json"
+    big=hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024
+    for arm in b1s1.1 b1s1.1r b1s1.05 b1s1.1m4; do
+        case $arm in
+            b1s1.1|b1s1.1r) js='{"paging_budget": 1.0, "paging_slack": 1.1}';;
+            b1s1.05) js='{"paging_budget": 1.0, "paging_slack": 1.05}';;
+            b1s1.1m4) js='{"paging_budget": 1.0, "paging_slack": 1.1, "paging_min_bytes": 4194304}';;
+        esac
+        step hf_qwen_big_$arm 75 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --determinism warn \
+            --set "$big" --arms compiled,paging --paging "$js" --out "$out/hf_qwen_big_$arm.json"
+    done
+    ;;
+s6b)
+    # Issue 27: a page copy's event calls without torch.cuda's Python wrappers: the paging cuda
+    # tests, a page-out and its page-in's host time by primitive with this tree and with the
+    # previous commit's paging (.ab_old/torch_ops, when present), the GPU-bound Qwen3-MoE config
+    # at the defaults and at budget 1.0 / slack 1.15 and 1.1. Issue 31: GraphStep's calibration
+    # step with its timed module built in advance.
+    export PYTHONUNBUFFERED=1
+    step paging_cuda_tests 120 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_paging_plan.py tests/python/test_paging_pager.py \
+        tests/python/test_paging_pool.py tests/python/test_paging_slot_order.py tests/python/test_paging_groups.py tests/python/test_calibrate.py
+    step page_host_parts 50 "$py" benches/page_host_parts.py --json "$out/page_host_parts.json"
+    if [ -d "$here/.ab_old/torch_ops" ]; then
+        PYTHONPATH="$here/.ab_old/torch_ops" step page_host_parts_old 50 "$py" benches/page_host_parts.py --json "$out/page_host_parts_old.json"
+    fi
+    step calibration_cost_graph_step 140 "$py" benches/calibration_cost.py --config h200 --ep-link host:8 --microbatches 8 --steps 7 \
+        --paths graph_step --json "$out/calibration_cost_graph_step.json"
+    big=hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024
+    for arm in default b1s1.15 b1s1.1; do
+        case $arm in default) js='{}';; b1s1.15) js='{"paging_budget": 1.0, "paging_slack": 1.15}';; b1s1.1) js='{"paging_budget": 1.0, "paging_slack": 1.1}';; esac
+        step hf_qwen_big_$arm 75 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --determinism warn \
+            --set "$big" --arms compiled,paging --paging "$js" --out "$out/hf_qwen_big_$arm.json"
+    done
     ;;
 s6a)
     # Issue 27: where a paged tensor's host time goes (each CUDA primitive of a page-out and its

@@ -10,6 +10,7 @@ prints tables, --json writes the figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import importlib.util
 import io
@@ -24,6 +25,7 @@ import torch
 if importlib.util.find_spec("sched_lifetime") is None:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_ops"))
 import sched_lifetime as sl  # noqa: E402
+from sched_lifetime.paging import streams  # noqa: E402
 from sched_lifetime.paging.plan import page_host_us  # noqa: E402
 
 
@@ -38,6 +40,35 @@ def per_call_us(fn, reps: int) -> float:
         out.append((time.perf_counter() - t0) * 1e6 / reps)
         torch.cuda.synchronize()
     return sorted(out)[2]
+
+
+@contextlib.contextmanager
+def event_calls(kind: str):
+    """The paging modules' event calls: "raw" (as shipped) or "wrappers" (torch.cuda's Python
+    methods, as before), swapped in the modules that bound them at import."""
+    if kind == "raw":
+        yield
+        return
+    from sched_lifetime.paging import pool, release, slot_order
+
+    saved = [(m, n, getattr(m, n)) for m, n in ((streams, "record"), (streams, "wait"), (pool, "record"), (pool, "wait"), (release, "query"), (release, "capturing"))]
+    init = slot_order.SlotOrder.__init__
+
+    def wrapped_init(self, *args, **kw):
+        init(self, *args, **kw)
+        self._record, self._wait = (lambda e, st: e.record(st)), (lambda e, st: st.wait_event(e))
+        self._capturing = torch.cuda.is_current_stream_capturing
+
+    try:
+        for m in (streams, pool):
+            m.record, m.wait = (lambda e, st: e.record(st)), (lambda e, st: st.wait_event(e))
+        release.query, release.capturing = (lambda e: e.query()), torch.cuda.is_current_stream_capturing
+        slot_order.SlotOrder.__init__ = wrapped_init
+        yield
+    finally:
+        for m, n, v in saved:
+            setattr(m, n, v)
+        slot_order.SlotOrder.__init__ = init
 
 
 def main() -> None:
@@ -91,6 +122,8 @@ def main() -> None:
         m.close()
 
     parts["LifetimeManager: new + bind + retire + acquire + finalize + close"] = manager
+    parts["Event.record through streams.record (raw)"] = lambda: streams.record(ev, comp)
+    parts["Stream.wait_event through streams.wait (raw)"] = lambda: streams.wait(ev, side)
     rows = {}
     for name, fn in parts.items():
         if fn is None:
@@ -100,6 +133,16 @@ def main() -> None:
     print(f"host time per call, us (H2D/D2H of {a.nbytes} bytes, two_way={a.two_way}, torch {torch.__version__}, {torch.cuda.get_device_name(dev)})")
     for name, us in rows.items():
         print(f"{us:9.2f}  {name}")
+    # The pool's event calls raw (as it makes them) against torch.cuda's Python wrappers (as it
+    # made them before), alternating in this process: the fastest of 64 rounds, 7 times each.
+    ab: dict = {"raw": [], "wrappers": []}
+    for _ in range(7):
+        for kind in ab:
+            with event_calls(kind):
+                ab[kind].append(page_host_us(dev, a.two_way, a.nbytes, reps=64))
+    print("page_host_us by event calls, us (7 alternating measurements each): " + "; ".join(
+        f"{k}: median {sorted(v)[3]:.1f}, min {min(v):.1f}" for k, v in ab.items()))
+    rows.update({f"page_host_us, {k} event calls (median of 7)": sorted(v)[3] for k, v in ab.items()})
     cp = cProfile.Profile()
     cp.enable()
     for _ in range(500):

@@ -283,7 +283,7 @@ def test_two_gloo_ranks_with_different_local_timings_agree_on_one_order(tmp_path
 
 def test_graph_step_calibrated_order_follows_measured_costs_and_stays_bit_exact():
     """GraphStep's default order "calibrated": the multiplexed module's nodes are timed in the
-    first steps (every node, every run of the module in the step), the module is rebuilt in
+    first steps (every node, in one of the module's runs of the step), the module is rebuilt in
     rule search's order for those costs, kept when the costs give the same order, and later
     steps time nothing; losses and gradients stay bit-exact with eager microbatch by
     microbatch; order "ours" times nothing."""
@@ -311,7 +311,7 @@ def test_graph_step_calibrated_order_follows_measured_costs_and_stays_bit_exact(
         assert_matches_eager(gs.step(mbs), m, ref, mbs, f"step {k}")
 
     step(0)
-    assert len(seen[0]) == 2  # the module ran twice: F(1)+B(0), F(2)+B(1)
+    assert len(seen[0]) == 1  # the module ran twice (F(1)+B(0), F(2)+B(1)): the second run timed
     timed = {n for run in seen[0] for n in run}
     assert timed == names  # every node of the module's table
     assert all(us >= 0 for run in seen[0] for us in run.values())

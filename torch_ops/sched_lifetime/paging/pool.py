@@ -21,6 +21,7 @@ from .paged import Paged, _check_restorable
 from .release import Releases
 from .slot_order import SlotOrder
 from .slots import HostSlots
+from .streams import record, wait
 
 
 def wait_us(marks: list[tuple]) -> float:
@@ -118,11 +119,14 @@ class HostPool(HostSlots, Releases):
         ev = None
         if p.device.type == "cuda":
             comp, page = alloc_stream if alloc_stream is not None else self.current_stream(), self.page_in_stream
-            prev = self._on(comp)
-            try:
+            if alloc_stream is None:  # allocated on the current stream: no switch
                 out = torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=p.device)
-            finally:
-                self._back(prev)
+            else:
+                prev = self._on(comp)
+                try:
+                    out = torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=p.device)
+                finally:
+                    self._back(prev)
             self._after(page, comp)
             order = self.slot_order
             order.before(p.slot, page)
@@ -167,7 +171,7 @@ class HostPool(HostSlots, Releases):
                     self.view(slot, tuple(t.shape), t.dtype, t.stride(), off).copy_(t, non_blocking=cuda)
         if cuda:
             done = self._event()
-            done.record(page)
+            record(done, page)
             self.slot_order.after(slot, page)
             self._hold(ts, done, comp, page)
         else:
@@ -224,7 +228,7 @@ class HostPool(HostSlots, Releases):
                     o.copy_(on_block(p, _contiguous(p.shape)))
         if cuda:
             ev = self._event()
-            ev.record(page)
+            record(ev, page)
         self.give(slot)
         outs = [o.detach().requires_grad_(True) if p.requires_grad else o for o, p in zip(outs, ps)]
         return outs, ev
@@ -253,12 +257,12 @@ class HostPool(HostSlots, Releases):
             comp = self.current_stream()
             if self.measure_waits:
                 before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                before.record(comp)
-                comp.wait_event(ev)
-                after.record(comp)
+                record(before, comp)
+                wait(ev, comp)
+                record(after, comp)
                 self._wait_marks.append((before, after))
             else:
-                comp.wait_event(ev)
+                wait(ev, comp)
 
     def take_figures(self) -> dict[str, Any]:
         """The figures since the last call, and reset them: `host_bytes_peak` (host bytes taken

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..lifetime import LifetimeManager
-from .streams import PageStreams
+from .streams import PageStreams, capturing, query
 
 
 class Releases(PageStreams):
@@ -43,7 +43,7 @@ class Releases(PageStreams):
         compute stream's wait on a finished copy costs nothing), oldest first; only past
         `drain_distance` page-outs holding storage does the compute stream wait on one at once
         (the copies fall behind the forward)."""
-        held = list({t.untyped_storage().data_ptr(): t for t in ts}.values())
+        held = list(ts) if len(ts) == 1 else list({t.untyped_storage().data_ptr(): t for t in ts}.values())
         m = LifetimeManager("page_out")
         m.bind(held, comp)
         m.retire(held, page, "drop_reference")
@@ -75,9 +75,9 @@ class Releases(PageStreams):
         (the compute stream's wait on a finished copy costs nothing). Cheap: call it often.
         Under CUDA graph capture it does nothing (an event query is not allowed there; the
         capture-safe release points are `release_queued_before` and `drain`)."""
-        if self._retiring and torch.cuda.is_current_stream_capturing():
+        if self._retiring and capturing():
             return
-        while self._retiring and self._retiring[0][1].query():
+        while self._retiring and query(self._retiring[0][1]):
             self._drain_one()
 
     def mark(self, slot: Optional[int] = None) -> int:

@@ -35,9 +35,9 @@ from typing import Any, Callable, Optional
 
 
 def _capturing() -> bool:
-    import torch
+    from .streams import capturing
 
-    return torch.cuda.is_current_stream_capturing()
+    return capturing()
 
 
 class SlotOrder:
@@ -45,10 +45,19 @@ class SlotOrder:
     `before` queues the wait the rule needs, `after` records."""
 
     def __init__(self, slots: int, event: Optional[Callable[[], Any]] = None, capturing: Callable[[], bool] = _capturing) -> None:
+        # CUDA events are recorded and waited on through the raw calls (streams.py); stand-ins
+        # (the CPU tests) through their methods.
+        self._record: Callable[[Any, Any], None] = lambda ev, stream: ev.record(stream)
+        self._wait: Callable[[Any, Any], None] = lambda ev, stream: stream.wait_event(ev)
         if event is None:
             import torch
 
-            event = torch.cuda.Event
+            from .streams import record, wait
+
+            event, self._record, self._wait = torch.cuda.Event, record, wait
+        if capturing is _capturing:
+            from .streams import capturing
+
         self._events = [event() for _ in range(slots)]  # made now: never during a capture
         self._last: list[Optional[tuple[Any, int]]] = [None] * slots  # (stream, epoch) of the slot's last copy
         self._capturing = capturing
@@ -66,11 +75,11 @@ class SlotOrder:
             self._epoch += 1
         last = self._last[slot]
         if last is not None and last[1] == self._epoch and last[0] != stream:
-            stream.wait_event(self._events[slot])
+            self._wait(self._events[slot], stream)
             self.waits += 1
 
     def after(self, slot: int, stream: Any) -> None:
         """A copy touching `slot` was queued on `stream` (after `before`): record the slot's event
         behind it."""
-        self._events[slot].record(stream)
+        self._record(self._events[slot], stream)
         self._last[slot] = (stream, self._epoch)

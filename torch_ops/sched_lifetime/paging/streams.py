@@ -18,6 +18,16 @@ import torch
 
 from ..executor import TWO_WAY_CAPTURE, SideStreams
 
+# A page copy's event calls without torch.cuda's Python wrappers (`Event.record(stream)` and
+# `Stream.wait_event(event)` add one or two Python frames each, several per copy): the same
+# CUDA calls, (event, stream) arguments. CPU-only torch builds have no CUDA events; the pool
+# makes none there.
+_EVENT_BASE = getattr(torch._C, "_CudaEventBase", None)
+record = _EVENT_BASE.record if _EVENT_BASE is not None else (lambda ev, stream: ev.record(stream))
+wait = _EVENT_BASE.wait if _EVENT_BASE is not None else (lambda ev, stream: ev.wait(stream))
+query = _EVENT_BASE.query if _EVENT_BASE is not None else (lambda ev: ev.query())
+capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
+
 
 class PageStreams:
     """The page streams of `device` and the host-cost caches of the copies queued on them: the
@@ -45,7 +55,7 @@ class PageStreams:
     def page_in_stream(self) -> Any:
         """The stream this pool's page-ins run on: the page-in stream, or with `two_way` off the
         page stream (None on CPU). Two-way under CUDA graph capture is refused (`TWO_WAY_CAPTURE`)."""
-        if self.two_way and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if self.two_way and self.device.type == "cuda" and capturing():
             raise RuntimeError(TWO_WAY_CAPTURE)
         if self._page_in is None and self.device.type == "cuda":
             self._page_in = SideStreams.of(self.device).page_in if self.two_way else self.page_stream
@@ -90,7 +100,7 @@ class PageStreams:
         finally:
             self._back(prev)
         ev = self._event()
-        ev.record(page)
+        record(ev, page)
         return ev
 
     def _event(self) -> Any:
@@ -109,5 +119,5 @@ class PageStreams:
         ev = self._mark
         if ev is None:
             ev = self._mark = torch.cuda.Event()
-        ev.record(comp)
-        page.wait_event(ev)
+        record(ev, comp)
+        wait(ev, page)
