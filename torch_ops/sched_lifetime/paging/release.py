@@ -45,8 +45,7 @@ class Releases(PageStreams):
         (the copies fall behind the forward)."""
         held = list(ts) if len(ts) == 1 else list({t.untyped_storage().data_ptr(): t for t in ts}.values())
         m = LifetimeManager("page_out")
-        m.bind(held, comp)
-        m.retire(held, page, "drop_reference")
+        m.retire(held, page, "drop_reference", owner_stream=comp)  # bound and retired in one call
         self._retiring.append((m, done, comp, self.page_outs))
         self.page_outs += 1
         self.peak_out_in_flight = max(self.peak_out_in_flight, len(self._retiring))
