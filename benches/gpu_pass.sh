@@ -30,8 +30,8 @@
 #                                       # one vs two page streams at 65536 tokens (issue 32)
 #   bash benches/gpu_pass.sh calib2 OUT # nvidia-h200-x2: the main job over NCCL, ours vs calibrated
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|final OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|final OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|final OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|final OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -236,6 +236,24 @@ gscal)
     # emulated link (EP=8), calibrated vs the timing-free order, in one table.
     step cuda_calibrate 100 "$py" -m pytest -q -m cuda -rs tests/python/test_calibrate.py -p no:logging
     step graph_step_link 200 "$py" benches/compile_ab.py --config h200 --ep-link host:8 --graph-step 4 --steps 4 --out "$out"
+    ;;
+s6d)
+    # Issues 27 and 31 after s6c's changes (a page-out's manager bound and retired in one call):
+    # the paging, calibration and compile cuda tests, GraphStep's calibration cost again (s6c's
+    # host was noisy), the GPU-bound Qwen3-MoE config at the defaults and at budget 1.0 / slack 1.1.
+    export PYTHONUNBUFFERED=1
+    step cuda_tests 170 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_paging_plan.py tests/python/test_paging_pager.py \
+        tests/python/test_paging_pool.py tests/python/test_paging_slot_order.py tests/python/test_paging_groups.py tests/python/test_calibrate.py \
+        tests/python/test_compile.py tests/python/test_lifetime_cuda.py
+    step page_host_parts 80 "$py" benches/page_host_parts.py --json "$out/page_host_parts.json"
+    step calibration_cost_graph_step 140 "$py" benches/calibration_cost.py --config h200 --ep-link host:8 --microbatches 8 --steps 7 \
+        --paths graph_step --json "$out/calibration_cost_graph_step.json"
+    big=hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024
+    for arm in default b1s1.1; do
+        case $arm in default) js='{}';; b1s1.1) js='{"paging_budget": 1.0, "paging_slack": 1.1}';; esac
+        step hf_qwen_big_$arm 75 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --determinism warn \
+            --set "$big" --arms compiled,paging --paging "$js" --out "$out/hf_qwen_big_$arm.json"
+    done
     ;;
 s6c)
     # Issue 27: the page copies' raw event calls against torch.cuda's wrappers in one process
