@@ -104,3 +104,50 @@ def test_a_timed_pagers_calibration_measures_the_host_time_of_a_page_out_on_cuda
     # 16 KiB copies in well under a microsecond at tens of GB/s: kept for host time, and said.
     kept = [line for line in pager.plan["explain"] if "us of host time" in line]
     assert kept and f"{host:.1f} us of host time" in kept[0], pager.explain()
+    # A second Pager in this process plans with the same measurements, not new ones (a graph run
+    # per layer calibrates a Pager per run slot); after `forget_measurements` they are new.
+    from sched_lifetime.paging import calibrate, forget_measurements
+
+    def twice(*a, **k):
+        raise AssertionError("measured again")
+
+    real = calibrate.link_rates, calibrate.page_host_us
+    calibrate.link_rates = calibrate.page_host_us = twice
+    try:
+        again = sl.Pager(1.0, min_bytes=1)
+        for _ in range(3):
+            with again.step():
+                torch.tanh((x * 2) @ w).sum().backward()
+        t0, t1 = pager.calibration["timing"], again.calibration["timing"]
+        assert (t1["page_host_us"], t1["d2h_bytes_per_us"]) == (t0["page_host_us"], t0["d2h_bytes_per_us"])
+    finally:
+        calibrate.link_rates, calibrate.page_host_us = real
+    forget_measurements()
+    fresh = sl.Pager(1.0, min_bytes=1)
+    for _ in range(3):
+        with fresh.step():
+            torch.tanh((x * 2) @ w).sum().backward()
+    assert fresh.calibration["timing"]["page_host_us"] > 0
+
+
+def test_a_machine_measurement_is_made_once_per_device_and_setting_until_forgotten():
+    """`calibrate.measured`: the link's rates and the host time are measured once per key (device,
+    and the two-way setting for the host time) in a process; `forget_measurements` drops them."""
+    import torch
+
+    from sched_lifetime.paging import calibrate, forget_measurements
+
+    forget_measurements()
+    calls = []
+
+    def measure(v):
+        return lambda: calls.append(v) or v
+
+    assert calibrate.measured(("page_host_us", "cpu", None, False), measure(1.0)) == 1.0
+    assert calibrate.measured(("page_host_us", "cpu", None, False), measure(2.0)) == 1.0  # not measured again
+    assert calibrate.measured(("page_host_us", "cpu", None, True), measure(3.0)) == 3.0  # another setting
+    assert calls == [1.0, 3.0]
+    assert calibrate._device_key("cpu") == ("cpu", None) and calibrate._device_key(torch.device("cuda", 1)) == ("cuda", 1)
+    forget_measurements()
+    assert calibrate.measured(("page_host_us", "cpu", None, False), measure(4.0)) == 4.0 and calls == [1.0, 3.0, 4.0]
+    forget_measurements()

@@ -15,7 +15,7 @@ Each imports only from those above it. Import from `sched_lifetime.paging`, not 
 modules: the split is this package's business.
 """
 
-from .calibrate import Calibration
+from .calibrate import Calibration, forget_measurements
 from .groups import GROUP_ALIGN, GroupPlan, _contiguous, _dense, _extent, group_plan
 from .paged import Paged, _check_restorable, is_weight, restorable
 from .pager import Pager
@@ -40,6 +40,7 @@ __all__ = [
     "Releases",
     "SlotOrder",
     "explain_plan",
+    "forget_measurements",
     "group_plan",
     "is_weight",
     "link_rates",

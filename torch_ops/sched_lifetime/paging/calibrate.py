@@ -6,7 +6,8 @@ prefix Rust plans from. Timed on CUDA, that first step also measures the memory 
 memory allocated between saves and unpacks) and a second step the time line (an event at every
 save and unpack), to which `timing` adds the link's measured rates (for a two-way pager, both
 directions at once too: Rust then plans page-outs that end in the backward) and the host time
-one page-out and its page-in take (`page_host_us`: Rust keeps a tensor whose copy is shorter).
+one page-out and its page-in take (`page_host_us`: Rust keeps a tensor whose copy is shorter);
+both measured once per device in a process and shared by every Pager (`forget_measurements`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,34 @@ class MemoryLine:
         self.users -= 1
         if self.users <= 0:
             self.users, self.peaks = 0, []
+
+
+#: The link's rates and a page round trip's host time, per device (and two-way setting), measured
+#: at the first timed calibration on it in this process and shared by every later one: a property
+#: of the machine, not of a Pager (a compiled graph that runs once per layer calibrates a Pager
+#: per run slot: each measured again, and their plans differed by the measurement's noise).
+#: `forget_measurements()` makes the next calibration measure again.
+_MEASURED: dict[tuple, Any] = {}
+
+
+def measured(key: tuple, measure: Any) -> Any:
+    """`measure()`, once per `key` in this process (see `_MEASURED`)."""
+    v = _MEASURED.get(key)
+    if v is None:
+        v = _MEASURED[key] = measure()
+    return v
+
+
+def forget_measurements() -> None:
+    """The next timed calibration measures the link's rates and the host time again (e.g. after
+    the machine's load changed)."""
+    _MEASURED.clear()
+
+
+def _device_key(dev: Any) -> tuple:
+    dev = torch.device(dev)
+    index = dev.index if dev.index is not None or dev.type != "cuda" else torch.cuda.current_device()
+    return (dev.type, index)
 
 
 def _cuda_peak_and_reset(dev: Any) -> int:
@@ -193,7 +222,7 @@ class Calibration:
                 f"the first {len(self.saved)} and {len(peaks['unpack'])}; make a new Pager for a new shape"
             )
         dev = self._dev if self._dev is not None else self.saved[0]["device"]
-        rates = link_rates(dev)
+        rates = measured(("link_rates", *_device_key(dev)), lambda: link_rates(dev))
         out = {
             "save_us": [saves[0].elapsed_time(e) * 1e3 for e in saves],
             "unpack_us": [unpacks[0].elapsed_time(e) * 1e3 for e in unpacks],
@@ -204,7 +233,9 @@ class Calibration:
             "unpack_peak": peaks["unpack"],
             "tail_peak": self._tail,
             # A tensor whose copy is shorter than this is kept: the host calls would cost more.
-            "page_host_us": page_host_us(dev, self.two_way) if self.count_host else 0.0,
+            "page_host_us": measured(("page_host_us", *_device_key(dev), self.two_way), lambda: page_host_us(dev, self.two_way))
+            if self.count_host
+            else 0.0,
         }
         if self.two_way:
             out["both_bytes_per_us"] = rates.both
