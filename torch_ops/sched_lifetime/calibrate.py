@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import statistics
 import threading
-from typing import Any, Iterable, Mapping, Optional
+import time
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -190,6 +191,21 @@ class Calibration:
         self._measured_step = self.steps_done
         self.steps_done += 1
         return dict(self.costs)
+
+    def finish_step(self, runs: Callable[[], Iterable[Mapping[str, float]]], graphs: Mapping[str, Any], apply: Callable[[Optional[dict]], None], group: Any = None, **kw: Any) -> None:
+        """A calibration step's end, as every owner of calibrated orders runs it (the node
+        path's chunks, GraphStep): an earlier calibration step's background search applied
+        first (`apply(plans)`), then `runs()` (the step's node times: one sync) agreed across
+        the ranks of `group` (when none is set yet) and smoothed (`end_step`), and `graphs`
+        scheduled again (`plan`) and applied, now or, in the background, at a later step's
+        start; `end_ms` gets this end's host time. `kw`: `schedule`'s other settings."""
+        apply(self.take_plans(wait=True))
+        t0 = time.perf_counter()
+        if self.group is None:  # the ranks that agree on the step's facts agree on its costs
+            self.group = group
+        self.end_step(runs())
+        apply(self.plan(graphs, **kw))  # None: searching in the background
+        self.end_ms.append((time.perf_counter() - t0) * 1e3)
 
     def plan(self, graphs: Mapping[str, Any], **kw: Any) -> Optional[dict[str, dict]]:
         """The calibrated schedules of `graphs` (label -> graph table) with the costs as they are

@@ -317,15 +317,10 @@ class GraphStep:
         first, then one sync, the nodes' costs agreed across the ranks and smoothed, and the
         module scheduled again under rule `search` (rebuilt if its order changed), or, with
         `background=True`, that search started in a thread (`step` applies it two steps on)."""
-        cal = self.calibration
-        self._apply(cal.take_plans(wait=True))  # an earlier calibration step's background search, first
-        t0 = time.perf_counter()
-        if cal.group is None:
-            cal.group = self.rank_group
-        runs, self._runs = [_times(m) for m in self._runs], None
-        cal.end_step(runs)
-        self._apply(cal.plan({"mux": self._mux_table}, ep_budget=self.ep_budget))  # None: searching in the background
-        cal.end_ms.append((time.perf_counter() - t0) * 1e3)
+        marks, self._runs = self._runs, None
+        self.calibration.finish_step(
+            lambda: [_times(m) for m in marks], {"mux": self._mux_table}, self._apply, group=self.rank_group, ep_budget=self.ep_budget
+        )
 
     def _apply(self, plans: Optional[dict]) -> None:
         """The calibrated schedule takes over: the module rebuilt when its order changed, then

@@ -9,7 +9,6 @@ is one F(i+1)+B(i); `train_step` a whole step of n microbatches with gradient ac
 
 from __future__ import annotations
 
-import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
@@ -108,16 +107,15 @@ def end_calibration(chunk: Chunk, order: str) -> None:
     for cal, mine in _cal_groups(chunk):
         if not cal.active:
             continue
-        _apply_plans(chunk, cal, cal.take_plans(wait=True))  # an earlier calibration step's, first
-        if cal.group is None:  # the ranks that agree on the step's facts agree on its costs
-            cal.group = chunk.rank_group
-        t0 = time.perf_counter()
-        cal.end_step(timed_end(cal, mine.values(), chunk.device))
         # A label the same on every rank (the keys hold object ids): which sources, which lifetime.
         labels = {_label(chunk, k): k for k in mine}
         chunk._cal_keys.update(labels)
-        _apply_plans(chunk, cal, cal.plan({label: mine[k].graph for label, k in sorted(labels.items())}))
-        cal.end_ms.append((time.perf_counter() - t0) * 1e3)
+        cal.finish_step(
+            lambda: timed_end(cal, mine.values(), chunk.device),
+            {label: mine[k].graph for label, k in sorted(labels.items())},
+            lambda plans: _apply_plans(chunk, cal, plans),
+            group=chunk.rank_group,
+        )
 
 
 def begin_calibrated_step(chunk: Chunk, order: str) -> None:
