@@ -54,15 +54,19 @@ def event_calls(kind: str):
     saved = [(m, n, getattr(m, n)) for m, n in ((streams, "record"), (streams, "wait"), (pool, "record"), (pool, "wait"), (release, "query"), (release, "capturing"))]
     init = slot_order.SlotOrder.__init__
 
+    # torch.cuda.Event's methods called as (event, stream): the wrapper frame each call had, no
+    # frame more (a wait had two: Stream.wait_event, then Event.wait).
+    ev_cls = torch.cuda.Event
+
     def wrapped_init(self, *args, **kw):
         init(self, *args, **kw)
-        self._record, self._wait = (lambda e, st: e.record(st)), (lambda e, st: st.wait_event(e))
+        self._record, self._wait = ev_cls.record, ev_cls.wait
         self._capturing = torch.cuda.is_current_stream_capturing
 
     try:
         for m in (streams, pool):
-            m.record, m.wait = (lambda e, st: e.record(st)), (lambda e, st: st.wait_event(e))
-        release.query, release.capturing = (lambda e: e.query()), torch.cuda.is_current_stream_capturing
+            m.record, m.wait = ev_cls.record, ev_cls.wait
+        release.query, release.capturing = ev_cls.query, torch.cuda.is_current_stream_capturing
         slot_order.SlotOrder.__init__ = wrapped_init
         yield
     finally:

@@ -398,6 +398,7 @@ def test_graph_step_builds_its_timed_module_before_the_steps_that_time_it(monkey
     gs = holder["gs"] = slc.GraphStep(m, tuple(m.batch(0, 0).values()))
     assert [b[0] for b in built] == [gs.mux] and gs._timed_mux[0] is gs.mux
     g = gs._mux_table
+    names = {n["name"] for n in g["nodes"]}
     slow, fast = _costs(g, 1000.0, compute=1.0), _costs(g, 10.0)
     gs.calibration = Calibration(steps=3, smoothing=1.0)
     _fake(gs.calibration, [slow, slow, fast], [])
@@ -405,9 +406,33 @@ def test_graph_step_builds_its_timed_module_before_the_steps_that_time_it(monkey
         mbs = [tuple(m.batch(k, i).values()) for i in range(3)]
         assert_matches_eager(gs.step(mbs), m, ref, mbs, f"step {k}")
     # Re-planned twice (steps 0 and 2); a new timed module only after step 0's, when a
-    # calibration step was still to come; none during a timed run.
+    # calibration step was still to come; none during a timed run; dropped when calibration ends.
     assert gs.calibration.replans == 2 and len(built) == 2, built
-    assert all(runs is None for _, runs in built)
+    assert all(runs is None for _, runs in built) and gs._timed_mux is None
+    # Two background calibration steps: step 1's end applies step 0's search (a new module),
+    # but no calibration step follows: no timed module is made for it.
+    built.clear()
+    bg = holder["gs"] = slc.GraphStep(m, tuple(m.batch(0, 0).values()))
+    bg.calibration = Calibration(steps=2, smoothing=1.0, background=True, wait_after=1)
+    _fake(bg.calibration, [slow, fast], [])
+    for k in range(4):
+        mbs = [tuple(m.batch(k, i).values()) for i in range(3)]
+        assert_matches_eager(bg.step(mbs), m, ref, mbs, f"background step {k}")
+    assert bg.calibration.replans == 2 and [b[0] for b in built] == [built[0][0]] and bg._timed_mux is None, built
+    # One run timed whatever the microbatch count: 2 (the module runs once), 5 (four times),
+    # 4 with paired ends (twice); none when not multiplexed or with one microbatch.
+    one = slc.GraphStep(m, tuple(m.batch(0, 0).values()))
+    for kw, n in (({"multiplexed": False}, 3), ({}, 1)):
+        one.step([tuple(m.batch(0, i).values()) for i in range(n)], **kw)
+        assert one.calibration.active and one.calibration.steps_done == 0, kw
+    for n, paired in ((2, False), (5, False), (4, True)):
+        for p in m.parameters():
+            p.grad = None
+        one.calibration = Calibration(steps=1, smoothing=1.0)
+        _fake(one.calibration, [slow], seen := [])
+        mbs = [tuple(m.batch(0, i).values()) for i in range(n)]
+        assert_matches_eager(one.step(mbs, paired_ends=paired), m, ref, mbs, f"{n} microbatches, paired ends {paired}")
+        assert len(seen) == 1 and len(seen[0]) == 1 and set(seen[0][0]) == names, (n, paired)
     built.clear()
     slc.GraphStep(m, tuple(m.batch(0, 0).values()), order="ours").step([tuple(m.batch(0, i).values()) for i in range(3)])
     assert built == []

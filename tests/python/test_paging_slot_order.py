@@ -188,3 +188,51 @@ def test_a_pool_on_cpu_keeps_its_copies_in_order_without_streams(two_way):
     pb = pool.page_out(b)
     assert pb.slot == pa.slot and ev is None
     assert torch.equal(back, a) and torch.equal(pool.page_in(pb), b)
+
+
+def test_the_page_copies_event_calls_fall_back_to_the_events_methods_without_cuda_events():
+    """A CPU-only torch build puts a placeholder class at `torch._C._CudaEventBase`: the paging
+    modules still load, and their event calls use the events' own methods (the pool makes no
+    CUDA event there); with CUDA events they are the C methods, (event, stream) arguments."""
+    import torch
+
+    from sched_lifetime.paging import streams
+
+    class Placeholder:  # what torch.cuda installs without CUDA: no methods
+        pass
+
+    calls = []
+
+    class Ev:
+        def record(self, stream):
+            calls.append(("record", stream))
+
+        def wait(self, stream):
+            calls.append(("wait", stream))
+
+        def query(self):
+            return True
+
+    record, wait, query = streams._event_calls(Placeholder)
+    ev = Ev()
+    record(ev, "s1")
+    wait(ev, "s2")
+    assert query(ev) and calls == [("record", "s1"), ("wait", "s2")]
+    # The package loads with the placeholder in place (a fresh process: the modules bind the
+    # calls at import).
+    import os
+    import subprocess
+    import sys
+
+    import sched_lifetime
+
+    code = (
+        "import torch\nclass Placeholder: pass\ntorch._C._CudaEventBase = Placeholder\n"
+        "import sched_lifetime\nfrom sched_lifetime.paging import streams\nassert streams.record.__name__ == '<lambda>'\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(sched_lifetime.__file__)), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    base = getattr(torch._C, "_CudaEventBase", None)
+    if base is not None and hasattr(base, "record"):
+        assert streams.record is base.record and streams.wait is base.wait

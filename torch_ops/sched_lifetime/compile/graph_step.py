@@ -184,13 +184,14 @@ class GraphStep:
         self._rank_agreed: Optional[str] = None
         self._runs: Optional[list] = None  # a calibration step's timed runs of the module
         self._mux_calls, self._timed_call = 0, 0  # runs of the module in this step; the one timed
-        # (the module, its timed runner): made here for a calibrated order and again when the
-        # module is rebuilt while calibration steps remain, so no step pays for the timed
-        # module's code generation (about as long as a step on the H200); a calibration that
-        # restarts later builds it at its first timed run.
+        # (the module, its timed runner): made here for a calibrated order and again at a
+        # calibration step's end that rebuilt the module while calibration steps remain, so no
+        # timed run pays for the timed module's code generation (about as long as a step on
+        # the H200); dropped when calibration ends. A module taken over at a step's start
+        # (a background search) or a restarted calibration makes it at its next timed run.
         self._timed_mux: Optional[tuple] = None
         if order == CALIBRATED:
-            self._timed_mux = (self.mux, _timed_runner(self.mux))
+            self._ensure_timed()
         self._graphs_digest = digest([g.sched_lifetime["order"] for g in (self.fwd, self.bwd, self.mux)])
 
     def _forward(self, inputs: tuple) -> tuple:
@@ -231,12 +232,15 @@ class GraphStep:
         facts = {"microbatch count": len(microbatches), "multiplexed": multiplexed, "paired_ends": paired_ends, "graphs": self._graphs_digest}
         agree_across_ranks(self, "GraphStep.step", facts)
         # Every rank times the same step (the facts above agree): the module runs in it.
-        timing = self.order == CALIBRATED and multiplexed and self.calibration.active and len(microbatches) >= (3 if paired_ends else 2)
+        # The module runs once per microbatch after the warm-up's (and before the cool-down's)
+        # forwards or backwards: n - 1 times, n - 2 with paired ends.
+        mux_runs = len(microbatches) - (2 if paired_ends else 1) if multiplexed else 0
+        timing = self.order == CALIBRATED and self.calibration.active and mux_runs >= 1
         self._runs = [] if timing else None
         # One run of the module is timed (the second when it runs twice or more: the first
         # follows the warm-up's forward): its runs are the same graph, and a tick per node
         # costs the host a few microseconds (timing every run cost the step 5% on the H200).
-        self._mux_calls, self._timed_call = 0, min(1, len(microbatches) - (3 if paired_ends else 2))
+        self._mux_calls, self._timed_call = 0, min(1, mux_runs - 1)
         try:
             losses = self._step(microbatches, multiplexed, paired_ends)
             if timing:
@@ -301,8 +305,7 @@ class GraphStep:
         if self._runs is None or call != self._timed_call:
             return self._mux(args)
         dev = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
-        if self._timed_mux is None or self._timed_mux[0] is not self.mux:
-            self._timed_mux = (self.mux, _timed_runner(self.mux))
+        self._ensure_timed()
         global _TIMER
         timer = _TIMER = _Timer(torch.cuda.current_stream(dev) if dev is not None else None)
         try:
@@ -318,9 +321,20 @@ class GraphStep:
         module scheduled again under rule `search` (rebuilt if its order changed), or, with
         `background=True`, that search started in a thread (`step` applies it two steps on)."""
         marks, self._runs = self._runs, None
+        if len(marks) != 1:  # `step` times one run of the module: none would leave the costs empty
+            raise RuntimeError(f"GraphStep: a calibration step timed {len(marks)} runs of the multiplexed module, expected 1")
         self.calibration.finish_step(
             lambda: [_times(m) for m in marks], {"mux": self._mux_table}, self._apply, group=self.rank_group, ep_budget=self.ep_budget
         )
+        if self.calibration.active:  # the next calibration step times the module as it is now
+            self._ensure_timed()
+        else:
+            self._timed_mux = None
+
+    def _ensure_timed(self) -> None:
+        """The timed copy of the current module (`_timed_runner`), generated if it is not made yet."""
+        if self._timed_mux is None or self._timed_mux[0] is not self.mux:
+            self._timed_mux = (self.mux, _timed_runner(self.mux))
 
     def _apply(self, plans: Optional[dict]) -> None:
         """The calibrated schedule takes over: the module rebuilt when its order changed, then
@@ -334,8 +348,6 @@ class GraphStep:
             self.mux = build(self.graphs["fwd"], self.graphs["bwd"], self._mux_table, result)
             self._mux = boxed(self.mux)
             self._graphs_digest = digest([g.sched_lifetime["order"] for g in (self.fwd, self.bwd, self.mux)])
-            if self.calibration.active:  # the next calibration step times the new module
-                self._timed_mux = (self.mux, _timed_runner(self.mux))
 
         apply_plans(self.calibration, plans, {"mux": self.mux.sched_lifetime["order"]}, rebuild, what="GraphStep's calibrated order")
 

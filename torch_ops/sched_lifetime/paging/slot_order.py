@@ -34,19 +34,14 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 
-def _capturing() -> bool:
-    from .streams import capturing
-
-    return capturing()
-
-
 class SlotOrder:
     """Per slot, the stream and capture epoch of its last copy and an event recorded after it;
     `before` queues the wait the rule needs, `after` records."""
 
-    def __init__(self, slots: int, event: Optional[Callable[[], Any]] = None, capturing: Callable[[], bool] = _capturing) -> None:
+    def __init__(self, slots: int, event: Optional[Callable[[], Any]] = None, capturing: Optional[Callable[[], bool]] = None) -> None:
         # CUDA events are recorded and waited on through the raw calls (streams.py); stand-ins
-        # (the CPU tests) through their methods.
+        # (the CPU tests) through their methods. `capturing`: whether a CUDA graph capture is
+        # under way (default: on the current CUDA stream).
         self._record: Callable[[Any, Any], None] = lambda ev, stream: ev.record(stream)
         self._wait: Callable[[Any, Any], None] = lambda ev, stream: stream.wait_event(ev)
         if event is None:
@@ -55,7 +50,7 @@ class SlotOrder:
             from .streams import record, wait
 
             event, self._record, self._wait = torch.cuda.Event, record, wait
-        if capturing is _capturing:
+        if capturing is None:
             from .streams import capturing
 
         self._events = [event() for _ in range(slots)]  # made now: never during a capture

@@ -18,14 +18,20 @@ import torch
 
 from ..executor import TWO_WAY_CAPTURE, SideStreams
 
-# A page copy's event calls without torch.cuda's Python wrappers (`Event.record(stream)` and
-# `Stream.wait_event(event)` add one or two Python frames each, several per copy): the same
-# CUDA calls, (event, stream) arguments. CPU-only torch builds have no CUDA events; the pool
-# makes none there.
-_EVENT_BASE = getattr(torch._C, "_CudaEventBase", None)
-record = _EVENT_BASE.record if _EVENT_BASE is not None else (lambda ev, stream: ev.record(stream))
-wait = _EVENT_BASE.wait if _EVENT_BASE is not None else (lambda ev, stream: ev.wait(stream))
-query = _EVENT_BASE.query if _EVENT_BASE is not None else (lambda ev: ev.query())
+
+
+def _event_calls(base: Any) -> tuple:
+    """A page copy's event calls, (event, stream) arguments: `base`'s C methods (torch's
+    `_CudaEventBase`: `Event.record(stream)` and `Stream.wait_event(event)` without the Python
+    frames torch.cuda's wrappers add, several per copy), or, where `base` has none (a CPU-only
+    torch build puts a placeholder class there; the pool makes no event on CPU), the events'
+    own methods."""
+    if all(hasattr(base, m) for m in ("record", "wait", "query")):
+        return base.record, base.wait, base.query
+    return (lambda ev, stream: ev.record(stream)), (lambda ev, stream: ev.wait(stream)), (lambda ev: ev.query())
+
+
+record, wait, query = _event_calls(getattr(torch._C, "_CudaEventBase", None))
 capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
 
 
