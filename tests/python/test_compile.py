@@ -805,6 +805,49 @@ def test_graph_step_paired_ends_needs_multiplexing():
         gs.step([(torch.randn(4, 3),)] * 2, multiplexed=False, paired_ends=True)
 
 
+def test_graph_step_with_dropout_draws_the_masks_eager_draws():
+    """A model with dropout after LayerNorm + ReLU: AOTAutograd's partitioner copies the
+    forward's dropout into the backward graph, unused (the backward reads the saved mask); run,
+    it would draw from the generator at every backward and every later forward would get
+    another mask than eager. GraphStep removes the forward ops nothing in the backward reads:
+    losses and gradients bit-exact with eager microbatch by microbatch under one seed, in every
+    mode. Its other arguments are checked: `example_inputs` a tuple, `order` one it knows."""
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.ln, self.b = torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 8)
+            self.drop = torch.nn.Dropout(0.3)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.mse_loss(self.b(self.drop(torch.relu(self.ln(self.a(x))))), y)
+
+    torch.manual_seed(0)
+    m = Net()
+    ref = copy.deepcopy(m)
+    mbs = [(torch.randn(4, 8), torch.randn(4, 8)) for _ in range(5)]
+    gs = slc.GraphStep(m, mbs[0], order="ours")
+    assert not any(n.target == torch.ops.aten.native_dropout.default for n in gs.graphs["bwd"].graph.nodes)
+    for kw in ({"multiplexed": False}, {}, {"paired_ends": True}):
+        for p in [*m.parameters(), *ref.parameters()]:
+            p.grad = None
+        torch.manual_seed(1)
+        ours = gs.step(mbs, **kw)
+        torch.manual_seed(1)
+        want = []
+        for mb in mbs:
+            loss = ref(*mb)
+            loss.backward()
+            want.append(loss.detach())
+        assert all(torch.equal(a, b) for a, b in zip(ours, want)), kw
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(m.parameters(), ref.parameters())), kw
+    with pytest.raises(TypeError, match=r"example_inputs must be a tuple of the model's positional inputs, got Tensor \(one input: `\(x,\)`\)"):
+        slc.GraphStep(m, mbs[0][0])
+    with pytest.raises(ValueError, match=r"order must be one of \('calibrated', 'ours'\), got 'search'"):
+        gs.order = "search"
+    gs.order = "calibrated"
+
+
 def _comm_graph(k: int = 3) -> fx.GraphModule:
     """An AOT-like graph with `k` independent chains, each mm -> all-to-all launch -> wait ->
     relu (functional collectives by target only: it is scheduled and rewritten, never run)."""

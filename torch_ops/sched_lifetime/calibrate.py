@@ -198,9 +198,11 @@ class Calibration:
         first (`apply(plans)`), then `runs()` (the step's node times: one sync) agreed across
         the ranks of `group` (when none is set yet) and smoothed (`end_step`), and `graphs`
         scheduled again (`plan`) and applied, now or, in the background, at a later step's
-        start; `end_ms` gets this end's host time. `kw`: `schedule`'s other settings."""
-        apply(self.take_plans(wait=True))
+        start; `end_ms` gets this end's host time, the wait for an earlier search included
+        (`background=True` with `steps` > 1: a calibration step's end waits for the previous
+        one's search when it is still running). `kw`: `schedule`'s other settings."""
         t0 = time.perf_counter()
+        apply(self.take_plans(wait=True))
         if self.group is None:  # the ranks that agree on the step's facts agree on its costs
             self.group = group
         self.end_step(runs())

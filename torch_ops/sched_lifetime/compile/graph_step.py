@@ -79,7 +79,22 @@ def capture_graphs(model: torch.nn.Module, example_inputs: tuple) -> tuple:
     out.backward(torch.zeros_like(out))  # the backward graph is compiled on first use
     for p, g in zip(state, before):
         p.grad = g
+    _drop_dead_forward_ops(graphs["bwd"])
     return names, state, graphs, out.detach()
+
+
+def _drop_dead_forward_ops(bwd: fx.GraphModule) -> None:
+    """Remove the forward ops AOTAutograd's partitioner copied into the backward graph that
+    nothing reads. Dead-code elimination keeps a random op (it counts as impure): a dropout
+    whose output the backward does not use (it reads the forward's saved mask) would still
+    draw from the generator at every backward, so every forward after it would get another
+    mask than eager's. Eager's backward runs no forward op, so none of them is kept."""
+
+    def impure(n: fx.Node) -> bool:
+        return n.op in ("placeholder", "output") or (n.is_impure() and n.meta.get("partitioner_tag") != "is_forward")
+
+    if bwd.graph.eliminate_dead_code(is_impure_node=impure):
+        bwd.recompile()
 
 
 def compile_graphs(graphs: dict, ep_budget: Optional[int] = None) -> tuple:
@@ -154,8 +169,11 @@ class GraphStep:
     def __init__(
         self, model: torch.nn.Module, example_inputs: tuple, ep_budget: Optional[int] = None, explain: bool = False, order: str = CALIBRATED
     ) -> None:
-        if order not in ORDERS:
-            raise ValueError(f"GraphStep: order must be one of {ORDERS}, got {order!r}")
+        if isinstance(example_inputs, torch.Tensor) or not isinstance(example_inputs, (tuple, list)):
+            raise TypeError(
+                f"GraphStep: example_inputs must be a tuple of the model's positional inputs, got {type(example_inputs).__name__} "
+                "(one input: `(x,)`)"
+            )
         self.order = order
         #: Cost calibration of order "calibrated" (`sched_lifetime.calibrate`): replace it to
         #: change the settings (`Calibration(steps=3, smoothing=0.5)`); its `group` defaults
@@ -193,6 +211,18 @@ class GraphStep:
         if order == CALIBRATED:
             self._ensure_timed()
         self._graphs_digest = digest([g.sched_lifetime["order"] for g in (self.fwd, self.bwd, self.mux)])
+
+    @property
+    def order(self) -> str:
+        """The module's order: "calibrated" (measured costs, the default) or "ours" (timing-free);
+        may be changed between steps."""
+        return self._order
+
+    @order.setter
+    def order(self, order: str) -> None:
+        if order not in ORDERS:
+            raise ValueError(f"GraphStep: order must be one of {ORDERS}, got {order!r}")
+        self._order = order
 
     def _forward(self, inputs: tuple) -> tuple:
         with torch.no_grad():
