@@ -60,10 +60,10 @@ def capture_graphs(model: torch.nn.Module, example_inputs: tuple) -> tuple:
 
         add_note(
             e,
-            "sched_lifetime: capturing the model's forward and backward graphs (AOTAutograd, static shapes) failed. "
-            "Python control flow on tensor values and data-dependent shapes (x.item(), .tolist(), nonzero(), "
-            "`if (x > 0).all():`) cannot be captured; docs/nodes.md#graphstep-the-same-step-on-compiled-graphs "
-            "lists what can and a recipe for Hugging Face models"
+            "sched_lifetime: capturing the model's forward and backward graphs (AOTAutograd, static shapes) failed "
+            "with the error above. If it comes from tracing: Python control flow on tensor values and data-dependent "
+            "shapes (x.item(), .tolist(), nonzero(), `if (x > 0).all():`) cannot be captured; "
+            "docs/nodes.md#graphstep-the-same-step-on-compiled-graphs lists what can and a recipe for Hugging Face models"
         )
         raise
     updated = [n for (n, b), v in zip(buffers, versions) if b._version != v]
