@@ -222,6 +222,7 @@ class Calibration:
                 f"the first {len(self.saved)} and {len(peaks['unpack'])}; make a new Pager for a new shape"
             )
         dev = self._dev if self._dev is not None else self.saved[0]["device"]
+        torch.cuda.synchronize(dev)  # the step's events are read below (a measurement made earlier does not sync)
         rates = measured(("link_rates", *_device_key(dev)), lambda: link_rates(dev))
         out = {
             "save_us": [saves[0].elapsed_time(e) * 1e3 for e in saves],
