@@ -416,9 +416,9 @@ def test_graph_breaks_fall_back_to_eager_for_that_region():
     torch.manual_seed(0)
     base = Breaky()
     batch = lambda step: (torch.randn(4, 8, generator=torch.Generator().manual_seed(step)),)  # noqa: E731
-    n0 = len(slc.history)
+    slc.history.clear()  # it keeps the last 64 graphs: counted from empty
     assert _same(_steps(copy.deepcopy(base), batch, None), _steps(copy.deepcopy(base), batch, "sched_lifetime"))
-    assert len(slc.history) - n0 >= 4  # two regions, each a forward and a backward graph
+    assert len(slc.history) >= 4  # two regions, each a forward and a backward graph
 
 
 def _spawn_two(worker, tmp_path, *args) -> list:
