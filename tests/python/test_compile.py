@@ -180,6 +180,38 @@ def test_paging_backward_reads_the_host_copy(options):
     assert not all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+@pytest.mark.parametrize("timed", [False, True], ids=["static", "timed"])
+def test_paging_leaves_a_saved_value_with_no_elements_on_the_device(timed):
+    """A branch fed an empty batch saves a 0-byte activation: with `paging_min_bytes=0` it is
+    no candidate (paging it frees nothing; a host buffer of 0 bytes was an error), and the
+    steps stay bit-exact with aot_eager."""
+
+    class TwoBranch(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+        def forward(self, empty: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.a(empty)).sum() + torch.tanh(self.b(x)).sum()
+
+    torch.manual_seed(0)
+    base = TwoBranch()
+    inputs = (torch.randn(0, 64), torch.randn(8, 64))
+    got = {}
+    for backend, options in (("aot_eager", None), ("sched_lifetime", {"paging": True, "paging_min_bytes": 0, "paging_budget": 1.0, "paging_timed": timed})):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        run = torch.compile(model, backend=backend, options=options)
+        out = []
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            loss = run(*inputs)
+            loss.backward()
+            out.append([loss.detach(), *[p.grad.clone() for p in model.parameters()]])
+        got[backend] = out
+    assert all(torch.equal(a, b) for x, y in zip(got["aot_eager"], got["sched_lifetime"]) for a, b in zip(x, y))
+
+
 @pytest.mark.cuda
 def test_paging_on_the_gpu_releases_saved_activations_and_stays_bit_exact():
     """paging=True on the H200: three SGD steps bit-exact against eager (timed and static plans,

@@ -210,7 +210,7 @@ class GraphPager:
                 continue
             nbytes = numel * val.element_size()
             users = list(bw_ph[n.name].users)
-            if nbytes < self.min_bytes or not users:
+            if nbytes < max(self.min_bytes, 1) or not users:  # an empty value frees nothing
                 continue
             cands.append((n, nbytes, min(bw_pos[u] for u in users)))
         if self.timed:  # every candidate gets page nodes; each run's Pager decides
