@@ -49,6 +49,11 @@ step() {  # step NAME SECONDS COMMAND...
     timeout "$secs" "$@" > "$out/$name.log" 2>&1
     echo "rc=$?" >> "$out/$name.log"
 }
+qwen_big() {  # qwen_big NAME PAGING_JSON: the GPU-bound Qwen3-MoE config (1021M, 8192 tokens, fast attention), compiled vs paging
+    step hf_qwen_big_$1 75 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --determinism warn \
+        --set hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024 \
+        --arms compiled,paging --paging "$2" --out "$out/hf_qwen_big_$1.json"
+}
 case "$mode" in
 one)
     step cuda_tests 240 "$py" -m pytest -q -m cuda tests/python
@@ -248,12 +253,8 @@ s6d)
     step page_host_parts 80 "$py" benches/page_host_parts.py --json "$out/page_host_parts.json"
     step calibration_cost_graph_step 140 "$py" benches/calibration_cost.py --config h200 --ep-link host:8 --microbatches 8 --steps 7 \
         --paths graph_step --json "$out/calibration_cost_graph_step.json"
-    big=hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024
-    for arm in default b1s1.1; do
-        case $arm in default) js='{}';; b1s1.1) js='{"paging_budget": 1.0, "paging_slack": 1.1}';; esac
-        step hf_qwen_big_$arm 75 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --determinism warn \
-            --set "$big" --arms compiled,paging --paging "$js" --out "$out/hf_qwen_big_$arm.json"
-    done
+    qwen_big default '{}'
+    qwen_big b1s1.1 '{"paging_budget": 1.0, "paging_slack": 1.1}'
     ;;
 s6c)
     # Issue 27: the page copies' raw event calls against torch.cuda's wrappers in one process
@@ -264,16 +265,10 @@ s6c)
     step page_host_parts 80 "$py" benches/page_host_parts.py --json "$out/page_host_parts.json"
     step calibration_cost_graph_step 140 "$py" benches/calibration_cost.py --config h200 --ep-link host:8 --microbatches 8 --steps 7 \
         --paths graph_step --json "$out/calibration_cost_graph_step.json"
-    big=hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024
-    for arm in b1s1.1 b1s1.1r b1s1.05 b1s1.1m4; do
-        case $arm in
-            b1s1.1|b1s1.1r) js='{"paging_budget": 1.0, "paging_slack": 1.1}';;
-            b1s1.05) js='{"paging_budget": 1.0, "paging_slack": 1.05}';;
-            b1s1.1m4) js='{"paging_budget": 1.0, "paging_slack": 1.1, "paging_min_bytes": 4194304}';;
-        esac
-        step hf_qwen_big_$arm 75 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --determinism warn \
-            --set "$big" --arms compiled,paging --paging "$js" --out "$out/hf_qwen_big_$arm.json"
-    done
+    qwen_big b1s1.1 '{"paging_budget": 1.0, "paging_slack": 1.1}'
+    qwen_big b1s1.1r '{"paging_budget": 1.0, "paging_slack": 1.1}'
+    qwen_big b1s1.05 '{"paging_budget": 1.0, "paging_slack": 1.05}'
+    qwen_big b1s1.1m4 '{"paging_budget": 1.0, "paging_slack": 1.1, "paging_min_bytes": 4194304}'
     ;;
 s6b)
     # Issue 27: a page copy's event calls without torch.cuda's Python wrappers: the paging cuda
@@ -290,12 +285,9 @@ s6b)
     fi
     step calibration_cost_graph_step 140 "$py" benches/calibration_cost.py --config h200 --ep-link host:8 --microbatches 8 --steps 7 \
         --paths graph_step --json "$out/calibration_cost_graph_step.json"
-    big=hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024
-    for arm in default b1s1.15 b1s1.1; do
-        case $arm in default) js='{}';; b1s1.15) js='{"paging_budget": 1.0, "paging_slack": 1.15}';; b1s1.1) js='{"paging_budget": 1.0, "paging_slack": 1.1}';; esac
-        step hf_qwen_big_$arm 75 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --determinism warn \
-            --set "$big" --arms compiled,paging --paging "$js" --out "$out/hf_qwen_big_$arm.json"
-    done
+    qwen_big default '{}'
+    qwen_big b1s1.15 '{"paging_budget": 1.0, "paging_slack": 1.15}'
+    qwen_big b1s1.1 '{"paging_budget": 1.0, "paging_slack": 1.1}'
     ;;
 s6a)
     # Issue 27: where a paged tensor's host time goes (each CUDA primitive of a page-out and its
