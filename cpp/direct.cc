@@ -324,6 +324,40 @@ PyObject* direct_destroy(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
+// The version counter of a tensor, without its storage: what autograd's saved-tensor check
+// compares. The compile paging pass saves a host copy in place of a device value; it keeps this
+// to refuse, at page-in, a value the user changed in place after the forward (autograd would
+// have). version_probe(tensor) -> capsule, None (an inference tensor: no counter) or
+// NotImplemented (not a plain tensor); version_of(capsule) -> int, the counter now.
+constexpr const char* kVersionCapsule = "sched_lifetime.version";
+
+void drop_version(PyObject* capsule) {
+  delete static_cast<c10::VariableVersion*>(PyCapsule_GetPointer(capsule, kVersionCapsule));
+}
+
+PyObject* direct_version_probe(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_nargs("version_probe", nargs, 1)) return nullptr;
+  Tensors ts;
+  switch (unpack_tensor(args[0], "version_probe", 0, ts)) {
+    case Unpacked::kError: return nullptr;
+    case Unpacked::kNotPlain: Py_RETURN_NOTIMPLEMENTED;
+    case Unpacked::kOk: break;
+  }
+  const c10::VariableVersion& counter = ts[0].unsafeGetTensorImpl()->version_counter();
+  if (!counter.enabled()) Py_RETURN_NONE;
+  auto* held = new c10::VariableVersion(counter);
+  PyObject* capsule = PyCapsule_New(held, kVersionCapsule, drop_version);
+  if (capsule == nullptr) delete held;
+  return capsule;
+}
+
+PyObject* direct_version_of(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_nargs("version_of", nargs, 1)) return nullptr;
+  auto* held = static_cast<c10::VariableVersion*>(PyCapsule_GetPointer(args[0], kVersionCapsule));
+  if (held == nullptr) return nullptr;
+  return PyLong_FromUnsignedLong(held->current_version());
+}
+
 PyMethodDef methods[] = {
     {"retire", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_retire)), METH_FASTCALL,
      "retire(handle, tensors, consumer, action, owner_or_None): the retire / retire_owned op's work"},
@@ -341,6 +375,10 @@ PyMethodDef methods[] = {
      "stats(handle) -> list[int]: the stats op's work"},
     {"destroy", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_destroy)), METH_FASTCALL,
      "destroy(handle): the destroy op's work"},
+    {"version_probe", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_version_probe)), METH_FASTCALL,
+     "version_probe(tensor) -> capsule | None | NotImplemented: the tensor's version counter, not its storage"},
+    {"version_of", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_version_of)), METH_FASTCALL,
+     "version_of(capsule) -> int: that counter's version now"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -350,6 +350,13 @@ pub fn choose_timed(prefix: &[Saved], budget: Budget, min_distance: u32, timing:
         None => prefix.iter().collect(),
     };
     by_pref.sort_by(|a, b| b.used_at.cmp(&a.used_at).then(b.bytes.cmp(&a.bytes)).then(a.name.cmp(&b.name)));
+    // A tensor with no elements frees nothing, and a host buffer of no bytes is no buffer.
+    by_pref.retain(|s| {
+        if s.bytes == 0 {
+            explain.push(format!("{}: kept (no bytes: paging it frees nothing)", s.name));
+        }
+        s.bytes > 0
+    });
     let mut page: Vec<&Saved> = Vec::new(); // in save order
     let mut bytes = 0u64;
     match timing {
@@ -497,6 +504,21 @@ mod tests {
         assert_eq!(p.page, ["L0.a", "L0.b", "L1.a"]);
         assert!(p.short);
         assert!(p.explain.iter().any(|l| l.starts_with("head: kept (read 0 step(s)")), "{:?}", p.explain);
+    }
+
+    #[test]
+    fn a_tensor_with_no_bytes_is_never_paged_and_said() {
+        let mut pre = prefix();
+        pre[1].bytes = 0; // L0.b: a tensor with no elements (an empty batch's branch)
+        let said = |p: &PagePlan| p.explain.iter().any(|l| l == "L0.b: kept (no bytes: paging it frees nothing)");
+        for p in [
+            choose(&pre, Budget::Fraction(1.0), 0).unwrap(),
+            choose(&pre, Budget::Bytes(u64::MAX), 0).unwrap(),
+            choose_timed(&pre, Budget::Fraction(1.0), 0, Some(&timing(10.0))).unwrap(),
+        ] {
+            assert!(!p.page.iter().any(|n| n == "L0.b") && !p.page.is_empty(), "{:?}", p.page);
+            assert!(said(&p), "{:?}", p.explain);
+        }
     }
 
     #[test]
@@ -663,9 +685,9 @@ mod tests {
         assert!(!p.page.iter().any(|n| n == "L1.b" || n == "head"), "{:?}", p.page);
         assert!(p.page.contains(&"L0.a".to_string()), "{:?}", p.page);
         assert!(p.explain.iter().any(|l| l.starts_with("L1.b: kept (not placed: saved at 3") && l.contains("3 saves and 6 unpacks")), "{:?}", p.explain);
-        // A copy that takes no time is released at the next save, never at its own.
+        // A copy that takes almost no time (1 byte) is released at the next save, never at its own.
         let mut zero = prefix();
-        zero[1].bytes = 0;
+        zero[1].bytes = 1;
         let p = choose_timed(&zero[1..2], Budget::Bytes(0), 1, Some(&timing(10.0))).unwrap();
         assert!(p.page.is_empty(), "a target of 0 bytes is met at once");
         let p = choose_timed(&zero[..2], Budget::Bytes(101), 1, Some(&timing(10.0))).unwrap();

@@ -181,6 +181,64 @@ def test_paging_backward_reads_the_host_copy(options):
 
 
 @pytest.mark.parametrize("timed", [False, True], ids=["static", "timed"])
+def test_paging_explain_says_what_the_paging_pass_added(timed, capsys):
+    """The order is planned before the paging pass adds its nodes, so its explain line ("nothing
+    to overlap") is about the graph without them; the backend says what paging added after it,
+    and `GraphPager.explain()` counts the candidates, not only what was chosen. An int budget
+    under 1 KiB is bytes: a warning says so."""
+    torch._dynamo.reset()
+    build, batch = MODELS["mlp"]
+    run = torch.compile(build(), backend="sched_lifetime", options={**PAGING, "paging_timed": timed, "explain": True})
+    run(*batch(0)).sum().backward()
+    out = capsys.readouterr().out
+    pager = slc.history[-1]["module"].sched_lifetime["paging"]
+    c, n = len(pager.candidates), len(pager.chosen)
+    assert c >= 2 and (n == c if timed else 0 < n <= c)
+    assert pager.explain().startswith(f"{c} candidate saved values")
+    if timed:
+        assert f"page-out/in nodes on {n} of {c} candidate saved values" in out
+    else:
+        assert f"paging (its nodes go in after the order above): {n} of {c} candidate saved values paged out" in out
+        assert f"{n} page-ins, each launched 2 compute nodes before its first use" in out
+    with pytest.warns(UserWarning, match="paging budget 1 is an int: 1 byte"):
+        sl.page_plan([{"name": "a", "bytes": 4096, "saved_at": 0, "used_at": 3}], 1)
+
+
+@pytest.mark.parametrize("timed", [False, True], ids=["static", "timed"])
+def test_paging_refuses_a_saved_value_changed_in_place_before_the_backward(timed):
+    """The forward returns an activation its backward reads, and the user changes it in place
+    before `backward()`: autograd raises (eager, aot_eager). Paged, the graph saves the host
+    copy, whose version never moves; the page-in compares the device tensor's version counter
+    and raises autograd's error instead of computing gradients from the old values."""
+
+    class ReturnsSaved(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(64, 64)
+            self.b = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> tuple:
+            h = y = torch.sigmoid(self.a(x))
+            for layer in self.b:
+                y = torch.tanh(layer(y))
+            return h, y.sum()
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    run = torch.compile(ReturnsSaved(), backend="sched_lifetime", options={**PAGING, "paging_timed": timed, "paging_count_host": False})
+    x = torch.randn(8, 64)
+    for _ in range(3):  # timed: the first step calibrates; all: a step not changed in place passes
+        h, loss = run(x)
+        loss.backward()
+    pager = slc.history[-1]["module"].sched_lifetime["paging"]
+    assert "sigmoid" in pager.paged
+    h, loss = run(x)
+    h.mul_(0)
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: saved value #0 of this compiled graph \(\(8, 64\) torch.float32, paged to host memory\) is at version 1; expected version 0"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("timed", [False, True], ids=["static", "timed"])
 def test_paging_leaves_a_saved_value_with_no_elements_on_the_device(timed):
     """A branch fed an empty batch saves a 0-byte activation: with `paging_min_bytes=0` it is
     no candidate (paging it frees nothing; a host buffer of 0 bytes was an error), and the

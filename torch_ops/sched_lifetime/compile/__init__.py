@@ -160,6 +160,8 @@ def backend(gm: fx.GraphModule, example_inputs: list, options: Optional[dict] = 
             if pager is not None and not inference:
                 out = pager.forward(out) if phase == "fwd" else pager.backward(out)
                 out.sched_lifetime["paging"] = pager
+                if opts["explain"]:
+                    print(f"  paging (its nodes go in after the order above): {pager.summary(phase)}")
             if captured is not None:
                 return captured(out, inputs, phase, inference)
             return boxed(out)

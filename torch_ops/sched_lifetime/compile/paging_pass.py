@@ -39,6 +39,11 @@ Dynamic shapes (`dynamic=True`): a saved value whose size is symbolic is not a c
 plan and its host buffers are made for one size); `GraphPager.explain()` lists each value left
 out and why.
 
+Autograd's check that a saved value was not changed in place before the backward compares the
+saved tensor's version counter, and the graph saves the host copy: each page-out keeps the
+device tensor's counter (not its storage, `_Version`) and its page-in raises autograd's error
+when the version moved.
+
 Eager only: the release of a paged-out tensor's device storage asks whether its copy is done
 (an event query), which capture does not allow; `paging` with `cudagraphs` is an error.
 """
@@ -52,6 +57,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
+from .._ops import direct as _direct
 from ..paging import Budget, HostPool, Pager, page_plan
 
 #: Live pagers by key (the graphs' page nodes carry the key, an int, as their first argument).
@@ -70,6 +76,7 @@ class _Run:
         self.pager, self.pool = pager, pool
         self.open = False  # a forward ran; its backward has not finished
         self.owed: set = set()  # (save index, address) of saved values its backward has not read yet
+        self.versions: dict[int, "_Version"] = {}  # save index of a paged value -> its device tensor's version
 
 
 class GraphPager:
@@ -88,7 +95,8 @@ class GraphPager:
         _PAGERS[self.key] = self
         self._static_plan: Optional[dict] = None
         self.timed, self.slack = timed, slack
-        self.chosen: list[str] = []
+        self.candidates: list[str] = []  # saved values that may be paged, in save order
+        self.chosen: list[str] = []  # those that get page nodes (static: Rust's plan; timed: all)
         self._num_fwd_outputs = 0
         self._held: dict[int, Any] = {}  # host buffer address -> (Paged, its run)
         self._events: dict[int, Any] = {}  # id of a paged-in tensor -> (its copy's event, its pool)
@@ -155,10 +163,21 @@ class GraphPager:
         names = {i: n for n, i in self._index.items()}
         return [names[int(x[1:])] for x in self.pager.plan["page"]]
 
+    def summary(self, phase: str) -> str:
+        """One line for the backend's `explain`: what the paging pass put into the `phase` graph."""
+        n, c = len(self.chosen), len(self.candidates)
+        if self.timed:
+            what = "page-out/in nodes" if phase == "fwd" else "page-in nodes"
+            return f"{what} on {n} of {c} candidate saved values; each run's Pager picks what to page after calibration (GraphPager.explain())"
+        if phase == "fwd":
+            return f"{n} of {c} candidate saved values paged out after their producers"
+        return f"{n} page-ins, each launched {self.prefetch} compute nodes before its first use"
+
     def explain(self) -> str:
         """What this graph's paging chose and left out: the candidates, each value left out
         and why, and per run slot its plan (timed: the Pager's `explain`)."""
-        lines = [f"{len(self.chosen)} candidate saved values ({'timed' if self.timed else 'static'}), {len(self.runs)} run slot(s)"]
+        kind = "timed: every candidate has page nodes, each run slot's Pager decides" if self.timed else f"static: {len(self.chosen)} paged"
+        lines = [f"{len(self.candidates)} candidate saved values ({kind}), {len(self.runs)} run slot(s)"]
         lines += [f"{n}: not paged ({why})" for n, why in self.left_out.items()]
         if not self.timed and self._static_plan is not None:
             from ..paging import explain_plan
@@ -210,11 +229,12 @@ class GraphPager:
                 continue
             nbytes = numel * val.element_size()
             users = list(bw_ph[n.name].users)
-            if nbytes < max(self.min_bytes, 1) or not users:  # an empty value frees nothing
+            if nbytes < self.min_bytes or not users:  # (Rust never pages a value of no bytes)
                 continue
             cands.append((n, nbytes, min(bw_pos[u] for u in users)))
+        self.candidates = [n.name for n, _, _ in sorted(cands, key=lambda c: pos[c[0]])]
         if self.timed:  # every candidate gets page nodes; each run's Pager decides
-            self.chosen = [n.name for n, _, _ in sorted(cands, key=lambda c: pos[c[0]])]
+            self.chosen = list(self.candidates)
             return
         by_save = {n: i for i, (n, _, _) in enumerate(sorted(cands, key=lambda c: pos[c[0]]))}
         by_use = {n: i for i, (n, _, _) in enumerate(sorted(cands, key=lambda c: c[2]))}
@@ -285,6 +305,7 @@ class GraphPager:
         for key in run.owed:  # saved values this backward did not read (none expected)
             self._owner.pop(key, None)
         run.owed.clear()
+        run.versions.clear()
         run.open = False
         if self.timed:
             run.pager.end(True)
@@ -368,9 +389,10 @@ def _page_out(key: int, i: int, t: torch.Tensor) -> torch.Tensor:
     """Static: saved value `i` (the first starts a run) copied into its run's host buffer."""
     gp = _pager(key)
     run = gp.begin_forward() if i == 0 else gp._fwd
+    version = _Version(t)
     p = run.pool.page_out(t)
     host = run.pool.view_of(p)
-    gp._held[host.data_ptr()] = (p, run)
+    gp._held[host.data_ptr()] = (p, run, version)
     gp._saved(run, i, host)
     gp._stats["bytes_out"] += p.nbytes
     gp._stats["copies_out"] += 1
@@ -379,10 +401,12 @@ def _page_out(key: int, i: int, t: torch.Tensor) -> torch.Tensor:
 
 def _page_in_launch(key: int, i: int, host: torch.Tensor) -> torch.Tensor:
     gp = _pager(key)
-    held = gp._held.pop(host.data_ptr(), None)
+    held = gp._held.get(host.data_ptr())
     if held is None:
         raise RuntimeError("sched_lifetime paging: a backward read a host buffer no forward paged out (backward run twice?)")
-    p, run = held
+    p, run, version = held
+    version.check(i)
+    del gp._held[host.data_ptr()]
     gp._reader(i, host)
     run.pool.release_done()
     out, ev = run.pool.page_in_launch(p)
@@ -419,7 +443,11 @@ def _page_save(key: int, i: int, t: torch.Tensor) -> torch.Tensor:
     if pg._index != i:
         raise RuntimeError(f"sched_lifetime paging: saved value #{i} came as save #{pg._index} of this run")
     packed = pg._pack(t)
-    out = t if packed[0] == "keep" else pg.pool.view_of(pg._handles[i])
+    if packed[0] == "keep":
+        out = t
+    else:
+        out = pg.pool.view_of(pg._handles[i])
+        run.versions[i] = _Version(t)
     gp._saved(run, i, out)
     return out
 
@@ -428,6 +456,44 @@ def _page_use(key: int, i: int, x: torch.Tensor) -> torch.Tensor:
     """Timed: the Pager's unpack hook for saved value `i` at its first backward use, in the
     run that saved `x`."""
     gp = _pager(key)
-    pg = gp._reader(i, x).pager
+    run = gp._reader(i, x)
+    pg = run.pager
+    version = run.versions.pop(i, None)
+    if version is not None:
+        version.check(i)
     paged = i in pg._handles or i in pg._ready
     return pg._unpack(("paged", i) if paged else ("keep", i, x))
+
+
+class _Version:
+    """A paged value's version when it was saved, and its version counter (not its storage: a
+    capsule from the library, `cpp/direct.cc`). The forward saves the host copy, so autograd's
+    check that a saved value was not changed in place before the backward would compare the
+    host copy's counter; `check` makes it on the device tensor's, as autograd would have, and
+    raises autograd's error."""
+
+    __slots__ = ("probe", "ref", "saved", "shape", "dtype")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.probe = _direct.version_probe(t)
+        self.ref = None
+        if self.probe is NotImplemented:  # a tensor subclass: its Python object's counter
+            self.probe, self.ref = None, weakref.ref(t)
+        self.saved = t._version if self.probe is not None or self.ref is not None else 0
+        self.shape, self.dtype = t.shape, t.dtype
+
+    def now(self) -> Optional[int]:
+        if self.probe is not None:
+            return _direct.version_of(self.probe)
+        t = self.ref() if self.ref is not None else None
+        return None if t is None else t._version
+
+    def check(self, i: int) -> None:
+        now = self.now()
+        if now is not None and now != self.saved:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"saved value #{i} of this compiled graph ({tuple(self.shape)} {self.dtype}, paged to host memory) is at version "
+                f"{now}; expected version {self.saved} instead (autograd's check, kept by the backend's paging). "
+                "Hint: clone the tensor before changing it in place."
+            )

@@ -163,7 +163,7 @@ class Calibration:
         `min_bytes`, not a weight, restorable, read by the backward) in save order."""
         prefix = []
         for i, c in enumerate(self.saved):
-            if c["bytes"] < max(min_bytes, 1) or c["weight"] or not c["restorable"] or i not in self.first_use:
+            if c["bytes"] < min_bytes or c["weight"] or not c["restorable"] or i not in self.first_use:
                 continue
             prefix.append({"name": f"#{i}", "bytes": c["bytes"], "saved_at": i, "used_at": self.first_use[i]})
         small = [c["bytes"] for c in self.saved if c["bytes"] < min_bytes and not c["weight"]]

@@ -11,6 +11,7 @@ plan keeps a tensor whose copy is shorter than that.
 from __future__ import annotations
 
 import json
+import warnings
 import time
 from typing import NamedTuple, Optional, Union
 
@@ -26,6 +27,12 @@ def _budget_text(budget: Budget) -> str:
         return json.dumps(budget)
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise ValueError(f"paging budget must be bytes (int), a fraction (float) or a dict, got {budget!r}")
+    if isinstance(budget, int) and 0 < budget < 1024:
+        warnings.warn(
+            f"paging budget {budget} is an int: {budget} byte(s), which pages almost nothing; for a fraction of the "
+            f"saved bytes write a float ({float(budget)!r} is all of them)",
+            stacklevel=3,
+        )
     return json.dumps({"bytes": budget} if isinstance(budget, int) else {"fraction": budget})
 
 
