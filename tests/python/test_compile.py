@@ -204,8 +204,10 @@ def test_paging_explain_says_what_the_paging_pass_added(timed, capsys):
         sl.page_plan([{"name": "a", "bytes": 4096, "saved_at": 0, "used_at": 3}], 1)
 
 
-@pytest.mark.parametrize("timed", [False, True], ids=["static", "timed"])
-def test_paging_refuses_a_saved_value_changed_in_place_before_the_backward(timed):
+@pytest.mark.parametrize(
+    "timed, device", [(False, "cpu"), (True, "cpu"), pytest.param(False, "cuda", marks=pytest.mark.cuda)], ids=["static", "timed", "static-cuda"]
+)
+def test_paging_refuses_a_saved_value_changed_in_place_before_the_backward(timed, device):
     """The forward returns an activation its backward reads, and the user changes it in place
     before `backward()`: autograd raises (eager, aot_eager). Paged, the graph saves the host
     copy, whose version never moves; the page-in compares the device tensor's version counter
@@ -225,13 +227,13 @@ def test_paging_refuses_a_saved_value_changed_in_place_before_the_backward(timed
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    run = torch.compile(ReturnsSaved(), backend="sched_lifetime", options={**PAGING, "paging_timed": timed, "paging_count_host": False})
-    x = torch.randn(8, 64)
-    for _ in range(3):  # timed: the first step calibrates; all: a step not changed in place passes
+    run = torch.compile(ReturnsSaved().to(device), backend="sched_lifetime", options={**PAGING, "paging_timed": timed, "paging_count_host": False})
+    x = torch.randn(8, 64, device=device)
+    for _ in range(3):  # timed: the first step calibrates; a step not changed in place passes
         h, loss = run(x)
         loss.backward()
     pager = slc.history[-1]["module"].sched_lifetime["paging"]
-    assert "sigmoid" in pager.paged
+    assert "sigmoid" in pager.paged, pager.explain()
     h, loss = run(x)
     h.mul_(0)
     with pytest.raises(RuntimeError, match=r"modified by an inplace operation: saved value #0 of this compiled graph \(\(8, 64\) torch.float32, paged to host memory\) is at version 1; expected version 0"):
