@@ -30,8 +30,8 @@
 #                                       # one vs two page streams at 65536 tokens (issue 32)
 #   bash benches/gpu_pass.sh calib2 OUT # nvidia-h200-x2: the main job over NCCL, ours vs calibrated
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|final OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|final OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|final OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|final OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -54,7 +54,22 @@ qwen_big() {  # qwen_big NAME PAGING_JSON: the GPU-bound Qwen3-MoE config (1021M
         --set hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024 \
         --arms compiled,paging --paging "$2" --out "$out/hf_qwen_big_$1.json"
 }
+qwen_rounds() {  # qwen_rounds NAME PAGING_JSON: qwen_big's A/B with compiled and paging alternating over 3 rounds
+    step hf_qwen_rounds_$1 200 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --rounds 3 --determinism warn \
+        --set hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024 \
+        --arms compiled,paging --paging "$2" --out "$out/hf_qwen_rounds_$1.json"
+}
 case "$mode" in
+s7c)
+    # Issue 27: the host's own speed with and without the copy engines busy (host_under_dma.py),
+    # then the Qwen3-MoE paging A/B with the arms alternating over 3 rounds (the host moved 1.8x
+    # between seconds in s7b's call), at the defaults, budget 1.0 / slack 1.1, and that with 4 MiB min_bytes.
+    export PYTHONUNBUFFERED=1
+    step host_under_dma 60 "$py" benches/host_under_dma.py --json "$out/host_under_dma.json"
+    qwen_rounds default '{}'
+    qwen_rounds b1s1.1 '{"paging_budget": 1.0, "paging_slack": 1.1}'
+    qwen_rounds b1s1.1m4 '{"paging_budget": 1.0, "paging_slack": 1.1, "paging_min_bytes": 4194304}'
+    ;;
 one)
     step cuda_tests 240 "$py" -m pytest -q -m cuda tests/python
     step paging_ab 150 "$py" benches/paging_ab.py --config h200 --steps 5 --json "$out/paging.json" \

@@ -117,6 +117,18 @@ def build(a: argparse.Namespace, dev: torch.device, dtype: torch.dtype) -> torch
     return model.to(dtype)
 
 
+def host_probe_us() -> float:
+    """The host's speed now: us per 1000 iterations of a plain Python loop (median of 5)."""
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        s = 0
+        for i in range(100_000):
+            s += i
+        times.append((time.perf_counter() - t0) * 1e4)
+    return statistics.median(times)
+
+
 def profiled(step, model: torch.nn.Module, trace: str = "") -> dict:
     """One more step under the profiler (CUDA): its wall time, the GPU's busy time (union of
     kernel intervals), the copies' time, the kernel count, the idle time between kernels, and
@@ -172,6 +184,8 @@ def main() -> None:
     ap.add_argument("--pyprofile", action="store_true", help="one more step per arm under cProfile: the Python functions with the most"
                     " time of their own (where the host time goes on a host-bound step)")
     ap.add_argument("--tiny", action="store_true", help="a tiny config on CPU in fp32 (seq 32): checks the script, measures nothing")
+    ap.add_argument("--rounds", type=int, default=1, help="run the arms' sequence this many times (each arm compiled again: dynamo reset),"
+                    " so that arms compared alternate in time; medians over every round's timed steps, per-round ratios printed")
     ap.add_argument("--out", help="write the figures as JSON here")
     a = ap.parse_args()
     dev = torch.device("cpu" if a.tiny or not torch.cuda.is_available() else "cuda")
@@ -201,7 +215,9 @@ def main() -> None:
     # arms run first; their losses and gradients of every step are kept on the host.
     order = [x for x in ("eager", "aot_eager") if x in arms] + [x for x in arms if x not in ("eager", "aot_eager")]
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    rows = {arm: {"ms": [], "peak": [], "parity": True, "vs_eager": None} for arm in arms}
+    if a.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {a.rounds}")
+    rows = {arm: {"ms": [], "peak": [], "parity": True, "vs_eager": None, "round_ms": [], "host_probe_us": []} for arm in arms}
     kept: dict = {}  # reference arm -> per step, its loss and gradients (host)
     history: dict = {}
     batches = [torch.randint(0, base.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(step)) for step in range(a.steps + 2)]
@@ -214,8 +230,10 @@ def main() -> None:
             loss.backward()
         return loss
 
-    for arm in order:
+    for rnd, arm in ((r, x) for r in range(a.rounds) for x in order):
+        last = rnd == a.rounds - 1
         torch._dynamo.reset()
+        rows[arm]["host_probe_us"].append(host_probe_us())
         model = copy.deepcopy(base)
         if arm in ("eager", "eager_again", "save_on_cpu"):
             run = model
@@ -238,10 +256,10 @@ def main() -> None:
             sync()
             ms = (time.perf_counter() - t0) * 1e3
             peak = (torch.cuda.max_memory_allocated(dev) - start) if dev.type == "cuda" else 0
-            if arm not in ("eager", "eager_again", "save_on_cpu", "aot_eager") and len(slc.history) > before:
+            if rnd == 0 and arm not in ("eager", "eager_again", "save_on_cpu", "aot_eager") and len(slc.history) > before:
                 history.setdefault(arm, []).extend(slc.history[before:])
             got = [loss.detach()] + [p.grad for p in model.parameters()]
-            if arm in ("eager", "aot_eager"):
+            if rnd == 0 and arm in ("eager", "aot_eager"):
                 kept.setdefault(arm, []).append([None if t is None else t.detach().cpu() for t in got])
             ref = kept.get(REFERENCE[arm])
             if ref is not None and arm != REFERENCE[arm]:
@@ -254,10 +272,11 @@ def main() -> None:
             if step > 1:
                 rows[arm]["ms"].append(ms)
                 rows[arm]["peak"].append(peak)
-        if a.profile and dev.type == "cuda":
+        rows[arm]["round_ms"].append(statistics.median(rows[arm]["ms"][-a.steps:]))
+        if a.profile and dev.type == "cuda" and last:
             trace = os.path.join(a.trace, f"{a.model}_{arm}.json") if a.trace else ""
             rows[arm]["profile"] = profiled(lambda: one_step(arm, run, batches[-1].to(dev)), model, trace)
-        if a.pyprofile:
+        if a.pyprofile and last:
             import cProfile
             import io
             import pstats
@@ -278,7 +297,8 @@ def main() -> None:
     out = {"model": a.model, "params": params, "set": a.set, "seq": seq, "dtype": str(dtype), "device": str(dev), "tiny": a.tiny,
            "experts_implementation": base.config._experts_implementation, "paging_options": paging_opts, "arms": {}}
     print(f"HF A/B: {a.model} ({params / 1e6:.0f}M parameters, experts {base.config._experts_implementation}), seq {seq}, {dtype}, {dev};"
-          f" medians of {a.steps} steps per arm (one fwd+bwd each) after 2 warm-up steps, arms one after another")
+          f" medians of {a.steps} steps per arm (one fwd+bwd each) after 2 warm-up steps, arms one after another"
+          + (f", {a.rounds} rounds of the arms (medians over all rounds' steps)" if a.rounds > 1 else ""))
     print(f"{'arm':<13}{'step ms':>9}{'vs ref':>9}{'peak MiB':>10}{'saved':>8}  {'against':<10}{'parity':>7}")
     measured_against = {"eager": "eager", "eager_again": "eager", "save_on_cpu": "eager", "aot_eager": "aot_eager", "compiled": "aot_eager",
                         "cudagraphs": "compiled", "paging": "compiled"}
@@ -300,6 +320,19 @@ def main() -> None:
         print(f"{arm:<13}{ms:>9.1f}{ms / ref_ms:>8.3f}x{mib:>10}{pct:>8}  {ref:<10}{shown:>7}"
               + (f"  profiled step {prof['wall_ms']:.1f} ms: GPU busy {prof['busy_ms']:.1f}, kernels {prof['kernels']}, copies {prof['copy_ms']:.1f} ms,"
                  f" idle between kernels {prof['idle_ms']:.1f} ms, cudaMalloc {prof['mallocs']}" if prof else ""))
+    # The host's own speed before each arm's run (a Python loop: this machine's host moved up
+    # to 1.8x between seconds with nothing else running, benches/host_under_dma.py), and with
+    # rounds, each round's ratio to the arm measured against (the runs next to each other).
+    for arm in arms:
+        r = rows[arm]
+        ref = measured_against[arm] if measured_against[arm] in rows else arm
+        out["arms"][arm].update(round_ms=r["round_ms"], host_probe_us=r["host_probe_us"])
+        line = f"{arm}: host probe {', '.join(f'{x:.1f}' for x in r['host_probe_us'])} us per 1000 Python loop iterations"
+        if a.rounds > 1:
+            ratios = [x / y for x, y in zip(r["round_ms"], rows[ref]["round_ms"])]
+            out["arms"][arm]["round_ratios"] = ratios
+            line += f"; round medians {', '.join(f'{x:.1f}' for x in r['round_ms'])} ms" + (f", vs {ref} {', '.join(f'{x:.3f}x' for x in ratios)}" if ref != arm else "")
+        print(line)
     for arm in arms:
         top = rows[arm].get("profile", {}).get("top_kernels_ms")
         if top:
