@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 import json
 import os
 import statistics
@@ -184,6 +185,9 @@ def main() -> None:
     ap.add_argument("--pyprofile", action="store_true", help="one more step per arm under cProfile: the Python functions with the most"
                     " time of their own (where the host time goes on a host-bound step)")
     ap.add_argument("--tiny", action="store_true", help="a tiny config on CPU in fp32 (seq 32): checks the script, measures nothing")
+    ap.add_argument("--gc", default="auto", choices=("auto", "manual"), help="Python's garbage collector during the timed steps: auto"
+                    " (Python's default), manual (off during each step, a young-generation collection between steps, as torchtitan's"
+                    " gc_freq does); the collections' count and time per step are printed either way")
     ap.add_argument("--rounds", type=int, default=1, help="run the arms' sequence this many times (each arm compiled again: dynamo reset),"
                     " so that arms compared alternate in time; medians over every round's timed steps, per-round ratios printed")
     ap.add_argument("--out", help="write the figures as JSON here")
@@ -217,7 +221,18 @@ def main() -> None:
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     if a.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {a.rounds}")
-    rows = {arm: {"ms": [], "peak": [], "parity": True, "vs_eager": None, "round_ms": [], "host_probe_us": []} for arm in arms}
+    rows = {arm: {"ms": [], "peak": [], "parity": True, "vs_eager": None, "round_ms": [], "host_probe_us": [], "gc_ms": [], "gc_runs": [], "gc_full": []} for arm in arms}
+    gc_clock = {"t": 0.0, "ms": 0.0, "runs": 0, "full": 0}
+
+    def on_gc(phase: str, info: dict) -> None:  # the collections' time, counted per step
+        if phase == "start":
+            gc_clock["t"] = time.perf_counter()
+        else:
+            gc_clock["ms"] += (time.perf_counter() - gc_clock["t"]) * 1e3
+            gc_clock["runs"] += 1
+            gc_clock["full"] += info.get("generation") == 2
+
+    gc.callbacks.append(on_gc)
     kept: dict = {}  # reference arm -> per step, its loss and gradients (host)
     history: dict = {}
     batches = [torch.randint(0, base.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(step)) for step in range(a.steps + 2)]
@@ -251,10 +266,17 @@ def main() -> None:
             start = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
+            if a.gc == "manual":
+                gc.collect(1)
+                gc.disable()
+            gc_clock.update(ms=0.0, runs=0, full=0)
             t0 = time.perf_counter()
             loss = one_step(arm, run, ids)
             sync()
             ms = (time.perf_counter() - t0) * 1e3
+            gc_step = dict(gc_clock)
+            if a.gc == "manual":
+                gc.enable()
             peak = (torch.cuda.max_memory_allocated(dev) - start) if dev.type == "cuda" else 0
             if rnd == 0 and arm not in ("eager", "eager_again", "save_on_cpu", "aot_eager") and len(slc.history) > before:
                 history.setdefault(arm, []).extend(slc.history[before:])
@@ -272,6 +294,9 @@ def main() -> None:
             if step > 1:
                 rows[arm]["ms"].append(ms)
                 rows[arm]["peak"].append(peak)
+                rows[arm]["gc_ms"].append(gc_step["ms"])
+                rows[arm]["gc_runs"].append(gc_step["runs"])
+                rows[arm]["gc_full"].append(gc_step["full"])
         rows[arm]["round_ms"].append(statistics.median(rows[arm]["ms"][-a.steps:]))
         if a.profile and dev.type == "cuda" and last:
             trace = os.path.join(a.trace, f"{a.model}_{arm}.json") if a.trace else ""
@@ -327,7 +352,10 @@ def main() -> None:
         r = rows[arm]
         ref = measured_against[arm] if measured_against[arm] in rows else arm
         out["arms"][arm].update(round_ms=r["round_ms"], host_probe_us=r["host_probe_us"])
-        line = f"{arm}: host probe {', '.join(f'{x:.1f}' for x in r['host_probe_us'])} us per 1000 Python loop iterations"
+        n = len(r["gc_ms"])
+        out["arms"][arm].update(gc_ms_per_step=sum(r["gc_ms"]) / n, gc_runs_per_step=sum(r["gc_runs"]) / n, gc_full_per_step=sum(r["gc_full"]) / n)
+        line = (f"{arm}: garbage collector ({a.gc}) {sum(r['gc_ms']) / n:.2f} ms in {sum(r['gc_runs']) / n:.1f} collections per timed step"
+                f" ({sum(r['gc_full']) / n:.2f} full); host probe {', '.join(f'{x:.1f}' for x in r['host_probe_us'])} us per 1000 Python loop iterations")
         if a.rounds > 1:
             ratios = [x / y for x, y in zip(r["round_ms"], rows[ref]["round_ms"])]
             out["arms"][arm]["round_ratios"] = ratios
