@@ -8,6 +8,7 @@ import copy
 import gc
 import os
 import socket
+import warnings
 
 import pytest
 import torch
@@ -69,7 +70,8 @@ def test_options_are_checked():
         slc.check_options({"partition": "auto"})
     with pytest.raises(ValueError, match="paging=True with cudagraphs=True is not supported"):
         slc.check_options({"paging": True, "cudagraphs": True})
-    for k, v in (("paging_budget", 1.5), ("paging_budget", "half"), ("paging_prefetch", -1), ("paging_buffers", 0), ("paging_min_bytes", 1.0), ("paging_timed", 1), ("paging_slack", 0.5), ("paging_two_way", 1), ("paging_count_host", 1), ("paging_slack", True), ("paging_budget", True), ("paging_prefetch", True)):
+    for k, v in (("paging_budget", 1.5), ("paging_budget", "half"), ("paging_prefetch", -1), ("paging_buffers", 0), ("paging_min_bytes", 1.0), ("paging_timed", 1), ("paging_slack", 0.5), ("paging_two_way", 1), ("paging_count_host", 1), ("paging_slack", True), ("paging_budget", True), ("paging_prefetch", True),
+                 ("paging_budget", float("nan")), ("paging_slack", float("inf")), ("memory_slack", float("inf")), ("memory_slack", float("nan"))):
         with pytest.raises(ValueError, match=f"option '{k}' must be"):
             slc.check_options({"paging": True, k: v})
     with pytest.raises(ValueError, match="'cudagraphs' must be a bool"):
@@ -178,6 +180,75 @@ def test_paging_backward_reads_the_host_copy(options):
         out.sum().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
     assert not all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_static_paging_leaves_what_it_cannot_restore_and_keeps_what_runs_unlike_its_trace():
+    """Static paging sizes its host buffers from the trace. A saved value whose elements share
+    memory (a stride-0 expand: BERT's token-type embeddings) is no candidate, and `explain`
+    says why (it was chosen, then refused at its page-out). A value that comes at run time
+    unlike its trace (CPU bf16 autocast: BatchNorm's saved statistics traced as bf16, float32
+    at run time) stays on the device with a warning (the pool was exhausted). Zero-element
+    values are no candidates (two forwards in flight could not tell theirs apart). All
+    bit-exact with aot_eager (found by a new-user trial)."""
+
+    class Expanded(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(4, 8)
+            self.lin = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+            self.register_buffer("tt", torch.zeros(1, 12, dtype=torch.long), persistent=False)
+            self.register_buffer("pos", torch.arange(12).unsqueeze(0), persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            ids = torch.gather(self.tt, 1, self.pos).expand(x.shape[0], -1)  # an activation, expanded
+            h = self.emb(ids) * x.unsqueeze(-1)
+            e = torch.tanh(h[:, :0])  # an empty activation its backward saves
+            for lin in self.lin:
+                h = torch.tanh(lin(h))
+            return h.sum() + e.sum()
+
+    class Norms(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c1, self.b1 = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+            self.c2, self.b2 = torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b2(self.c2(torch.relu(self.b1(self.c1(x))))).float().square().mean()
+
+    static = {"paging": True, "paging_timed": False, "paging_budget": 1.0, "paging_min_bytes": 0}
+    timed = {"paging": True, "paging_budget": 1.0, "paging_min_bytes": 0, "paging_count_host": False}
+    for build, x, autocast, options in (
+        (Expanded, torch.randn(2, 12), False, static),
+        (Expanded, torch.randn(2, 12), False, timed),
+        (Norms, torch.randn(2, 3, 8, 8), True, static),
+    ):
+        got = {}
+        for backend in ("aot_eager", "sched_lifetime"):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model = build()
+            run = torch.compile(model, backend=backend, options=options if backend == "sched_lifetime" else None)
+            out = []
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for _ in range(3):  # two forwards in flight, then their backwards (timed: the first step calibrates)
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                        a, b = run(x), run(x * 2)
+                    (a + b).backward()
+                    out.append([a.detach(), *[p.grad.clone() for p in model.parameters()]])
+                    model.zero_grad(set_to_none=True)
+            got[backend] = out
+        assert all(torch.equal(p, q) for u, v in zip(got["aot_eager"], got["sched_lifetime"]) for p, q in zip(u, v)), (build.__name__, options)
+        pager = next(h["module"].sched_lifetime["paging"] for h in reversed(slc.history) if h["phase"] == "fwd")
+        assert pager.paged and pager.stats["bytes_out"] == pager.stats["bytes_in"] > 0
+        unlike = [str(w.message) for w in caught if "came at run time as" in str(w.message)]
+        if build is Expanded:
+            assert "its elements share memory (shape (2, 12), strides (0, 1))" in pager.explain(), pager.explain()
+            assert not unlike
+        else:
+            assert unlike and "torch.float32" in unlike[0] and "traced as" in unlike[0] and "torch.bfloat16" in unlike[0], unlike
+            assert pager.stats["kept_unlike_trace"] > 0
 
 
 @pytest.mark.parametrize("timed", [False, True], ids=["static", "timed"])
@@ -868,6 +939,21 @@ def test_graph_step_takes_tensor_constants_and_checks_each_microbatchs_shapes():
         gs.step([(torch.randn(2, 4, dtype=torch.float64),)])
     with pytest.raises(ValueError, match=r"microbatch 0 has 2 inputs, the graphs were captured with 1"):
         gs.step([(torch.randn(2, 4), torch.randn(2, 4))])
+    with pytest.raises(TypeError, match=r"microbatch 0 is a Tensor; each microbatch is a tuple of the model's inputs"):
+        gs.step([torch.randn(2, 4)])
+
+    class Scaled(torch.nn.Module):  # a non-tensor input is a constant of the graphs
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+            return (self.a(x) * scale).square().mean()
+
+    scaled = slc.GraphStep(Scaled(), (torch.randn(2, 4), 1.0))
+    scaled.step([(torch.randn(2, 4), 1.0)] * 2)
+    with pytest.raises(ValueError, match=r"microbatch 1 input 1 is 2.0, the graphs were captured with 1.0: a non-tensor input is a constant"):
+        scaled.step([(torch.randn(2, 4), 1.0), (torch.randn(2, 4), 2.0)])
 
     class Branchy(torch.nn.Module):
         def __init__(self) -> None:
@@ -881,6 +967,35 @@ def test_graph_step_takes_tensor_constants_and_checks_each_microbatchs_shapes():
     with pytest.raises(Exception) as info:
         slc.GraphStep(Branchy(), (torch.randn(2, 4),))
     assert any("cannot be captured" in n for n in getattr(info.value, "__notes__", [])), info.value
+
+
+def test_graph_step_accumulates_shared_and_broadcast_gradients_as_autograd_does():
+    """The backward graph returns one tensor as two parameters' gradients (`x @ (w1 + w2)`) and
+    a broadcast one (`offset.sum()`: a stride-0 expand). Taken as they were, w1.grad aliased
+    w2.grad (each later microbatch added twice: a silent wrong gradient) and adding into the
+    expanded one raised; as autograd's AccumulateGrad, the first gradient is copied in the
+    parameter's layout when it cannot be taken. Bit-exact with eager in every mode, and no
+    `.grad` aliases another or has a stride of 0 (found by a new-user trial)."""
+
+    class SharedAndBroadcast(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1, self.w2 = torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.randn(8, 8))
+            self.offset = torch.nn.Parameter(torch.zeros(8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x @ (self.w1 + self.w2) + self.offset).square().mean() + self.offset.sum()
+
+    torch.manual_seed(0)
+    m = SharedAndBroadcast()
+    ref = copy.deepcopy(m)
+    gs = slc.GraphStep(m, (torch.randn(4, 8),), order="ours")
+    mbs = [(torch.randn(4, 8),) for _ in range(3)]
+    for mode in ({"multiplexed": False}, {}, {"paired_ends": True}):
+        losses = gs.step(mbs, **mode)
+        grads = [p.grad for p in m.parameters()]
+        assert len({g.data_ptr() for g in grads}) == 3 and all(0 not in g.stride() for g in grads), mode
+        assert_matches_eager(losses, m, ref, mbs, str(mode))
 
 
 def test_graph_step_paired_ends_needs_multiplexing():

@@ -37,6 +37,8 @@ never a quiet eager run.
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, Callable, Optional
 
 import torch.fx as fx
@@ -108,14 +110,14 @@ def check_options(options: Optional[dict]) -> dict:
             "tensor's device storage queries its copy's event, which capture does not allow"
         )
     ms = opts["memory_slack"]
-    if ms is not None and (isinstance(ms, bool) or not isinstance(ms, (int, float)) or not ms >= 0):
-        raise ValueError(f"sched_lifetime backend: option 'memory_slack' must be a number >= 0 (a fraction of the peak) or None, got {ms!r}")
+    if ms is not None and (isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 <= ms < math.inf):
+        raise ValueError(f"sched_lifetime backend: option 'memory_slack' must be a finite number >= 0 (a fraction of the peak) or None, got {ms!r}")
     b = opts["paging_budget"]
-    if isinstance(b, bool) or not isinstance(b, (int, float)) or b < 0 or (isinstance(b, float) and b > 1):
+    if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b or (isinstance(b, float) and not b <= 1):
         raise ValueError(f"sched_lifetime backend: option 'paging_budget' must be a fraction in [0, 1] or bytes (int >= 0), got {b!r}")
     sl_ = opts["paging_slack"]
-    if isinstance(sl_, bool) or not isinstance(sl_, (int, float)) or not sl_ >= 1:
-        raise ValueError(f"sched_lifetime backend: option 'paging_slack' must be a number >= 1, got {sl_!r}")
+    if isinstance(sl_, bool) or not isinstance(sl_, (int, float)) or not 1 <= sl_ < math.inf:
+        raise ValueError(f"sched_lifetime backend: option 'paging_slack' must be a finite number >= 1, got {sl_!r}")
     for k, lo in (("paging_prefetch", 0), ("paging_buffers", 1), ("paging_min_bytes", 0)):
         if isinstance(opts[k], bool) or not isinstance(opts[k], int) or opts[k] < lo:
             raise ValueError(f"sched_lifetime backend: option {k!r} must be an int >= {lo}, got {opts[k]!r}")

@@ -182,6 +182,8 @@ class GraphStep:
         self.model = model
         #: The inputs' shapes and dtypes the graphs were captured for (static: `step` checks them).
         self.input_meta = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None for t in example_inputs]
+        #: The non-tensor inputs' values (position -> value): constants of the captured graphs.
+        self.input_constants = {j: v for j, v in enumerate(example_inputs) if not isinstance(v, torch.Tensor)}
         self.names, self.params, self.graphs, loss = capture_graphs(model, example_inputs)
         if loss.dim() != 0:
             raise ValueError(f"GraphStep needs a scalar loss, the model returned shape {tuple(loss.shape)}")
@@ -318,6 +320,11 @@ class GraphStep:
         a graph."""
         want = self.input_meta
         for i, mb in enumerate(microbatches):
+            if not isinstance(mb, (tuple, list)):
+                raise TypeError(
+                    f"GraphStep.step: microbatch {i} is a {type(mb).__name__}; each microbatch is a tuple of the model's inputs "
+                    "(one input: `(x,)`)"
+                )
             if len(mb) != len(want):
                 raise ValueError(f"GraphStep.step: microbatch {i} has {len(mb)} inputs, the graphs were captured with {len(want)}")
             for j, (t, w) in enumerate(zip(mb, want)):
@@ -326,6 +333,12 @@ class GraphStep:
                     raise ValueError(
                         f"GraphStep.step: microbatch {i} input {j} is {_meta(got)}, the graphs were captured for {_meta(w)} "
                         "(static shapes and dtypes): give every microbatch the example's, or make a GraphStep per shape"
+                    )
+                if j in self.input_constants and not _same_constant(t, self.input_constants[j]):
+                    raise ValueError(
+                        f"GraphStep.step: microbatch {i} input {j} is {t!r}, the graphs were captured with {self.input_constants[j]!r}: "
+                        "a non-tensor input is a constant of the captured graphs; pass a value that changes as a tensor "
+                        "(torch.tensor(...)), or make a GraphStep per value"
                     )
 
     def _run_mux(self, args: list) -> Any:
@@ -407,6 +420,16 @@ class GraphStep:
         self._accumulate(grads[:half])  # microbatch n-2 first, as in every other order
         self._accumulate(grads[half:])
         return losses
+
+
+def _same_constant(a: Any, b: Any) -> bool:
+    """Whether a microbatch's non-tensor input is the captured one (equal and of one type)."""
+    if a is b:
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # no truth value (an array): only the same object passes
+        return False
 
 
 def _meta(m: Optional[tuple]) -> str:

@@ -85,7 +85,7 @@ class JointPager(GraphPager):
         with unset_fake_temporarily():
             for _ in range(self.buffers):
                 self.runs.append(_Run(pool=self._new_pool()))
-        self._index = {n.name: i for i, (n, _, _) in enumerate(picked)}
+        self._set_index([n for n, _, _ in picked])
         self._rewrite(gm, picked, pos)
         return gm
 

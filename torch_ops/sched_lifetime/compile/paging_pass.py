@@ -7,13 +7,16 @@ order: `SlotOrder`, device storage released through the lifetime manager).
 
 At partition time (AOTAutograd's partition function, wrapped) both graphs are known: every
 saved value that is an activation (not a graph input: parameters and user inputs stay) with at
-least `min_bytes` is a candidate, with its save order in the forward and the order of its first
-use in the backward; Rust picks under the budget. After Rust's scheduling pass:
+least `min_bytes` (and one element), whose elements do not share memory (a stride-0 expand
+could not come back with its strides), is a candidate, with its save order in the forward and
+the order of its first use in the backward; Rust picks under the budget. After Rust's
+scheduling pass:
 
 - forward: `_page_out` right after the node that produces a chosen value (its copy is queued on
   the page stream behind the compute so far and runs under the rest of the forward); the graph
   saves the host tensor it returns instead of the device one, so the device storage goes once
-  the copy is done and the forward no longer reads it;
+  the copy is done and the forward no longer reads it (a value that comes at run time unlike its
+  trace, whose host buffer was sized from the trace, stays on the device, with a warning);
 - backward: `_page_in_launch` `prefetch` compute nodes before the value's first use (a device
   tensor allocated on the compute stream, the copy queued on the page stream, the host buffer
   back on the freelist), `_page_wait` right before the use (the compute stream waits on the
@@ -51,6 +54,7 @@ Eager only: the release of a paged-out tensor's device storage asks whether its 
 from __future__ import annotations
 
 import itertools
+import warnings
 import weakref
 from typing import Any, Callable, Optional
 
@@ -59,6 +63,7 @@ import torch.fx as fx
 
 from .._ops import direct as _direct
 from ..paging import Budget, HostPool, Pager, page_plan
+from ..paging.paged import restorable
 
 #: Live pagers by key (the graphs' page nodes carry the key, an int, as their first argument).
 _PAGERS: "weakref.WeakValueDictionary[int, GraphPager]" = weakref.WeakValueDictionary()
@@ -77,6 +82,7 @@ class _Run:
         self.open = False  # a forward ran; its backward has not finished
         self.owed: set = set()  # (save index, address) of saved values its backward has not read yet
         self.versions: dict[int, "_Version"] = {}  # save index of a paged value -> its device tensor's version
+        self.kept: set = set()  # static: save indices kept on the device at run time (unlike their trace)
 
 
 class GraphPager:
@@ -98,7 +104,9 @@ class GraphPager:
         self.candidates: list[str] = []  # saved values that may be paged, in save order
         self.chosen: list[str] = []  # those that get page nodes (static: Rust's plan; timed: all)
         self._num_fwd_outputs = 0
-        self._held: dict[int, Any] = {}  # host buffer address -> (Paged, its run)
+        self._held: dict[int, Any] = {}  # host buffer address -> (Paged, its run, _Version)
+        self._expect: list = []  # save index -> (shape, dtype) the forward was traced with
+        self._warned: set = set()  # save indices whose run-time difference from the trace was said
         self._events: dict[int, Any] = {}  # id of a paged-in tensor -> (its copy's event, its pool)
         self._stats = {"bytes_out": 0, "bytes_in": 0, "copies_out": 0, "copies_in": 0}
         self._index: dict[str, int] = {}  # candidate -> its save index in the forward
@@ -229,7 +237,12 @@ class GraphPager:
                 continue
             nbytes = numel * val.element_size()
             users = list(bw_ph[n.name].users)
-            if nbytes < self.min_bytes or not users:  # (Rust never pages a value of no bytes)
+            # No elements: nothing to page, and runs cannot tell such values apart (each has
+            # address 0: `_saved`). Rust's plan would not page one either.
+            if nbytes < max(self.min_bytes, 1) or not users:
+                continue
+            if not restorable(val):
+                self.left_out[n.name] = f"its elements share memory (shape {tuple(val.shape)}, strides {val.stride()}): it cannot come back with its strides"
                 continue
             cands.append((n, nbytes, min(bw_pos[u] for u in users)))
         self.candidates = [n.name for n, _, _ in sorted(cands, key=lambda c: pos[c[0]])]
@@ -282,6 +295,27 @@ class GraphPager:
         self._fwd = run
         return run
 
+    def _set_index(self, nodes: list) -> None:
+        """The paged values' save indices (`nodes`, in the order the forward saves them) and what
+        each was traced as (static: its host buffer is sized from it)."""
+        self._index = {n.name: i for i, n in enumerate(nodes)}
+        self._expect = [(tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in nodes]
+
+    def _keep_unlike_trace(self, run: _Run, i: int, t: torch.Tensor) -> None:
+        """Static: saved value `i` came unlike its trace; it stays on the device (said once)."""
+        run.kept.add(i)
+        self._saved(run, i, t)
+        self._stats["kept_unlike_trace"] = self._stats.get("kept_unlike_trace", 0) + 1
+        if i not in self._warned:
+            self._warned.add(i)
+            shape, dtype = self._expect[i]
+            warnings.warn(
+                f"sched_lifetime paging: saved value #{i} came at run time as {tuple(t.shape)} {t.dtype} (strides {t.stride()}), "
+                f"traced as {shape} {dtype}; its host buffer was sized from the trace (and a value whose elements share memory "
+                "cannot come back with its strides), so it stays on the device",
+                stacklevel=2,
+            )
+
     def _saved(self, run: _Run, i: int, t: torch.Tensor) -> None:
         key = (i, t.data_ptr())
         self._owner[key] = run
@@ -306,6 +340,7 @@ class GraphPager:
             self._owner.pop(key, None)
         run.owed.clear()
         run.versions.clear()
+        run.kept.clear()
         run.open = False
         if self.timed:
             run.pager.end(True)
@@ -327,7 +362,7 @@ class GraphPager:
             raise RuntimeError(f"sched_lifetime paging: the forward graph lost saved values {missing[:5]}")
         # Save indices in the order the forward runs them; the first one starts the run.
         where = {n: i for i, n in enumerate(g.nodes)}
-        self._index = {c: i for i, c in enumerate(sorted(self.chosen, key=lambda c: where[by_name[c]]))}
+        self._set_index(sorted((by_name[c] for c in self.chosen), key=where.__getitem__))
         for name in self.chosen:
             n = by_name[name]
             with g.inserting_after(n):
@@ -386,9 +421,15 @@ def _pager(key: int) -> GraphPager:
 
 
 def _page_out(key: int, i: int, t: torch.Tensor) -> torch.Tensor:
-    """Static: saved value `i` (the first starts a run) copied into its run's host buffer."""
+    """Static: saved value `i` (the first starts a run) copied into its run's host buffer. One
+    that comes at run time unlike its trace (another dtype: CPU autocast's BatchNorm statistics)
+    has no buffer of its size: it stays on the device, with a warning."""
     gp = _pager(key)
     run = gp.begin_forward() if i == 0 else gp._fwd
+    want = gp._expect[i]
+    if t.shape != want[0] or t.dtype != want[1] or not restorable(t):
+        gp._keep_unlike_trace(run, i, t)
+        return t
     version = _Version(t)
     p = run.pool.page_out(t)
     host = run.pool.view_of(p)
@@ -403,6 +444,11 @@ def _page_in_launch(key: int, i: int, host: torch.Tensor) -> torch.Tensor:
     gp = _pager(key)
     held = gp._held.get(host.data_ptr())
     if held is None:
+        run = gp._owner.get((i, host.data_ptr()))
+        if run is not None and i in run.kept:  # kept on the device at run time (`_page_out`)
+            run.kept.discard(i)
+            gp._reader(i, host)
+            return host
         raise RuntimeError("sched_lifetime paging: a backward read a host buffer no forward paged out (backward run twice?)")
     p, run, version = held
     version.check(i)
@@ -418,7 +464,10 @@ def _page_in_launch(key: int, i: int, host: torch.Tensor) -> torch.Tensor:
 
 def _page_wait(key: int, t: torch.Tensor) -> torch.Tensor:
     gp = _pager(key)
-    ev, pool = gp._events.pop(id(t))
+    got = gp._events.pop(id(t), None)
+    if got is None:  # kept on the device: nothing to wait for
+        return t
+    ev, pool = got
     pool.page_wait(ev)
     pool.recycle(ev)
     return t

@@ -11,20 +11,47 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from .graph import NodeDef
 
 
 def accumulate_grads(params: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]) -> None:
-    """Add gradients into `.grad` as autograd's accumulation does (the first one is taken as
-    is, later ones added in place); None skips."""
+    """Add gradients into `.grad` as autograd's accumulation (AccumulateGrad) does: the first
+    one is taken as it is when nothing else holds it (`_stealable`), else a copy in the
+    parameter's layout; later ones are added in place. None skips. A graph may return one
+    tensor as two parameters' gradients (`x @ (w1 + w2)`), or a broadcast one (a stride-0
+    expand, for `w.sum()`): taken as they are, one `.grad` would alias another or an add into
+    it would write one element twice."""
+    taken: set = set()
     for p, g in zip(params, grads):
         if g is None:
             continue
         if p.grad is None:
+            if id(g) in taken or not _stealable(p, g):
+                g = _in_layout(p, g)
+            taken.add(id(g))
             p.grad = g
         else:
             p.grad.add_(g)
+
+
+def _stealable(p: torch.Tensor, g: torch.Tensor) -> bool:
+    """Whether `.grad` may be `g` itself (AccumulateGrad's rule): no other tensor shares its
+    storage (the `untyped_storage()` object counts one) and its strides are the layout autograd
+    gives a gradient: the parameter's where the parameter is dense, else contiguous."""
+    if g.layout != torch.strided or torch._C._storage_Use_Count(g.untyped_storage()._cdata) > 2:
+        return False
+    if is_non_overlapping_and_dense_or_false(p):
+        return all(s == q for s, q, n in zip(g.stride(), p.stride(), g.shape) if n != 1) and g.shape == p.shape
+    return g.is_contiguous()
+
+
+def _in_layout(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """A copy of `g` in the layout autograd gives a gradient it cannot take as it is."""
+    if is_non_overlapping_and_dense_or_false(p):
+        return torch.empty_strided(p.shape, p.stride(), dtype=g.dtype, device=g.device).copy_(g)
+    return g.clone(memory_format=torch.contiguous_format)
 
 
 class _WeightSplit:

@@ -27,6 +27,8 @@ def _budget_text(budget: Budget) -> str:
         return json.dumps(budget)
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise ValueError(f"paging budget must be bytes (int), a fraction (float) or a dict, got {budget!r}")
+    if isinstance(budget, float) and budget != budget or budget in (float("inf"), float("-inf")):  # JSON has no NaN
+        raise ValueError(f"paging budget fraction must be in 0..=1, got {budget!r}")
     if isinstance(budget, int) and 0 < budget < 1024:
         warnings.warn(
             f"paging budget {budget} is an int: {budget} byte(s), which pages almost nothing; for a fraction of the "
