@@ -424,7 +424,7 @@ class GraphStep:
 
 def _same_constant(a: Any, b: Any) -> bool:
     """Whether a microbatch's non-tensor input is the captured one (equal and of one type)."""
-    if a is b:
+    if a is b or (type(a) is float and type(b) is float and a != a and b != b):  # (NaN: unequal to itself)
         return True
     try:
         return type(a) is type(b) and bool(a == b)

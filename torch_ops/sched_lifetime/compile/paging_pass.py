@@ -107,7 +107,7 @@ class GraphPager:
         self._held: dict[int, Any] = {}  # host buffer address -> (Paged, its run, _Version)
         self._expect: list = []  # save index -> (shape, dtype) the forward was traced with
         self._warned: set = set()  # save indices whose run-time difference from the trace was said
-        self._events: dict[int, Any] = {}  # id of a paged-in tensor -> (its copy's event, its pool)
+        self._events: dict[int, Any] = {}  # id of a paged-in tensor -> (its copy's event, its pool); None: kept on the device
         self._stats = {"bytes_out": 0, "bytes_in": 0, "copies_out": 0, "copies_in": 0}
         self._index: dict[str, int] = {}  # candidate -> its save index in the forward
         self._sizes: list[int] = []  # static: host buffer bytes per chosen value
@@ -331,6 +331,28 @@ class GraphPager:
         self._bwd = run
         return run
 
+    def abandon(self, run: _Run) -> None:
+        """A backward of `run` refused (a paged value changed in place): its copies are waited
+        for and its buffers and device storage given back, its slot free again (else it would
+        stay taken: at `MAX_RUNS` such slots every forward fails)."""
+        if self._bwd is run:
+            self._bwd = None
+        for key in [k for k, r in self._owner.items() if r is run]:
+            del self._owner[key]
+        run.owed.clear()
+        run.versions.clear()
+        run.kept.clear()
+        run.open = False
+        if self.timed:
+            run.pager.end(False)
+            return
+        for addr in [a for a, h in self._held.items() if h[1] is run]:
+            del self._held[addr]
+        launched = [self._events.pop(k)[0] for k, e in list(self._events.items()) if e is not None and e[1] is run.pool]
+        run.pool.abandon()  # before the unwaited page-ins' events are reused
+        for ev in launched:
+            run.pool.recycle(ev)
+
     def end_backward(self) -> None:
         """A backward finished: its run slot is free again."""
         run, self._bwd = self._bwd, None
@@ -448,10 +470,15 @@ def _page_in_launch(key: int, i: int, host: torch.Tensor) -> torch.Tensor:
         if run is not None and i in run.kept:  # kept on the device at run time (`_page_out`)
             run.kept.discard(i)
             gp._reader(i, host)
+            gp._events[id(host)] = None  # `_page_wait`: nothing to wait for
             return host
         raise RuntimeError("sched_lifetime paging: a backward read a host buffer no forward paged out (backward run twice?)")
     p, run, version = held
-    version.check(i)
+    try:
+        version.check(i)
+    except RuntimeError:
+        gp.abandon(run)
+        raise
     del gp._held[host.data_ptr()]
     gp._reader(i, host)
     run.pool.release_done()
@@ -464,7 +491,7 @@ def _page_in_launch(key: int, i: int, host: torch.Tensor) -> torch.Tensor:
 
 def _page_wait(key: int, t: torch.Tensor) -> torch.Tensor:
     gp = _pager(key)
-    got = gp._events.pop(id(t), None)
+    got = gp._events.pop(id(t))
     if got is None:  # kept on the device: nothing to wait for
         return t
     ev, pool = got
@@ -509,7 +536,11 @@ def _page_use(key: int, i: int, x: torch.Tensor) -> torch.Tensor:
     pg = run.pager
     version = run.versions.pop(i, None)
     if version is not None:
-        version.check(i)
+        try:
+            version.check(i)
+        except RuntimeError:
+            gp.abandon(run)
+            raise
     paged = i in pg._handles or i in pg._ready
     return pg._unpack(("paged", i) if paged else ("keep", i, x))
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
-from .grads import _WeightSplit, accumulate_grads
+from .grads import _WeightSplit, accumulate_grads, grad_ids
 from .graph import NodeDef
 from .state import MicrobatchState
 
@@ -124,8 +124,8 @@ def backward_fns(chunk: Chunk, n: NodeDef) -> dict[str, Callable[..., Any]]:
 
     paged = n.name in chunk._paged
 
-    def accumulate(st: MicrobatchState, grads: Sequence[Optional[torch.Tensor]]) -> None:
-        accumulate_grads(params, grads)
+    def accumulate(st: MicrobatchState, grads: Sequence[Optional[torch.Tensor]], keep: set) -> None:
+        accumulate_grads(params, grads, keep)
         if st.last and chunk.grad_reduce is not None:  # this node's gradients are final
             chunk.grad_reduce.launch(params)
 
@@ -139,7 +139,7 @@ def backward_fns(chunk: Chunk, n: NodeDef) -> dict[str, Callable[..., Any]]:
         if fused:
             res = torch.autograd.grad(outs, [*leaves, *params], g, allow_unused=True)
             st.paged_in.pop(n.name, None)
-            accumulate(st, res[len(leaves) :])
+            accumulate(st, res[len(leaves) :], grad_ids(res[: len(leaves)], grads, [g]))  # (x + p: p's gradient is x's)
             res = res[: len(leaves)]
         elif not has_dw:
             res = torch.autograd.grad(outs, leaves, g, allow_unused=True)
@@ -149,17 +149,19 @@ def backward_fns(chunk: Chunk, n: NodeDef) -> dict[str, Callable[..., Any]]:
             # input's graph, so dW reuses the gradients computed here instead of redoing them.
             split = _WeightSplit(outs, leaves, params)
             res = split.input_grads(g)
+            split.passed_on = grad_ids(res, grads, [g])  # dW's gradients may be these very tensors
             st.saved[n.name] = split
         return tuple(torch.zeros_like(leaf) if r is None else r for r, leaf in zip(res, leaves))
 
     def weight_grads(st: MicrobatchState, grads: Sequence[torch.Tensor]) -> None:
         saved = st.saved.pop(n.name)
         if isinstance(saved, _WeightSplit):
-            res = saved.weight_grads()
+            res, keep = saved.weight_grads(), saved.passed_on | grad_ids(grads)
         else:  # no dI part (no input takes a gradient): the whole backward is dW
-            res = torch.autograd.grad(saved[1], params, summed(grads), allow_unused=True)
+            g = summed(grads)
+            res, keep = torch.autograd.grad(saved[1], params, g, allow_unused=True), grad_ids(grads, [g])
         st.paged_in.pop(n.name, None)
-        accumulate(st, res)
+        accumulate(st, res, keep)
 
     def d_weight(*grads: torch.Tensor) -> Any:
         st = ctx.bwd

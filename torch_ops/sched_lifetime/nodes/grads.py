@@ -8,7 +8,7 @@ does; `GradReduce` averages the data-parallel gradients over a group inside the 
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
@@ -16,14 +16,17 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 from .graph import NodeDef
 
 
-def accumulate_grads(params: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]) -> None:
+def accumulate_grads(params: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]], keep: Iterable[int] = ()) -> None:
     """Add gradients into `.grad` as autograd's accumulation (AccumulateGrad) does: the first
-    one is taken as it is when nothing else holds it (`_stealable`), else a copy in the
-    parameter's layout; later ones are added in place. None skips. A graph may return one
-    tensor as two parameters' gradients (`x @ (w1 + w2)`), or a broadcast one (a stride-0
-    expand, for `w.sum()`): taken as they are, one `.grad` would alias another or an add into
-    it would write one element twice."""
-    taken: set = set()
+    one is taken as it is when nothing else refers to it and it has the layout autograd gives a
+    gradient (`_stealable`), else a copy in that layout; later ones are added in place. None
+    skips. `keep`: the ids of tensors the caller still uses or has passed on (the input
+    gradients, the incoming ones; `grad_ids`): a gradient among them is copied. A graph may
+    return one tensor as two parameters' gradients (`x @ (w1 + w2)`), `x + p` hands `p` the
+    gradient it hands `x`, and a broadcast gradient (`w.sum()`) has stride 0: taken as they
+    are, one `.grad` would alias another tensor, or an add into it would write one element
+    twice."""
+    taken = set(keep)
     for p, g in zip(params, grads):
         if g is None:
             continue
@@ -36,14 +39,23 @@ def accumulate_grads(params: Sequence[torch.Tensor], grads: Sequence[Optional[to
             p.grad.add_(g)
 
 
+def grad_ids(*groups: Iterable[Optional[torch.Tensor]]) -> set:
+    """`accumulate_grads`' `keep` for these tensors (ids only: nothing is kept alive; an id
+    reused by a later tensor only costs that one a copy)."""
+    return {id(t) for ts in groups for t in ts if t is not None}
+
+
 def _stealable(p: torch.Tensor, g: torch.Tensor) -> bool:
-    """Whether `.grad` may be `g` itself (AccumulateGrad's rule): no other tensor shares its
-    storage (the `untyped_storage()` object counts one) and its strides are the layout autograd
-    gives a gradient: the parameter's where the parameter is dense, else contiguous."""
-    if g.layout != torch.strided or torch._C._storage_Use_Count(g.untyped_storage()._cdata) > 2:
+    """Whether `.grad` may be `g` itself, as AccumulateGrad decides: no other tensor refers to
+    it (a view of it holds a reference: its use count is then above 1) and it obeys the layout
+    contract: the parameter's strides where the parameter is dense (a size-1 dimension may
+    differ, but not with stride 0), else contiguous."""
+    if g.layout != torch.strided or g._use_count() > 1:
         return False
     if is_non_overlapping_and_dense_or_false(p):
-        return all(s == q for s, q, n in zip(g.stride(), p.stride(), g.shape) if n != 1) and g.shape == p.shape
+        return g.shape == p.shape and all(
+            (s == q) if n != 1 else s != 0 for s, q, n in zip(g.stride(), p.stride(), g.shape)
+        )
     return g.is_contiguous()
 
 
@@ -65,6 +77,7 @@ class _WeightSplit:
         from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, construct_reverse_graph, get_param_groups
 
         self.outs, self.leaves, self.params = list(outs), list(leaves), list(params)
+        self.passed_on: set = set()  # ids of the input gradients dI passed on (`accumulate_grads`' keep)
         with torch.enable_grad():  # leaves' grad accumulators are found through a view
             out_fns = [f for f in map(_get_grad_fn_or_grad_acc, self.outs) if f is not None]
             leaf_fns = [f for f in map(_get_grad_fn_or_grad_acc, self.leaves) if f is not None]

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..nodes import accumulate_grads
+from ..nodes.grads import grad_ids
 from .arming import _DualPipeHook, _take_armed, _take_ready
 
 
@@ -48,7 +49,7 @@ class _GraphChain(torch.autograd.Function):
             fstage.overlapped += 1
             grads = list(res[k:])
         n = len(stage.params)
-        accumulate_grads(stage.params, grads[:n])
+        accumulate_grads(stage.params, grads[:n], grad_ids(grads[n:]))  # those go on to the previous stage
         return (None, None, *grads[n:], *([None] * ctx.n_params))
 
 
