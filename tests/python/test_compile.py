@@ -308,7 +308,7 @@ def test_paging_refuses_a_saved_value_changed_in_place_before_the_backward(timed
     for _ in range(3):  # refused each time; the refused backward's run slot is given back
         h, loss = run(x)
         h.mul_(0)
-        with pytest.raises(RuntimeError, match=r"modified by an inplace operation: saved value #0 of this compiled graph \(\(8, 64\) torch.float32, paged to host memory\) is at version 1; expected version 0"):
+        with pytest.raises(RuntimeError, match=r"modified by an inplace operation: saved value #0 of this compiled graph, paged to host memory \(\(8, 64\) torch.float32\) is at version 1; expected version 0"):
             loss.backward()
     run(x)[1].backward()
     assert len(pager.runs) <= 2 and not any(r.open for r in pager.runs) and not pager._held and not pager._owner  # (static: 2 made up front)

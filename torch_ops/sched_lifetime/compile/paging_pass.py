@@ -44,7 +44,7 @@ out and why.
 
 Autograd's check that a saved value was not changed in place before the backward compares the
 saved tensor's version counter, and the graph saves the host copy: each page-out keeps the
-device tensor's counter (not its storage, `_Version`) and its page-in raises autograd's error
+device tensor's counter (not its storage, `SavedVersion`) and its page-in raises autograd's error
 when the version moved.
 
 Eager only: the release of a paged-out tensor's device storage asks whether its copy is done
@@ -61,9 +61,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-from .._ops import direct as _direct
 from ..paging import Budget, HostPool, Pager, page_plan
-from ..paging.paged import restorable
+from ..paging.paged import SavedVersion, restorable
 
 #: Live pagers by key (the graphs' page nodes carry the key, an int, as their first argument).
 _PAGERS: "weakref.WeakValueDictionary[int, GraphPager]" = weakref.WeakValueDictionary()
@@ -81,7 +80,7 @@ class _Run:
         self.pager, self.pool = pager, pool
         self.open = False  # a forward ran; its backward has not finished
         self.owed: set = set()  # (save index, address) of saved values its backward has not read yet
-        self.versions: dict[int, "_Version"] = {}  # save index of a paged value -> its device tensor's version
+        self.versions: dict[int, SavedVersion] = {}  # save index of a paged value -> its device tensor's version
         self.kept: set = set()  # static: save indices kept on the device at run time (unlike their trace)
 
 
@@ -104,7 +103,7 @@ class GraphPager:
         self.candidates: list[str] = []  # saved values that may be paged, in save order
         self.chosen: list[str] = []  # those that get page nodes (static: Rust's plan; timed: all)
         self._num_fwd_outputs = 0
-        self._held: dict[int, Any] = {}  # host buffer address -> (Paged, its run, _Version)
+        self._held: dict[int, Any] = {}  # host buffer address -> (Paged, its run, SavedVersion)
         self._expect: list = []  # save index -> (shape, dtype) the forward was traced with
         self._warned: set = set()  # save indices whose run-time difference from the trace was said
         self._events: dict[int, Any] = {}  # id of a paged-in tensor -> (its copy's event, its pool); None: kept on the device
@@ -435,6 +434,10 @@ class GraphPager:
         return gm
 
 
+#: How the in-place check names a paged value of a compiled graph (`SavedVersion.check`).
+_WHAT = "saved value #{} of this compiled graph, paged to host memory"
+
+
 def _pager(key: int) -> GraphPager:
     gp = _PAGERS.get(key)
     if gp is None:
@@ -452,7 +455,7 @@ def _page_out(key: int, i: int, t: torch.Tensor) -> torch.Tensor:
     if t.shape != want[0] or t.dtype != want[1] or not restorable(t):
         gp._keep_unlike_trace(run, i, t)
         return t
-    version = _Version(t)
+    version = SavedVersion(t)
     p = run.pool.page_out(t)
     host = run.pool.view_of(p)
     gp._held[host.data_ptr()] = (p, run, version)
@@ -475,7 +478,7 @@ def _page_in_launch(key: int, i: int, host: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("sched_lifetime paging: a backward read a host buffer no forward paged out (backward run twice?)")
     p, run, version = held
     try:
-        version.check(i)
+        version.check(_WHAT.format(i))
     except RuntimeError:
         gp.abandon(run)
         raise
@@ -523,7 +526,7 @@ def _page_save(key: int, i: int, t: torch.Tensor) -> torch.Tensor:
         out = t
     else:
         out = pg.pool.view_of(pg._handles[i])
-        run.versions[i] = _Version(t)
+        run.versions[i] = SavedVersion(t)
     gp._saved(run, i, out)
     return out
 
@@ -537,43 +540,10 @@ def _page_use(key: int, i: int, x: torch.Tensor) -> torch.Tensor:
     version = run.versions.pop(i, None)
     if version is not None:
         try:
-            version.check(i)
+            version.check(_WHAT.format(i))
         except RuntimeError:
             gp.abandon(run)
             raise
     paged = i in pg._handles or i in pg._ready
     return pg._unpack(("paged", i) if paged else ("keep", i, x))
 
-
-class _Version:
-    """A paged value's version when it was saved, and its version counter (not its storage: a
-    capsule from the library, `cpp/direct.cc`). The forward saves the host copy, so autograd's
-    check that a saved value was not changed in place before the backward would compare the
-    host copy's counter; `check` makes it on the device tensor's, as autograd would have, and
-    raises autograd's error."""
-
-    __slots__ = ("probe", "ref", "saved", "shape", "dtype")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.probe = _direct.version_probe(t)
-        self.ref = None
-        if self.probe is NotImplemented:  # a tensor subclass: its Python object's counter
-            self.probe, self.ref = None, weakref.ref(t)
-        self.saved = t._version if self.probe is not None or self.ref is not None else 0
-        self.shape, self.dtype = t.shape, t.dtype
-
-    def now(self) -> Optional[int]:
-        if self.probe is not None:
-            return _direct.version_of(self.probe)
-        t = self.ref() if self.ref is not None else None
-        return None if t is None else t._version
-
-    def check(self, i: int) -> None:
-        now = self.now()
-        if now is not None and now != self.saved:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace operation: "
-                f"saved value #{i} of this compiled graph ({tuple(self.shape)} {self.dtype}, paged to host memory) is at version "
-                f"{now}; expected version {self.saved} instead (autograd's check, kept by the backend's paging). "
-                "Hint: clone the tensor before changing it in place."
-            )

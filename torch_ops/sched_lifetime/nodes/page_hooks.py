@@ -18,22 +18,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import torch
 
 from ..paging import HostPool, group_plan, is_weight, page_plan, restorable
+from ..paging.paged import SavedVersion
 from .state import MicrobatchState, _Ctx
 
 if TYPE_CHECKING:
     from .chunk import Chunk
-
-
-def _check_version(node: str, t: Optional[torch.Tensor], version: int) -> None:
-    """Raise as autograd does when a saved tensor was changed in place since its save (`t`:
-    None when nothing holds a paged one any more; then nothing can change it and the backward
-    reads its host copy)."""
-    if t is not None and t._version != version:
-        raise RuntimeError(
-            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
-            f"a {tuple(t.shape)} {t.dtype} tensor node '{node}' saved is at version {t._version}; expected version "
-            f"{version} instead (autograd's check, kept on paged nodes). Hint: clone it before changing it in place."
-        )
 
 
 class PageHooks:
@@ -80,27 +69,27 @@ class PageHooks:
         # state weakly.
         ref = weakref.ref(st) if st is not None else None
 
-        # Each packed tuple ends with the tensor's version and what to read it from: autograd's
-        # in-place check, which these hooks turn off, is done at the unpack (`_check_version`).
+        # Each packed tuple ends with the tensor's `SavedVersion`: autograd's in-place check,
+        # which these hooks turn off, is done at the unpack.
         def pack(t: torch.Tensor) -> Any:
             if not pageable(t):
                 if calib is not None and not is_weight(t):
                     self.calib_small[name] = max(self.calib_small.get(name, 0), t.numel() * t.element_size())
-                return ("keep", t.detach(), t._version)
+                return ("keep", t.detach(), SavedVersion(t))
             if calib is not None:
                 calib.setdefault(name, []).append(t.numel() * t.element_size())
                 self.calib_saved.setdefault(name, []).append(t.detach())  # for the host layout
-                return ("keep", t.detach(), t._version)
+                return ("keep", t.detach(), SavedVersion(t))
             held = ref().paged.setdefault(name, [])
             held.append(t)
-            return ("paged", ref, name, len(held) - 1, weakref.ref(t if t._base is None else t._base), t._version)
+            return ("paged", ref, name, len(held) - 1, SavedVersion(t))
 
         def unpack(packed: Any) -> torch.Tensor:
             if packed[0] == "keep":
-                _check_version(name, packed[1], packed[2])
+                packed[2].check(f"a tensor node '{name}' saved")
                 return packed[1]
-            _, owner_ref, node, i, held_ref, version = packed
-            _check_version(node, held_ref(), version)
+            _, owner_ref, node, i, version = packed
+            version.check(f"a tensor node '{node}' saved")
             owner = owner_ref()
             if owner is None:
                 raise RuntimeError(f"node '{node}': saved activation #{i} unpacked after its microbatch's state was dropped")

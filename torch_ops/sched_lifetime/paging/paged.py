@@ -1,10 +1,14 @@
-"""Which saved tensors are worth paging and can be (`is_weight`, `restorable`), and what a page-out keeps of one (`Paged`)."""
+"""Which saved tensors are worth paging and can be (`is_weight`, `restorable`), what a page-out keeps of one (`Paged`), and the version it had (`SavedVersion`)."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
+
+from .._ops import direct as _direct
 
 
 def is_weight(t: torch.Tensor) -> bool:
@@ -47,3 +51,40 @@ class Paged:
     nbytes: int
     offset: int = 0  # byte offset in the buffer of its element [0, ..., 0] (a group's tensors share one)
     packed: bool = False  # in a group: held contiguous (a view with gaps), scattered back on the device
+
+
+class SavedVersion:
+    """The version a saved tensor had when it was saved, and its version counter (a capsule from
+    the library, `cpp/direct.cc`: the counter, not the storage, so a paged tensor's device memory
+    still goes), to check at the backward that it was not changed in place. Paging saves a host
+    copy or a hook's packed form instead of the tensor, where autograd's own check cannot see
+    the tensor (`saved_tensors_hooks` turn it off; a host copy's counter never moves): every
+    paging path makes the check here, with autograd's message. One rule for the eager `Pager`,
+    page nodes and the compile paging pass."""
+
+    __slots__ = ("probe", "ref", "saved", "shape", "dtype")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.probe: Any = _direct.version_probe(t)
+        self.ref: Optional[weakref.ref] = None
+        if self.probe is NotImplemented:  # a tensor subclass: its Python object's counter
+            self.probe, self.ref = None, weakref.ref(t)
+        self.saved = t._version if self.probe is not None or self.ref is not None else 0
+        self.shape, self.dtype = t.shape, t.dtype
+
+    def now(self) -> Optional[int]:
+        """The counter now (None: an inference tensor, or a subclass whose object is gone)."""
+        if self.probe is not None:
+            return _direct.version_of(self.probe)
+        t = self.ref() if self.ref is not None else None
+        return None if t is None else t._version
+
+    def check(self, what: str) -> None:
+        """Raise autograd's error if the tensor (`what`, for the message) changed since its save."""
+        now = self.now()
+        if now is not None and now != self.saved:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"{what} ({tuple(self.shape)} {self.dtype}) is at version {now}; expected version {self.saved} instead "
+                "(autograd's check, kept under paging). Hint: clone the tensor before changing it in place."
+            )

@@ -36,13 +36,12 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import weakref
 from typing import Any, Iterator, Optional
 
 import torch
 
 from .calibrate import Calibration
-from .paged import Paged, restorable
+from .paged import Paged, SavedVersion, restorable
 from .plan import Budget, _budget_text, explain_plan, page_plan
 from .pool import HostPool, wait_us
 
@@ -57,19 +56,6 @@ def _check_settings(budget: Budget, drain_distance: int, prefetch: int, slack: f
     if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not slack >= 1:
         raise ValueError(f"slack must be a number >= 1, got {slack!r}")
 
-
-
-def _check_version(packed: tuple) -> None:
-    """Raise as autograd does when a saved tensor was changed in place since its save. A kept
-    one is held; a paged one is checked while anything still holds it (its view family's base):
-    once nothing does, nothing can change it, and the backward reads its host copy."""
-    t = packed[2] if packed[0] == "keep" else packed[2]()
-    if t is not None and t._version != packed[3]:
-        raise RuntimeError(
-            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
-            f"saved tensor #{packed[1]} of this step ({tuple(t.shape)} {t.dtype}) is at version {t._version}; expected "
-            f"version {packed[3]} instead (autograd's check, kept under sl.Pager). Hint: clone the tensor before changing it in place."
-        )
 
 
 class Pager:
@@ -175,7 +161,7 @@ class Pager:
             pool.release_done()  # untimed: every save is a chance to free what the link has copied
         if self.plan is None:  # calibrating: record, keep
             self._calib.save(i, t)
-            return ("keep", i, t, t._version)
+            return ("keep", i, t, SavedVersion(t))
         shapes = self._shapes
         if i >= len(shapes) or t.shape != shapes[i][0] or t.dtype != shapes[i][1]:
             raise RuntimeError(
@@ -183,12 +169,12 @@ class Pager:
                 f"{shapes[i] if i < len(shapes) else 'nothing'}; make a new Pager for a new shape"
             )
         if i not in self._page or not restorable(t):
-            packed: Any = ("keep", i, t, t._version)
+            packed: Any = ("keep", i, t, SavedVersion(t))
         else:
             p = pool.page_out(t)
             self._handles[i] = p
             self._stats["bytes_out"] += p.nbytes
-            packed = ("paged", i, weakref.ref(t if t._base is None else t._base), t._version)
+            packed = ("paged", i, None, SavedVersion(t))
         if self._release_at and i >= self._next_release:  # the plan's release points up to this save
             rel = self._release_at
             k = bisect.bisect_right(rel, i)
@@ -199,7 +185,7 @@ class Pager:
     def _unpack(self, packed: Any) -> torch.Tensor:
         kind, i = packed[0], packed[1]
         if len(packed) > 3:  # autograd's version check, which saved_tensors_hooks turn off
-            _check_version(packed)
+            packed[3].check(f"saved tensor #{i} of this step")
         if self.plan is None:
             self._calib.unpack(i, self._unpacks)
             self._unpacks += 1
