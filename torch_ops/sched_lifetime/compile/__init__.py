@@ -38,7 +38,6 @@ never a quiet eager run.
 from __future__ import annotations
 
 import math
-
 from typing import Any, Callable, Optional
 
 import torch.fx as fx

@@ -49,8 +49,7 @@ class JointPager(GraphPager):
         for r in self.runs:
             if r.open:
                 r.pool.abandon()
-                r.open = False
-                r.owed.clear()
+                r.close()
         self._held.clear()
         self._owner.clear()
         self._events.clear()

@@ -83,6 +83,13 @@ class _Run:
         self.versions: dict[int, SavedVersion] = {}  # save index of a paged value -> its device tensor's version
         self.kept: set = set()  # static: save indices kept on the device at run time (unlike their trace)
 
+    def close(self) -> None:
+        """Its backward is over (finished, or refused): the slot's per-run state is dropped."""
+        self.owed.clear()
+        self.versions.clear()
+        self.kept.clear()
+        self.open = False
+
 
 class GraphPager:
     """One compiled function's paging: the candidates, the plan, the run slots (each with its
@@ -338,10 +345,7 @@ class GraphPager:
             self._bwd = None
         for key in [k for k, r in self._owner.items() if r is run]:
             del self._owner[key]
-        run.owed.clear()
-        run.versions.clear()
-        run.kept.clear()
-        run.open = False
+        run.close()
         if self.timed:
             run.pager.end(False)
             return
@@ -352,6 +356,15 @@ class GraphPager:
         for ev in launched:
             run.pool.recycle(ev)
 
+    def check_version(self, run: _Run, i: int, version: SavedVersion) -> None:
+        """Autograd's in-place check for paged value `i` of `run` at its page-in; a refused
+        backward gives its run slot back (`abandon`) before the error goes up."""
+        try:
+            version.check(f"saved value #{i} of this compiled graph, paged to host memory")
+        except RuntimeError:
+            self.abandon(run)
+            raise
+
     def end_backward(self) -> None:
         """A backward finished: its run slot is free again."""
         run, self._bwd = self._bwd, None
@@ -359,10 +372,7 @@ class GraphPager:
             return
         for key in run.owed:  # saved values this backward did not read (none expected)
             self._owner.pop(key, None)
-        run.owed.clear()
-        run.versions.clear()
-        run.kept.clear()
-        run.open = False
+        run.close()
         if self.timed:
             run.pager.end(True)
         else:
@@ -434,10 +444,6 @@ class GraphPager:
         return gm
 
 
-#: How the in-place check names a paged value of a compiled graph (`SavedVersion.check`).
-_WHAT = "saved value #{} of this compiled graph, paged to host memory"
-
-
 def _pager(key: int) -> GraphPager:
     gp = _PAGERS.get(key)
     if gp is None:
@@ -477,11 +483,7 @@ def _page_in_launch(key: int, i: int, host: torch.Tensor) -> torch.Tensor:
             return host
         raise RuntimeError("sched_lifetime paging: a backward read a host buffer no forward paged out (backward run twice?)")
     p, run, version = held
-    try:
-        version.check(_WHAT.format(i))
-    except RuntimeError:
-        gp.abandon(run)
-        raise
+    gp.check_version(run, i, version)
     del gp._held[host.data_ptr()]
     gp._reader(i, host)
     run.pool.release_done()
@@ -526,7 +528,7 @@ def _page_save(key: int, i: int, t: torch.Tensor) -> torch.Tensor:
         out = t
     else:
         out = pg.pool.view_of(pg._handles[i])
-        run.versions[i] = SavedVersion(t)
+        run.versions[i] = packed[3]  # the Pager's (its unpack, called without it, does not check)
     gp._saved(run, i, out)
     return out
 
@@ -539,11 +541,7 @@ def _page_use(key: int, i: int, x: torch.Tensor) -> torch.Tensor:
     pg = run.pager
     version = run.versions.pop(i, None)
     if version is not None:
-        try:
-            version.check(_WHAT.format(i))
-        except RuntimeError:
-            gp.abandon(run)
-            raise
+        gp.check_version(run, i, version)
     paged = i in pg._handles or i in pg._ready
     return pg._unpack(("paged", i) if paged else ("keep", i, x))
 

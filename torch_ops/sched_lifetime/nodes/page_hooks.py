@@ -71,15 +71,19 @@ class PageHooks:
 
         # Each packed tuple ends with the tensor's `SavedVersion`: autograd's in-place check,
         # which these hooks turn off, is done at the unpack.
+        def _kept(t: torch.Tensor) -> Any:
+            d = t.detach()  # shares t's counter; held without t's autograd history
+            return ("keep", d, SavedVersion(d, held=True))
+
         def pack(t: torch.Tensor) -> Any:
             if not pageable(t):
                 if calib is not None and not is_weight(t):
                     self.calib_small[name] = max(self.calib_small.get(name, 0), t.numel() * t.element_size())
-                return ("keep", t.detach(), SavedVersion(t))
+                return _kept(t)
             if calib is not None:
                 calib.setdefault(name, []).append(t.numel() * t.element_size())
                 self.calib_saved.setdefault(name, []).append(t.detach())  # for the host layout
-                return ("keep", t.detach(), SavedVersion(t))
+                return _kept(t)
             held = ref().paged.setdefault(name, [])
             held.append(t)
             return ("paged", ref, name, len(held) - 1, SavedVersion(t))

@@ -60,20 +60,24 @@ class SavedVersion:
     copy or a hook's packed form instead of the tensor, where autograd's own check cannot see
     the tensor (`saved_tensors_hooks` turn it off; a host copy's counter never moves): every
     paging path makes the check here, with autograd's message. One rule for the eager `Pager`,
-    page nodes and the compile paging pass."""
+    page nodes and the compile paging pass. `held`: the caller keeps `t` itself (a saved tensor
+    left on the device) until the check: its counter is read from it, with no library call."""
 
-    __slots__ = ("probe", "ref", "saved", "shape", "dtype")
+    __slots__ = ("probe", "ref", "held", "saved", "shape", "dtype")
 
-    def __init__(self, t: torch.Tensor) -> None:
-        self.probe: Any = _direct.version_probe(t)
+    def __init__(self, t: torch.Tensor, held: bool = False) -> None:
+        self.probe: Any = None if held else _direct.version_probe(t)
         self.ref: Optional[weakref.ref] = None
+        self.held: Optional[torch.Tensor] = t if held else None
         if self.probe is NotImplemented:  # a tensor subclass: its Python object's counter
             self.probe, self.ref = None, weakref.ref(t)
-        self.saved = t._version if self.probe is not None or self.ref is not None else 0
+        self.saved = t._version if held or self.probe is not None or self.ref is not None else 0
         self.shape, self.dtype = t.shape, t.dtype
 
     def now(self) -> Optional[int]:
         """The counter now (None: an inference tensor, or a subclass whose object is gone)."""
+        if self.held is not None:
+            return self.held._version
         if self.probe is not None:
             return _direct.version_of(self.probe)
         t = self.ref() if self.ref is not None else None

@@ -161,7 +161,7 @@ class Pager:
             pool.release_done()  # untimed: every save is a chance to free what the link has copied
         if self.plan is None:  # calibrating: record, keep
             self._calib.save(i, t)
-            return ("keep", i, t, SavedVersion(t))
+            return ("keep", i, t, SavedVersion(t, held=True))
         shapes = self._shapes
         if i >= len(shapes) or t.shape != shapes[i][0] or t.dtype != shapes[i][1]:
             raise RuntimeError(
@@ -169,7 +169,7 @@ class Pager:
                 f"{shapes[i] if i < len(shapes) else 'nothing'}; make a new Pager for a new shape"
             )
         if i not in self._page or not restorable(t):
-            packed: Any = ("keep", i, t, SavedVersion(t))
+            packed: Any = ("keep", i, t, SavedVersion(t, held=True))
         else:
             p = pool.page_out(t)
             self._handles[i] = p

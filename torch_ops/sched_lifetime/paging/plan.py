@@ -11,6 +11,7 @@ plan keeps a tensor whose copy is shorter than that.
 from __future__ import annotations
 
 import json
+import math
 import warnings
 import time
 from typing import NamedTuple, Optional, Union
@@ -27,7 +28,7 @@ def _budget_text(budget: Budget) -> str:
         return json.dumps(budget)
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise ValueError(f"paging budget must be bytes (int), a fraction (float) or a dict, got {budget!r}")
-    if isinstance(budget, float) and budget != budget or budget in (float("inf"), float("-inf")):  # JSON has no NaN
+    if isinstance(budget, float) and not math.isfinite(budget):  # JSON has no NaN or infinity
         raise ValueError(f"paging budget fraction must be in 0..=1, got {budget!r}")
     if isinstance(budget, int) and 0 < budget < 1024:
         warnings.warn(
