@@ -11,6 +11,8 @@ step, no optimizer step, so every arm computes the same gradients):
     cudagraphs   torch.compile(backend="sched_lifetime", options={"cudagraphs": True}) (CUDA only)
     paging       torch.compile(backend="sched_lifetime", options={"paging": True}): default
                  paging options (timed: calibrated over the first two steps)
+    paging_pycopy  the same, each page copy's CUDA calls made one by one from Python (as before
+                 the one-call `page_copy`: `PageStreams.native_copy = False`)
 
 Arms run one after another (torch._dynamo reset before each: arms compiled side by side share
 dynamo's per-frame caches, which on these graph-broken models cost parity), the same batches in
@@ -54,6 +56,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_ops"))
 import sched_lifetime as sl  # noqa: E402,F401  (registers the backend)
 from sched_lifetime import compile as slc  # noqa: E402
+from sched_lifetime.paging.streams import PageStreams  # noqa: E402
 from sched_lifetime.train.figures import union  # noqa: E402
 
 #: A few hundred million parameters each (printed), bf16 on the GPU.
@@ -74,9 +77,9 @@ TINY_EXTRA = {
                         n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16,
                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
 }
-ARMS = ("eager", "eager_again", "save_on_cpu", "aot_eager", "compiled", "cudagraphs", "paging")
+ARMS = ("eager", "eager_again", "save_on_cpu", "aot_eager", "compiled", "cudagraphs", "paging", "paging_pycopy")
 REFERENCE = {"eager": "eager", "eager_again": "eager", "save_on_cpu": "eager", "aot_eager": "aot_eager", "compiled": "aot_eager", "cudagraphs": "aot_eager",
-             "paging": "aot_eager"}
+             "paging": "aot_eager", "paging_pycopy": "aot_eager"}
 
 
 
@@ -221,7 +224,9 @@ def main() -> None:
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     if a.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {a.rounds}")
-    rows = {arm: {"ms": [], "peak": [], "parity": True, "vs_eager": None, "round_ms": [], "host_probe_us": [], "gc_ms": [], "gc_runs": [], "gc_full": []} for arm in arms}
+    rows = {arm: {"ms": [], "peak": [], "parity": True, "vs_eager": None, "round_ms": [], "host_probe_us": [], "gc_ms": [], "gc_runs": [], "gc_full": [],
+                 "fwd_host_ms": [], "bwd_host_ms": []} for arm in arms}
+    host_clock = {"fwd": 0.0, "bwd": 0.0}  # the last step's host time in the forward call and in backward() (no sync inside)
     gc_clock = {"t": 0.0, "ms": 0.0, "runs": 0, "full": 0}
 
     def on_gc(phase: str, info: dict) -> None:  # the collections' time, counted per step
@@ -241,8 +246,11 @@ def main() -> None:
         if arm == "cudagraphs":
             torch.compiler.cudagraph_mark_step_begin()
         with (torch.autograd.graph.save_on_cpu(pin_memory=dev.type == "cuda") if arm == "save_on_cpu" else contextlib.nullcontext()):
+            t0 = time.perf_counter()
             loss = run(input_ids=ids, labels=ids).loss
+            t1 = time.perf_counter()
             loss.backward()
+            host_clock.update(fwd=(t1 - t0) * 1e3, bwd=(time.perf_counter() - t1) * 1e3)
         return loss
 
     for rnd, arm in ((r, x) for r in range(a.rounds) for x in order):
@@ -255,8 +263,9 @@ def main() -> None:
         elif arm == "aot_eager":
             run = torch.compile(model, backend="aot_eager")
         else:
-            opts = paging_opts if arm == "paging" else {"cudagraphs": True} if arm == "cudagraphs" else {}
+            opts = paging_opts if arm in ("paging", "paging_pycopy") else {"cudagraphs": True} if arm == "cudagraphs" else {}
             run = torch.compile(model, backend="sched_lifetime", options=opts)
+        PageStreams.native_copy = arm != "paging_pycopy"
         for step, ids in enumerate(batches):
             ids = ids.to(dev)
             for p in model.parameters():
@@ -297,6 +306,8 @@ def main() -> None:
                 rows[arm]["gc_ms"].append(gc_step["ms"])
                 rows[arm]["gc_runs"].append(gc_step["runs"])
                 rows[arm]["gc_full"].append(gc_step["full"])
+                rows[arm]["fwd_host_ms"].append(host_clock["fwd"])
+                rows[arm]["bwd_host_ms"].append(host_clock["bwd"])
         rows[arm]["round_ms"].append(statistics.median(rows[arm]["ms"][-a.steps:]))
         if a.profile and dev.type == "cuda" and last:
             trace = os.path.join(a.trace, f"{a.model}_{arm}.json") if a.trace else ""
@@ -324,9 +335,9 @@ def main() -> None:
     print(f"HF A/B: {a.model} ({params / 1e6:.0f}M parameters, experts {base.config._experts_implementation}), seq {seq}, {dtype}, {dev};"
           f" medians of {a.steps} steps per arm (one fwd+bwd each) after 2 warm-up steps, arms one after another"
           + (f", {a.rounds} rounds of the arms (medians over all rounds' steps)" if a.rounds > 1 else ""))
-    print(f"{'arm':<13}{'step ms':>9}{'vs ref':>9}{'peak MiB':>10}{'saved':>8}  {'against':<10}{'parity':>7}")
+    print(f"{'arm':<14}{'step ms':>9}{'vs ref':>9}{'peak MiB':>10}{'saved':>8}  {'against':<10}{'parity':>7}")
     measured_against = {"eager": "eager", "eager_again": "eager", "save_on_cpu": "eager", "aot_eager": "aot_eager", "compiled": "aot_eager",
-                        "cudagraphs": "compiled", "paging": "compiled"}
+                        "cudagraphs": "compiled", "paging": "compiled", "paging_pycopy": "compiled"}
     for arm in arms:
         r = rows[arm]
         # A captured arm's memory is its graph pool, allocated at capture and held: the peak
@@ -342,7 +353,7 @@ def main() -> None:
         checked = REFERENCE[arm] != arm and REFERENCE[arm] in rows  # parity against another arm that ran
         out["arms"][arm]["parity"] = r["parity"] if checked else None
         shown = str(r["parity"]) if checked else "ref" if REFERENCE[arm] == arm else "-"
-        print(f"{arm:<13}{ms:>9.1f}{ms / ref_ms:>8.3f}x{mib:>10}{pct:>8}  {ref:<10}{shown:>7}"
+        print(f"{arm:<14}{ms:>9.1f}{ms / ref_ms:>8.3f}x{mib:>10}{pct:>8}  {ref:<10}{shown:>7}"
               + (f"  profiled step {prof['wall_ms']:.1f} ms: GPU busy {prof['busy_ms']:.1f}, kernels {prof['kernels']}, copies {prof['copy_ms']:.1f} ms,"
                  f" idle between kernels {prof['idle_ms']:.1f} ms, cudaMalloc {prof['mallocs']}" if prof else ""))
     # The host's own speed before each arm's run (a Python loop: this machine's host moved up
@@ -351,11 +362,12 @@ def main() -> None:
     for arm in arms:
         r = rows[arm]
         ref = measured_against[arm] if measured_against[arm] in rows else arm
-        out["arms"][arm].update(round_ms=r["round_ms"], host_probe_us=r["host_probe_us"])
+        out["arms"][arm].update(round_ms=r["round_ms"], host_probe_us=r["host_probe_us"], fwd_host_ms=r["fwd_host_ms"], bwd_host_ms=r["bwd_host_ms"])
         n = len(r["gc_ms"])
         out["arms"][arm].update(gc_ms_per_step=sum(r["gc_ms"]) / n, gc_runs_per_step=sum(r["gc_runs"]) / n, gc_full_per_step=sum(r["gc_full"]) / n)
         line = (f"{arm}: garbage collector ({a.gc}) {sum(r['gc_ms']) / n:.2f} ms in {sum(r['gc_runs']) / n:.1f} collections per timed step"
-                f" ({sum(r['gc_full']) / n:.2f} full); host probe {', '.join(f'{x:.1f}' for x in r['host_probe_us'])} us per 1000 Python loop iterations")
+                f" ({sum(r['gc_full']) / n:.2f} full); host time in the forward call {statistics.median(r['fwd_host_ms']):.1f} ms, in backward()"
+                f" {statistics.median(r['bwd_host_ms']):.1f} ms (medians; no sync inside); host probe {', '.join(f'{x:.1f}' for x in r['host_probe_us'])} us per 1000 Python loop iterations")
         if a.rounds > 1:
             ratios = [x / y for x, y in zip(r["round_ms"], rows[ref]["round_ms"])]
             out["arms"][arm]["round_ratios"] = ratios

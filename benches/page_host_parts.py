@@ -43,36 +43,15 @@ def per_call_us(fn, reps: int) -> float:
 
 
 @contextlib.contextmanager
-def event_calls(kind: str):
-    """The paging modules' event calls: "raw" (as shipped) or "wrappers" (torch.cuda's Python
-    methods, as before), swapped in the modules that bound them at import."""
-    if kind == "raw":
-        yield
-        return
-    from sched_lifetime.paging import pool, release, slot_order
-
-    saved = [(m, n, getattr(m, n)) for m, n in ((streams, "record"), (streams, "wait"), (pool, "record"), (pool, "wait"), (release, "query"), (release, "capturing"))]
-    init = slot_order.SlotOrder.__init__
-
-    # torch.cuda.Event's methods called as (event, stream): the wrapper frame each call had, no
-    # frame more (a wait had two: Stream.wait_event, then Event.wait).
-    ev_cls = torch.cuda.Event
-
-    def wrapped_init(self, *args, **kw):
-        init(self, *args, **kw)
-        self._record, self._wait = ev_cls.record, ev_cls.wait
-        self._capturing = torch.cuda.is_current_stream_capturing
-
+def copy_calls(kind: str):
+    """The pool's copies: "native" (one `page_copy` call per copy, as shipped) or "python" (the
+    same CUDA calls one by one from Python, as before)."""
+    was = streams.PageStreams.native_copy
+    streams.PageStreams.native_copy = kind == "native"
     try:
-        for m in (streams, pool):
-            m.record, m.wait = ev_cls.record, ev_cls.wait
-        release.query, release.capturing = ev_cls.query, torch.cuda.is_current_stream_capturing
-        slot_order.SlotOrder.__init__ = wrapped_init
         yield
     finally:
-        for m, n, v in saved:
-            setattr(m, n, v)
-        slot_order.SlotOrder.__init__ = init
+        streams.PageStreams.native_copy = was
 
 
 def main() -> None:
@@ -137,16 +116,16 @@ def main() -> None:
     print(f"host time per call, us (H2D/D2H of {a.nbytes} bytes, two_way={a.two_way}, torch {torch.__version__}, {torch.cuda.get_device_name(dev)})")
     for name, us in rows.items():
         print(f"{us:9.2f}  {name}")
-    # The pool's event calls raw (as it makes them) against torch.cuda's Python wrappers (as it
-    # made them before), alternating in this process: the fastest of 64 rounds, 7 times each.
-    ab: dict = {"raw": [], "wrappers": []}
+    # The pool's copies as one native call each (as shipped) against the same calls from Python
+    # (as before), alternating in this process: 64 round trips per measurement, 7 times each.
+    ab: dict = {"native": [], "python": []}
     for _ in range(7):
         for kind in ab:
-            with event_calls(kind):
+            with copy_calls(kind):
                 ab[kind].append(page_host_us(dev, a.two_way, a.nbytes, reps=64))
-    print("page_host_us by event calls, us (7 alternating measurements each): " + "; ".join(
+    print("page_host_us by copy calls, us (7 alternating measurements each): " + "; ".join(
         f"{k}: median {sorted(v)[3]:.1f}, min {min(v):.1f}" for k, v in ab.items()))
-    rows.update({f"page_host_us, {k} event calls (median of 7)": sorted(v)[3] for k, v in ab.items()})
+    rows.update({f"page_host_us, {k} copy calls (median of 7)": sorted(v)[3] for k, v in ab.items()})
     cp = cProfile.Profile()
     cp.enable()
     for _ in range(500):

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/SmallVector.h>
 #include <c10/util/Exception.h>
 
@@ -358,6 +359,75 @@ PyObject* direct_version_of(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
   return PyLong_FromUnsignedLong(held->current_version());
 }
 
+// One page copy, queued with what surrounds it, in one call (the pager's hot path: through
+// torch.cuda's Python API the same calls cost several Python frames each):
+// page_copy(dst, src, stream, after, mark, wait, done, slot) -> None or NotImplemented.
+// `stream` waits for the work queued on `after` so far (event `mark` re-recorded there) when
+// `after` is not None, then for event `wait` when non-zero; `dst.copy_(src, non_blocking)` is
+// queued on `stream` (made current for the copy, the previous current stream restored); events
+// `done` and `slot` are recorded on `stream` after it when non-zero. Events are raw handles
+// (`torch.cuda.Event.cuda_event`) of events already created (the caller keeps the objects);
+// `mark` non-zero when `after` is given. The same CUDA calls in the same order as the Python
+// path (paging/streams.py); which waits and records a copy needs is the caller's rule
+// (paging/slot_order.py). NotImplemented when a tensor is not a plain one.
+PyObject* direct_page_copy(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_nargs("page_copy", nargs, 8)) return nullptr;
+  Tensors ts;
+  for (Py_ssize_t i = 0; i < 2; ++i) {
+    switch (unpack_tensor(args[i], "page_copy", i, ts)) {
+      case Unpacked::kError: return nullptr;
+      case Unpacked::kNotPlain: Py_RETURN_NOTIMPLEMENTED;
+      case Unpacked::kOk: break;
+    }
+  }
+  StreamKey page{}, after{};
+  if (!unpack_stream(args[2], "stream", page)) return nullptr;
+  const bool has_after = args[3] != Py_None;
+  if (has_after && !unpack_stream(args[3], "after", after)) return nullptr;
+  void* ev[4] = {nullptr, nullptr, nullptr, nullptr};  // mark, wait, done, slot
+  for (int i = 0; i < 4; ++i) {
+    ev[i] = PyLong_AsVoidPtr(args[4 + i]);
+    if (ev[i] == nullptr && PyErr_Occurred()) return nullptr;
+  }
+  if (has_after && ev[0] == nullptr) {
+    PyErr_SetString(PyExc_ValueError, "page_copy: `after` needs a created `mark` event");
+    return nullptr;
+  }
+  std::string msg;
+  try {
+    const c10::Stream s = c10::Stream::unpack3(page.id, static_cast<c10::DeviceIndex>(page.device_index),
+                                               static_cast<c10::DeviceType>(page.device_type));
+    const c10::impl::VirtualGuardImpl impl(s.device_type());
+    if (has_after) {
+      const c10::Stream a = c10::Stream::unpack3(after.id, static_cast<c10::DeviceIndex>(after.device_index),
+                                                 static_cast<c10::DeviceType>(after.device_type));
+      impl.record(&ev[0], a, a.device_index(), c10::EventFlag::PYTORCH_DEFAULT);
+      impl.block(ev[0], s);
+    }
+    if (ev[1] != nullptr) impl.block(ev[1], s);
+    const c10::Stream prev = impl.exchangeStream(s);
+    try {
+      ts[0].copy_(ts[1], /*non_blocking=*/true);
+    } catch (...) {
+      impl.exchangeStream(prev);
+      throw;
+    }
+    impl.exchangeStream(prev);
+    for (int i = 2; i < 4; ++i) {
+      if (ev[i] != nullptr) impl.record(&ev[i], s, s.device_index(), c10::EventFlag::PYTORCH_DEFAULT);
+    }
+  } catch (const c10::Error& e) {
+    msg = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    msg = e.what();
+  }
+  if (!msg.empty()) {
+    PyErr_SetString(PyExc_RuntimeError, msg.c_str());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
     {"retire", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_retire)), METH_FASTCALL,
      "retire(handle, tensors, consumer, action, owner_or_None): the retire / retire_owned op's work"},
@@ -379,6 +449,8 @@ PyMethodDef methods[] = {
      "version_probe(tensor) -> capsule | None | NotImplemented: the tensor's version counter, not its storage"},
     {"version_of", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_version_of)), METH_FASTCALL,
      "version_of(capsule) -> int: that counter's version now"},
+    {"page_copy", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(direct_page_copy)), METH_FASTCALL,
+     "page_copy(dst, src, stream, after, mark, wait, done, slot): a page copy and its waits and records, one call"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -65,14 +65,14 @@ def _slot_poison(case: str, two_way: bool = True, rule: bool = True) -> tuple[in
     waited on yet, its buffer already back on the freelist), then at once a page-out of poison
     into the same buffer; `write_then_read`: the buffer poisoned on the host, a page-out queued
     behind a sleep on the page stream, then at once its page-in. The page-in must read what
-    was paged out, bit for bit. `rule=False` is the control: `SlotOrder.before` queues no wait
-    (the rule broken). Returns (iterations that reloaded a corrupt tensor, waits the rule
+    was paged out, bit for bit. `rule=False` is the control: `SlotOrder.wait_for` asks for no
+    wait (the rule broken). Returns (iterations that reloaded a corrupt tensor, waits the rule
     queued)."""
     n = 1 << 20
     pool = sl.HostPool([4 * n], "cuda", two_way=two_way)
     assert (pool.page_in_stream != pool.page_stream) == two_way
     if not rule:
-        pool.slot_order.before = lambda slot, stream: None
+        pool.slot_order.wait_for = lambda slot, stream: None
     bad = 0
     for it in range(POISON_ITERS):
         want = torch.full((n,), float(it), device="cuda")
@@ -101,9 +101,30 @@ def _slot_poison(case: str, two_way: bool = True, rule: bool = True) -> tuple[in
     return bad, pool.slot_order.waits
 
 
+@pytest.fixture(params=["native", "python"])
+def copy_calls(request, monkeypatch):
+    """The pool's copies as one native call each (`page_copy`, counted: the test fails if it
+    never ran) or as the same CUDA calls from Python."""
+    from sched_lifetime.paging import streams
+
+    calls = [0]
+    native = streams._page_copy
+    if request.param == "native":
+        assert native is not None, "the library has no page_copy"
+
+        def counted(*args):
+            calls[0] += 1
+            return native(*args)
+
+        monkeypatch.setattr(streams, "_page_copy", counted)
+    monkeypatch.setattr(streams.PageStreams, "native_copy", request.param == "native")
+    yield request.param
+    assert (calls[0] > 0) == (request.param == "native")
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", ["read_then_write", "write_then_read"])
-def test_two_way_buffer_reuse_waits_for_its_last_copy_and_the_control_corrupts(case):
+def test_two_way_buffer_reuse_waits_for_its_last_copy_and_the_control_corrupts(case, copy_calls):
     bad, waits = _slot_poison(case)
     assert bad == 0
     assert waits >= POISON_ITERS  # every iteration needed a wait across the two streams
@@ -112,7 +133,7 @@ def test_two_way_buffer_reuse_waits_for_its_last_copy_and_the_control_corrupts(c
 
 
 @pytest.mark.cuda
-def test_one_page_stream_orders_buffer_reuse_by_itself():
+def test_one_page_stream_orders_buffer_reuse_by_itself(copy_calls):
     bad, waits = _slot_poison("read_then_write", two_way=False)
     assert bad == 0 and waits == 0  # one stream: its order, no event wait
 
@@ -163,3 +184,27 @@ def test_a_two_way_page_in_proves_done_only_the_page_outs_up_to_its_buffers(two_
     pool.page_in(ps[1])
     p = pool.page_out(torch.zeros(4))  # page-out number 3, into the buffer given back
     assert p.slot == 1 and pool.mark(1) == 4 and pool.mark(0) == (1 if two_way else 4)
+
+
+def test_the_one_call_page_copy_refuses_bad_arguments_before_any_device_call():
+    """`page_copy` (cpp/direct.cc) unpacks every argument before it queues anything: a wrong
+    count, a non-tensor, a non-stream or a wait for `after` without its event are errors, a
+    tensor subclass answers NotImplemented (the pool then makes the calls from Python)."""
+    from sched_lifetime._ops import direct
+
+    a, b = torch.zeros(4), torch.ones(4)
+    s = torch.Stream(device="cpu")
+    with pytest.raises(TypeError, match="takes 8 arguments"):
+        direct.page_copy(a, b, s)
+    with pytest.raises(ValueError, match="item 1 is a str"):
+        direct.page_copy(a, "b", s, None, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="stream must be a torch.Stream"):
+        direct.page_copy(a, b, "s", None, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="needs a created `mark` event"):
+        direct.page_copy(a, b, s, s, 0, 0, 0, 0)
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert direct.page_copy(a, b.as_subclass(Sub), s, None, 0, 0, 0, 0) is NotImplemented
+    assert torch.equal(a, torch.zeros(4))  # nothing copied

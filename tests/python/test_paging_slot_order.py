@@ -78,8 +78,18 @@ def order_with(slots: int, capturing=lambda: False, cls=SlotOrder) -> SlotOrder:
     return cls(slots, event=lambda: Event(f"ev{next(names)}"), capturing=capturing)
 
 
-def copy(order: SlotOrder, stream: Stream, slot: int, kind: str) -> None:
-    """A copy as `HostPool` queues it: `before`, the copy, `after`."""
+def copy(order: SlotOrder, stream: Stream, slot: int, kind: str, one_call: bool = False) -> None:
+    """A copy as `HostPool` queues it: `before`, the copy, `after`; `one_call`: as its one native
+    call (`page_copy`) queues it, the rule asked with `wait_for` and the slot's event recorded
+    by the caller (`recorded`)."""
+    if one_call:
+        ev = order.wait_for(slot, stream)
+        if ev is not None:
+            stream.wait_event(ev)
+        stream.copy(slot, kind)
+        order.event(slot).record(stream)
+        order.recorded(slot, stream)
+        return
     order.before(slot, stream)
     stream.copy(slot, kind)
     order.after(slot, stream)
@@ -111,13 +121,13 @@ def test_one_page_stream_needs_no_wait():
 
 
 class LeavesTheWaitOut(SlotOrder):
-    """The control: the rule broken (every copy queued without its wait)."""
+    """The control: the rule broken (every copy queued without its wait, either way of queueing)."""
 
-    def before(self, slot, stream):
-        pass
+    def wait_for(self, slot, stream):
+        return None
 
 
-def pool_like(rng: random.Random, cls=SlotOrder, two_way: bool = True, ops: int = 60) -> Log:
+def pool_like(rng: random.Random, cls=SlotOrder, two_way: bool = True, ops: int = 60, one_call: bool = False) -> Log:
     """A pool's use of its buffers, at random: page-outs take the buffer given back longest ago
     (FIFO), page-ins come back in any order (prefetch) and give it back at once, and now and then
     a step is cut short (its page-outs never paged in, their buffers reclaimed)."""
@@ -134,23 +144,33 @@ def pool_like(rng: random.Random, cls=SlotOrder, two_way: bool = True, ops: int 
             paged.clear()
         elif free and (r < 0.55 or not paged):
             slot = free.popleft()
-            copy(order, out, slot, "out")
+            copy(order, out, slot, "out", one_call)
             paged.append(slot)
         elif paged:
             slot = paged.pop(rng.randrange(len(paged)))
-            copy(order, inn, slot, "in")
+            copy(order, inn, slot, "in", one_call)
             free.append(slot)
     return log
 
 
-def test_random_pool_use_never_lets_a_buffer_be_reused_early_and_the_control_races():
+@pytest.mark.parametrize("one_call", [False, True])
+def test_random_pool_use_never_lets_a_buffer_be_reused_early_and_the_control_races(one_call):
     rng = random.Random(32)
     for _ in range(300):
-        assert pool_like(rng).races() == []
-        assert pool_like(rng, two_way=False).races() == []  # one stream: its order suffices
+        assert pool_like(rng, one_call=one_call).races() == []
+        assert pool_like(rng, two_way=False, one_call=one_call).races() == []  # one stream: its order suffices
     # The checker sees what a missing wait does: without the rule most runs race.
-    raced = sum(bool(pool_like(rng, LeavesTheWaitOut).races()) for _ in range(100))
+    raced = sum(bool(pool_like(rng, LeavesTheWaitOut, one_call=one_call).races()) for _ in range(100))
     assert raced > 50, raced
+
+
+def test_asking_the_rule_and_queueing_it_leave_the_same_log():
+    """`wait_for` + `recorded` (the one-call copy) and `before` + `after` queue the same waits."""
+    logs = []
+    for one_call in (False, True):
+        rng = random.Random(7)
+        logs.append([(pool_like(rng, one_call=one_call).waits) for _ in range(50)])
+    assert logs[0] == logs[1] and any(logs[0])
 
 
 def test_no_wait_crosses_a_capture_edge():

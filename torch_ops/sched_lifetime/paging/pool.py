@@ -90,11 +90,7 @@ class HostPool(HostSlots, Releases):
         self._wrote[slot] = self.page_outs
         if t.is_cuda:
             comp, page = owner if owner is not None else self.current_stream(), self.page_stream
-            self._after(page, comp)
-            order = self.slot_order
-            order.before(slot, page)
-            done = self._copy_on(page, buf, t.detach())
-            order.after(slot, page)
+            done = self._queue_copy(page, comp, buf, t.detach(), self.slot_order, slot)
             self._hold([t], done, comp, page)
         else:
             buf.copy_(t.detach())
@@ -127,11 +123,7 @@ class HostPool(HostSlots, Releases):
                     out = torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=p.device)
                 finally:
                     self._back(prev)
-            self._after(page, comp)
-            order = self.slot_order
-            order.before(p.slot, page)
-            ev = self._copy_on(page, out, buf)
-            order.after(p.slot, page)
+            ev = self._queue_copy(page, comp, out, buf, self.slot_order, p.slot)
         else:
             out = torch.empty_strided(p.shape, p.stride, dtype=p.dtype).copy_(buf)
         self.give(p.slot)

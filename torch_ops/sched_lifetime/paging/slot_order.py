@@ -64,17 +64,34 @@ class SlotOrder:
     def before(self, slot: int, stream: Any) -> None:
         """A copy touching `slot` is about to be queued on `stream`: if the slot's last copy ran
         on another stream (in this epoch), `stream` waits for it."""
+        ev = self.wait_for(slot, stream)
+        if ev is not None:
+            self._wait(ev, stream)
+
+    def wait_for(self, slot: int, stream: Any) -> Any:
+        """`before`'s rule without queueing the wait: the event `stream` must wait on before a
+        copy touching `slot` (its last copy ran on another stream in this epoch), or None. The
+        caller queues the wait (the pool's one-call copy, `PageStreams._queue_copy`)."""
         cap = bool(self._capturing())
         if cap != self._was_capturing:  # a capture starts or ends: earlier records are not waited on
             self._was_capturing = cap
             self._epoch += 1
         last = self._last[slot]
         if last is not None and last[1] == self._epoch and last[0] != stream:
-            self._wait(self._events[slot], stream)
             self.waits += 1
+            return self._events[slot]
+        return None
+
+    def event(self, slot: int) -> Any:
+        """The event recorded after `slot`'s copies (`after`; `recorded` when the caller records it)."""
+        return self._events[slot]
 
     def after(self, slot: int, stream: Any) -> None:
         """A copy touching `slot` was queued on `stream` (after `before`): record the slot's event
         behind it."""
         self._record(self._events[slot], stream)
+        self.recorded(slot, stream)
+
+    def recorded(self, slot: int, stream: Any) -> None:
+        """The caller recorded `event(slot)` on `stream` after a copy touching `slot`."""
         self._last[slot] = (stream, self._epoch)

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 import torch
 
+from .._ops import direct
 from ..executor import TWO_WAY_CAPTURE, SideStreams
 
 
@@ -32,6 +33,8 @@ def _event_calls(base: Any) -> tuple:
 
 
 record, wait, query = _event_calls(getattr(torch._C, "_CudaEventBase", None))
+# The one-call page copy (cpp/direct.cc): None where the library predates it.
+_page_copy = getattr(direct, "page_copy", None)
 capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
 
 
@@ -98,16 +101,38 @@ class PageStreams:
     def _back(prev: tuple) -> None:
         torch._C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
 
-    def _copy_on(self, page: Any, dst: torch.Tensor, src: torch.Tensor) -> Any:
-        """`dst.copy_(src)` queued on `page`; returns the event recorded after it."""
+    #: Queue a copy and its waits and records in one native call (`_queue_copy`); False: the
+    #: same calls one by one from Python (the baseline `benches/page_host_parts.py` compares).
+    native_copy = True
+
+    def _queue_copy(self, page: Any, comp: Any, dst: torch.Tensor, src: torch.Tensor, order: Any, slot: int) -> Any:
+        """`dst.copy_(src)` queued on `page` after the work queued on `comp` so far and after
+        host slot `slot`'s last copy on another stream (`order`: the pool's `SlotOrder`), with
+        the slot's event recorded behind it; returns the copy-done event. One native call
+        (`page_copy`) once the events involved exist (each is created by its first record,
+        which the calls from Python make); the same CUDA calls either way."""
+        done = self._event()
+        mark = self._mark
+        if self.native_copy and _page_copy is not None and mark is not None:
+            slot_ev = order.event(slot)
+            h_mark, h_done, h_slot = mark.cuda_event, done.cuda_event, slot_ev.cuda_event
+            if h_mark and h_done and h_slot:
+                w = order.wait_for(slot, page)
+                if _page_copy(dst, src, page, comp, h_mark, 0 if w is None else w.cuda_event, h_done, h_slot) is not NotImplemented:
+                    order.recorded(slot, page)
+                    return done
+                if w is not None:  # not a plain tensor: the calls below queue the wait again
+                    order.waits -= 1
+        self._after(page, comp)
+        order.before(slot, page)
         prev = self._on(page)
         try:
             dst.copy_(src, non_blocking=True)
         finally:
             self._back(prev)
-        ev = self._event()
-        record(ev, page)
-        return ev
+        record(done, page)
+        order.after(slot, page)
+        return done
 
     def _event(self) -> Any:
         """A copy-done event: a spare one (its last record was waited on) or a new one."""
