@@ -11,8 +11,8 @@ step, no optimizer step, so every arm computes the same gradients):
     cudagraphs   torch.compile(backend="sched_lifetime", options={"cudagraphs": True}) (CUDA only)
     paging       torch.compile(backend="sched_lifetime", options={"paging": True}): default
                  paging options (timed: calibrated over the first two steps)
-    paging_pycopy  the same, each page copy's CUDA calls made one by one from Python (as before
-                 the one-call `page_copy`: `PageStreams.native_copy = False`)
+    paging_pycopy  the same, each page copy's CUDA calls made one by one from Python (the paging
+                 arm queues each copy with one native call: `PageStreams.native_copy`)
 
 Arms run one after another (torch._dynamo reset before each: arms compiled side by side share
 dynamo's per-frame caches, which on these graph-broken models cost parity), the same batches in
