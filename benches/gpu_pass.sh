@@ -30,8 +30,8 @@
 #                                       # one vs two page streams at 65536 tokens (issue 32)
 #   bash benches/gpu_pass.sh calib2 OUT # nvidia-h200-x2: the main job over NCCL, ours vs calibrated
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|final OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|final OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|final OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|final OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -70,6 +70,20 @@ s8a)
         --ignore=tests/python/test_lifetime_cuda.py
     step page_host_parts 120 "$py" benches/page_host_parts.py --json "$out/page_host_parts.json"
     qwen_rounds b1s1.1 '{"paging_budget": 1.0, "paging_slack": 1.1}' compiled,paging,paging_pycopy
+    ;;
+s8c)
+    # Issue 27: why the paged forward's host time doubles. compiled_dma: the unpaged compiled model
+    # with 2560 MiB (what paging moves per step at budget 1.0 / slack 1.1) copied device -> pinned
+    # host on a side stream from each step's start (the page-outs' traffic without paging), then
+    # host -> device (the page-ins' direction). Per arm: the forward call's and backward()'s host time.
+    export PYTHONUNBUFFERED=1
+    step hf_qwen_dma_d2h 300 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --rounds 3 --determinism warn \
+        --set hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024 \
+        --arms compiled,compiled_dma,paging --paging '{"paging_budget": 1.0, "paging_slack": 1.1}' --dma-mib 2560 --dma-dir d2h \
+        --out "$out/hf_qwen_dma_d2h.json"
+    step hf_qwen_dma_h2d 200 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --rounds 3 --determinism warn \
+        --set hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024 \
+        --arms compiled,compiled_dma --dma-mib 2560 --dma-dir h2d --out "$out/hf_qwen_dma_h2d.json"
     ;;
 s8b)
     # Issue 27: s8a's Qwen3-MoE A/B at the default paging options.

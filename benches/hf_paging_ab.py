@@ -13,6 +13,10 @@ step, no optimizer step, so every arm computes the same gradients):
                  paging options (timed: calibrated over the first two steps)
     paging_pycopy  the same, each page copy's CUDA calls made one by one from Python (the paging
                  arm queues each copy with one native call: `PageStreams.native_copy`)
+    compiled_dma   compiled, with copies between device and pinned host memory queued on a side
+                 stream at each step's start (`--dma-mib`, `--dma-dir`; none of the model's data,
+                 nothing waits on them but the step's closing sync): does the copies' traffic
+                 alone slow the host thread as the paged forward's host time is slowed?
 
 Arms run one after another (torch._dynamo reset before each: arms compiled side by side share
 dynamo's per-frame caches, which on these graph-broken models cost parity), the same batches in
@@ -77,9 +81,9 @@ TINY_EXTRA = {
                         n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16,
                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
 }
-ARMS = ("eager", "eager_again", "save_on_cpu", "aot_eager", "compiled", "cudagraphs", "paging", "paging_pycopy")
+ARMS = ("eager", "eager_again", "save_on_cpu", "aot_eager", "compiled", "cudagraphs", "paging", "paging_pycopy", "compiled_dma")
 REFERENCE = {"eager": "eager", "eager_again": "eager", "save_on_cpu": "eager", "aot_eager": "aot_eager", "compiled": "aot_eager", "cudagraphs": "aot_eager",
-             "paging": "aot_eager", "paging_pycopy": "aot_eager"}
+             "paging": "aot_eager", "paging_pycopy": "aot_eager", "compiled_dma": "aot_eager"}
 
 
 
@@ -193,6 +197,8 @@ def main() -> None:
                     " gc_freq does); the collections' count and time per step are printed either way")
     ap.add_argument("--rounds", type=int, default=1, help="run the arms' sequence this many times (each arm compiled again: dynamo reset),"
                     " so that arms compared alternate in time; medians over every round's timed steps, per-round ratios printed")
+    ap.add_argument("--dma-mib", type=int, default=2048, help="compiled_dma: MiB copied per step (in 256 MiB copies)")
+    ap.add_argument("--dma-dir", default="d2h", choices=("d2h", "h2d", "both"), help="compiled_dma: the copies' direction")
     ap.add_argument("--out", help="write the figures as JSON here")
     a = ap.parse_args()
     dev = torch.device("cpu" if a.tiny or not torch.cuda.is_available() else "cuda")
@@ -242,7 +248,25 @@ def main() -> None:
     history: dict = {}
     batches = [torch.randint(0, base.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(step)) for step in range(a.steps + 2)]
 
+    dma: dict = {}
+    if "compiled_dma" in arms:
+        if dev.type != "cuda":
+            raise SystemExit("the compiled_dma arm needs CUDA")
+        chunk = 256 << 20
+        dma.update(n=max(1, a.dma_mib // 256), dev=torch.empty(chunk, dtype=torch.uint8, device=dev),
+                   host=torch.empty(chunk, dtype=torch.uint8, pin_memory=True), stream=torch.cuda.Stream(dev))
+
+    def background_copies() -> None:  # compiled_dma: the link busy as paging keeps it, with no paging at all
+        with torch.cuda.stream(dma["stream"]):
+            for k in range(dma["n"]):
+                if a.dma_dir == "d2h" or (a.dma_dir == "both" and k % 2 == 0):
+                    dma["host"].copy_(dma["dev"], non_blocking=True)
+                else:
+                    dma["dev"].copy_(dma["host"], non_blocking=True)
+
     def one_step(arm: str, run: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        if arm == "compiled_dma":
+            background_copies()
         if arm == "cudagraphs":
             torch.compiler.cudagraph_mark_step_begin()
         with (torch.autograd.graph.save_on_cpu(pin_memory=dev.type == "cuda") if arm == "save_on_cpu" else contextlib.nullcontext()):
@@ -263,7 +287,7 @@ def main() -> None:
         elif arm == "aot_eager":
             run = torch.compile(model, backend="aot_eager")
         else:
-            opts = paging_opts if arm in ("paging", "paging_pycopy") else {"cudagraphs": True} if arm == "cudagraphs" else {}
+            opts = paging_opts if arm in ("paging", "paging_pycopy") else {} if arm == "compiled_dma" else {"cudagraphs": True} if arm == "cudagraphs" else {}
             run = torch.compile(model, backend="sched_lifetime", options=opts)
         PageStreams.native_copy = arm != "paging_pycopy"
         for step, ids in enumerate(batches):
@@ -337,7 +361,7 @@ def main() -> None:
           + (f", {a.rounds} rounds of the arms (medians over all rounds' steps)" if a.rounds > 1 else ""))
     print(f"{'arm':<14}{'step ms':>9}{'vs ref':>9}{'peak MiB':>10}{'saved':>8}  {'against':<10}{'parity':>7}")
     measured_against = {"eager": "eager", "eager_again": "eager", "save_on_cpu": "eager", "aot_eager": "aot_eager", "compiled": "aot_eager",
-                        "cudagraphs": "compiled", "paging": "compiled", "paging_pycopy": "compiled"}
+                        "cudagraphs": "compiled", "paging": "compiled", "paging_pycopy": "compiled", "compiled_dma": "compiled"}
     for arm in arms:
         r = rows[arm]
         # A captured arm's memory is its graph pool, allocated at capture and held: the peak

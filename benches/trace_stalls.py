@@ -13,7 +13,15 @@ is split by when the next kernel was launched (its runtime call, matched by corr
 and the host's side: the CUDA runtime calls and the operators (inclusive times) that took the
 most time.
 
+`--host-speed REF`: how fast the host thread ran over the step, against a reference trace (an
+unpaged step): each operator's self time (its time minus the operators and runtime calls it
+made) divided by the median self time of the same operator in REF, the median of those ratios
+per 10 ms of the step, `*` where a device -> host copy ran more than half of it, and where the
+forward ended (the first backward event). A host slowed by the copies' traffic shows as ratios
+above 1 in the starred bins only.
+
     python benches/trace_stalls.py TRACE.json [TRACE2.json ...]
+    python benches/trace_stalls.py --host-speed REF.json TRACE.json [...]
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import collections
 import gzip
 import json
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_ops"))
@@ -87,10 +96,66 @@ def analyse(events: list) -> dict:
             "our_ops": [(k, v / 1e3, counts[k]) for k, v in ops.most_common() if "sched_lifetime" in k]}
 
 
+def self_times(events: list) -> tuple[list, float, list]:
+    """(start us from the first operator, name, self time us) of every operator on the host, the
+    forward's end (the first backward event, same origin) and the device -> host copies'
+    intervals (same origin)."""
+    calls = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver"):
+            calls[e.get("tid")].append(e)
+    own: dict = {}
+    for evs in calls.values():  # self = duration minus the direct children on the same thread
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list = []
+        for e in evs:
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
+                stack.pop()
+            own.setdefault(id(e), e["dur"])
+            if stack:
+                own[id(stack[-1])] -= e["dur"]
+            stack.append(e)
+    ops = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
+    if not ops:
+        return [], 0.0, []
+    t0 = ops[0]["ts"]
+    bwd = [e["ts"] for e in events if e.get("ph") == "X" and "backward" in e.get("name", "").lower()
+           and e.get("cat") in ("cpu_op", "python_function", "user_annotation")]
+    d2h = [(e["ts"] - t0, e["ts"] + e["dur"] - t0) for e in events if e.get("ph") == "X" and e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", "")]
+    return [(e["ts"] - t0, e["name"], own[id(e)]) for e in ops], (min(bwd) - t0 if bwd else float("nan")), d2h
+
+
+def host_speed(ref: list, events: list, bin_us: float = 10_000) -> tuple[list, float]:
+    """Per `bin_us` of the step: (bin start ms, median of each operator's self time over its
+    median in `ref`'s self times, share of the bin with a device -> host copy running); and the
+    forward's end in ms. Operators seen fewer than 20 times in `ref` are left out."""
+    by = collections.defaultdict(list)
+    for _, name, own in self_times(ref)[0]:
+        by[name].append(own)
+    med = {n: statistics.median(v) for n, v in by.items() if len(v) >= 20 and statistics.median(v) > 0}
+    ops, fwd_end, d2h = self_times(events)
+    out = []
+    t = 0.0
+    while ops and t <= ops[-1][0]:
+        r = [own / med[n] for s, n, own in ops if t <= s < t + bin_us and n in med]
+        cov = sum(max(0.0, min(t + bin_us, b) - max(t, a)) for a, b in d2h if a < t + bin_us and b > t) / bin_us
+        out.append((t / 1e3, statistics.median(r) if r else None, cov))
+        t += bin_us
+    return out, fwd_end / 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("traces", nargs="+")
+    ap.add_argument("--host-speed", metavar="REF", help="per 10 ms of each trace, its operators' self times against REF's")
     a = ap.parse_args()
+    if a.host_speed:
+        ref = load(a.host_speed)
+        for path in a.traces:
+            bins, fwd_end = host_speed(ref, load(path))
+            print(f"{path.rsplit('/', 1)[-1]}: forward ends at {fwd_end:.0f} ms; per 10 ms, operators' self time / REF's (* = D2H copy > half):")
+            print("    " + " ".join(f"{t:.0f}:{'-' if r is None else f'{r:.2f}'}{'*' if c > 0.5 else ''}" for t, r, c in bins))
+        return
     print(f"{'trace':<40}{'span ms':>9}{'busy':>8}{'idle':>8}{'host late':>10}{'stalled':>9}{'under copy':>11}{'copies':>8}")
     for path in a.traces:
         r = analyse(load(path))

@@ -57,3 +57,24 @@ def test_the_command_prints_a_row_per_trace(tmp_path, capsys, monkeypatch):
     trace_stalls.main()
     out = capsys.readouterr().out
     assert "step.json.gz" in out and "stalled 0.09 ms after gemm" in out, out
+
+
+def op(ts, dur, name="aten::mul", tid=1):
+    return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": tid, "args": {}}
+
+
+def test_host_speed_compares_self_times_per_bin_and_marks_the_copies():
+    """`--host-speed`: an operator's self time is its time minus what it called (a runtime call
+    inside it is not the host running slower); per 10 ms, the median ratio to the reference's
+    median self time of that operator, the bins under a device -> host copy starred."""
+    ref = [op(i * 100, 10) for i in range(30)]  # aten::mul: 10 us each
+    slow = [op(i * 500, 20) for i in range(20)]  # 0..10 ms: twice as slow
+    inside = [op(12_000 + i * 500, 25) for i in range(20)]  # 12..22 ms: 25 us, of which a 15 us launch
+    inside += [{**launch(12_000 + i * 500 + 5, 15, i), "tid": 1} for i in range(20)]
+    copy = {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 0, "dur": 8000, "args": {}}
+    back = {"ph": "X", "cat": "cpu_op", "name": "autograd::engine::evaluate_function: MulBackward0", "ts": 20_000, "dur": 1, "tid": 1, "args": {}}
+    bins, fwd_end = trace_stalls.host_speed(ref, slow + inside + [copy, back])
+    assert fwd_end == pytest.approx(20.0)
+    assert bins[0] == (0.0, pytest.approx(2.0), pytest.approx(0.8))
+    assert bins[1][0] == 10.0 and bins[1][1] == pytest.approx(1.0) and bins[1][2] == 0.0  # 25 - 15 = 10 us: not slower
+    assert trace_stalls.host_speed(ref[:10], slow)[0][0][1] is None  # seen < 20 times in REF: no ratio
