@@ -17,6 +17,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/SmallVector.h>
 #include <c10/util/Exception.h>
@@ -393,11 +394,15 @@ PyObject* direct_page_copy(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_ValueError, "page_copy: `after` needs a created `mark` event");
     return nullptr;
   }
+  // Errors: a C++ one becomes a RuntimeError (ValueError for c10::ValueError); a Python one raised
+  // inside the copy (a dispatch mode's) stays as it was raised.
   std::string msg;
+  PyObject* kind = nullptr;
   try {
     const c10::Stream s = c10::Stream::unpack3(page.id, static_cast<c10::DeviceIndex>(page.device_index),
                                                static_cast<c10::DeviceType>(page.device_type));
     const c10::impl::VirtualGuardImpl impl(s.device_type());
+    const c10::DeviceGuard device(s.device());  // the current device as it was, on every path
     if (has_after) {
       const c10::Stream a = c10::Stream::unpack3(after.id, static_cast<c10::DeviceIndex>(after.device_index),
                                                  static_cast<c10::DeviceType>(after.device_type));
@@ -416,13 +421,21 @@ PyObject* direct_page_copy(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     for (int i = 2; i < 4; ++i) {
       if (ev[i] != nullptr) impl.record(&ev[i], s, s.device_index(), c10::EventFlag::PYTORCH_DEFAULT);
     }
+  } catch (const c10::ValueError& e) {
+    msg = e.what_without_backtrace();
+    kind = PyExc_ValueError;
   } catch (const c10::Error& e) {
     msg = e.what_without_backtrace();
+    kind = PyExc_RuntimeError;
   } catch (const std::exception& e) {
     msg = e.what();
+    kind = PyExc_RuntimeError;
+  } catch (...) {
+    kind = PyExc_RuntimeError;
   }
-  if (!msg.empty()) {
-    PyErr_SetString(PyExc_RuntimeError, msg.c_str());
+  if (kind != nullptr) {
+    if (PyErr_Occurred()) return nullptr;  // torch's python_error: the Python error is set already
+    PyErr_SetString(kind, msg.empty() ? "page_copy failed" : msg.c_str());
     return nullptr;
   }
   Py_RETURN_NONE;

@@ -103,23 +103,24 @@ def _slot_poison(case: str, two_way: bool = True, rule: bool = True) -> tuple[in
 
 @pytest.fixture(params=["native", "python"])
 def copy_calls(request, monkeypatch):
-    """The pool's copies as one native call each (`page_copy`, counted: the test fails if it
-    never ran) or as the same CUDA calls from Python."""
+    """The pool's copies as one native call each (`page_copy`) or as the same CUDA calls from
+    Python; the native calls are counted either way (`calls`, and `waits`: those that queued a
+    slot wait), so a test knows which path its copies took."""
     from sched_lifetime.paging import streams
 
-    calls = [0]
     native = streams._page_copy
-    if request.param == "native":
-        assert native is not None, "the library has no page_copy"
+    assert native is not None, "the library has no page_copy"
+    count = {"mode": request.param, "calls": 0, "waits": 0}
 
-        def counted(*args):
-            calls[0] += 1
-            return native(*args)
+    def counted(*args):
+        count["calls"] += 1
+        count["waits"] += args[5] != 0
+        return native(*args)
 
-        monkeypatch.setattr(streams, "_page_copy", counted)
+    monkeypatch.setattr(streams, "_page_copy", counted)
     monkeypatch.setattr(streams.PageStreams, "native_copy", request.param == "native")
-    yield request.param
-    assert (calls[0] > 0) == (request.param == "native")
+    yield count
+    assert (count["calls"] > 0) == (request.param == "native"), count
 
 
 @pytest.mark.cuda
@@ -128,6 +129,8 @@ def test_two_way_buffer_reuse_waits_for_its_last_copy_and_the_control_corrupts(c
     bad, waits = _slot_poison(case)
     assert bad == 0
     assert waits >= POISON_ITERS  # every iteration needed a wait across the two streams
+    if copy_calls["mode"] == "native":  # after the first copies (their events new), the waits go through page_copy
+        assert copy_calls["waits"] >= POISON_ITERS - 2, copy_calls
     corrupt, _ = _slot_poison(case, rule=False)
     assert corrupt > POISON_ITERS // 2, f"control corrupted only {corrupt}/{POISON_ITERS}: the test has no teeth here"
 
@@ -208,3 +211,89 @@ def test_the_one_call_page_copy_refuses_bad_arguments_before_any_device_call():
 
     assert direct.page_copy(a, b.as_subclass(Sub), s, None, 0, 0, 0, 0) is NotImplemented
     assert torch.equal(a, torch.zeros(4))  # nothing copied
+
+
+def test_queue_copy_takes_one_native_call_once_its_events_exist_and_falls_back_otherwise(monkeypatch):
+    """`PageStreams._queue_copy` (CPU, stand-ins for the streams, events and `page_copy`): with
+    every event created it makes one `page_copy` call carrying the slot rule's wait and the
+    records; an event never recorded (handle 0) or a tensor `page_copy` does not take
+    (NotImplemented) takes the calls from Python, and the rule's wait is counted once."""
+    from sched_lifetime.paging import SlotOrder, streams
+
+    log = []
+
+    class Ev:
+        def __init__(self, handle):
+            self.cuda_event = handle
+
+        def record(self, stream):
+            log.append(("record", self.cuda_event, stream))
+            self.cuda_event = self.cuda_event or 99  # a first record creates it
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_event(self, ev):
+            log.append(("wait", ev.cuda_event, self.name))
+
+    answer = [None]
+
+    def page_copy(dst, src, stream, after, mark, wait, done, slot):
+        log.append(("page_copy", stream.name, after.name, mark, wait, done, slot))
+        if answer[0] is None:
+            dst.copy_(src)
+        return answer[0]
+
+    monkeypatch.setattr(streams, "_page_copy", page_copy)
+    monkeypatch.setattr(streams, "record", lambda ev, stream: ev.record(stream.name))
+    ps = streams.PageStreams("cpu")
+    ps.native_copy = True
+    ps._mark = Ev(1)
+    monkeypatch.setattr(ps, "_after", lambda page, comp: log.append(("after", page.name, comp.name)))
+    monkeypatch.setattr(ps, "_on", lambda page: log.append(("on", page.name)))
+    monkeypatch.setattr(ps, "_back", lambda prev: log.append(("back",)))
+    handles = iter([11, 12])
+    order = SlotOrder(2, event=lambda: Ev(next(handles)), capturing=lambda: False)
+    out, inn, comp = Stream("out"), Stream("in"), Stream("comp")
+    src, dst = torch.arange(4.0), torch.zeros(4)
+
+    ps._spare = [Ev(21)]
+    assert ps._queue_copy(out, comp, dst, src, order, 0).cuda_event == 21
+    assert log == [("page_copy", "out", "comp", 1, 0, 21, 11)] and torch.equal(dst, src)
+    log.clear()
+    ps._spare = [Ev(22)]
+    ps._queue_copy(inn, comp, dst, src, order, 0)  # slot 0's last copy ran on `out`: the wait rides along
+    assert log == [("page_copy", "in", "comp", 1, 11, 22, 11)] and order.waits == 1
+    log.clear()
+    ps._spare = [Ev(0)]  # a new done event, never recorded: the calls from Python create it
+    ps._queue_copy(out, comp, dst, src, order, 1)
+    assert [x[0] for x in log] == ["after", "on", "back", "record", "record"] and order.waits == 1
+    log.clear()
+    answer[0] = NotImplemented  # not a plain tensor: from Python, the wait counted once
+    ps._spare = [Ev(23)]
+    ps._queue_copy(out, comp, dst, src, order, 0)  # slot 0's last copy ran on `in`
+    assert [x[0] for x in log] == ["page_copy", "after", "wait", "on", "back", "record", "record"]
+    assert log[2] == ("wait", 11, "out") and order.waits == 2
+
+
+def test_the_one_call_page_copy_copies_and_lets_a_python_error_inside_the_copy_through():
+    """On the CPU `page_copy` with no events is the copy alone; an error a dispatch mode raises
+    inside the copy comes back as that error (not a SystemError), and the current stream stays."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sched_lifetime._ops import direct
+
+    a, b = torch.zeros(4), torch.arange(4.0)
+    s = torch.Stream(device="cpu")
+    assert direct.page_copy(a, b, s, None, 0, 0, 0, 0) is None and torch.equal(a, b)
+
+    class Refuses(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.copy_.default:
+                raise ValueError("no copies here")
+            return func(*args, **(kwargs or {}))
+
+    with Refuses(), pytest.raises(ValueError, match="no copies here"):
+        direct.page_copy(torch.zeros(4), b, s, None, 0, 0, 0, 0)
+    assert direct.page_copy(a, b * 2, s, None, 0, 0, 0, 0) is None and torch.equal(a, b * 2)

@@ -6,7 +6,8 @@ their FIFO freelist), `PageStreams` (the page streams and the host-cost caches o
 `SlotOrder` (the freelist's rule across the two page streams: a buffer's copies in order). This
 module queues the copies themselves: one tensor (`page_out`, `page_in_launch`), or a node's
 saved tensors as one group laid out by `group_plan` (`page_out_group`, `page_in_group`), each
-between `SlotOrder.before` and `after`, and the compute stream's wait on a page-in
+under `SlotOrder`'s rule (a group's copies between `before` and `after`; one tensor's through
+`PageStreams._queue_copy`, which asks `wait_for` and records `event`), and the compute stream's wait on a page-in
 (`page_wait`, timed with `measure_waits`).
 """
 

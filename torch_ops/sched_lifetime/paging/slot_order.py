@@ -24,7 +24,9 @@ compute stream after every copy it queued (each page-in is waited on, each page-
 a step cut short waits for both page streams: `HostPool.abandon`), and a captured step replays
 behind the compute stream's earlier work, the eager work after it behind the whole replay.
 
-`HostPool` (pool.py) calls `before` and `after` around each of its copies; the stream and event
+`HostPool` (pool.py) calls `before` and `after` around a group's copies, and for one tensor's
+copy `PageStreams._queue_copy` asks `wait_for` and, once its one native call queued the copy
+with the wait and the records, says `recorded` (the same rule, queued by the caller); the stream and event
 objects are whatever it passes (anything with `wait_event(event)` and `record(stream)`), so the
 bookkeeping is tested on the CPU with stand-ins (tests/python/test_paging_slot_order.py).
 """

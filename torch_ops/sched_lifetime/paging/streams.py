@@ -120,10 +120,11 @@ class PageStreams:
             h_mark, h_done, h_slot = mark.cuda_event, done.cuda_event, slot_ev.cuda_event
             if h_mark and h_done and h_slot:
                 w = order.wait_for(slot, page)
-                if _page_copy(dst, src, page, comp, h_mark, 0 if w is None else w.cuda_event, h_done, h_slot) is not NotImplemented:
+                h_wait = 0 if w is None else w.cuda_event
+                if (w is None or h_wait) and _page_copy(dst, src, page, comp, h_mark, h_wait, h_done, h_slot) is not NotImplemented:
                     order.recorded(slot, page)
                     return done
-                if w is not None:  # not a plain tensor: the calls below queue the wait again
+                if w is not None:  # not a plain tensor (or an event never recorded): the calls below ask again
                     order.waits -= 1
         self._after(page, comp)
         order.before(slot, page)
