@@ -144,7 +144,7 @@ def test_paging_the_embedded_moe_model_is_bit_exact(options):
 def test_timed_paging_runs_a_second_forward_before_the_backward_in_a_run_slot_of_its_own():
     """Timed paging used to refuse a second forward before the last one's backward; each
     forward in flight now has its own run slot (its own Pager), and a dropped forward's slot
-    stays taken (issue 27)."""
+    comes back at the next forward (issue 27)."""
     torch._dynamo.reset()
     model = _mlp()
     run = torch.compile(model, backend="sched_lifetime", options=PAGING)
@@ -154,7 +154,7 @@ def test_timed_paging_runs_a_second_forward_before_the_backward_in_a_run_slot_of
     a, b = run(x).sum(), run(x).sum()
     (a + b).backward()
     pager = slc.history[-1]["module"].sched_lifetime["paging"]
-    assert [r.open for r in pager.runs] == [True, False, False]  # slot 0 held by the dropped forward
+    assert [r.open for r in pager.runs] == [False, False] and pager.dropped_runs == 1  # the dropped forward's slot reused
 
 
 @pytest.mark.parametrize("options", [PAGING, STATIC])
@@ -872,6 +872,37 @@ def test_multiplexed_graphs_of_one_phase_equal_separate_runs():
 def test_graph_step_refuses_a_non_scalar_loss():
     with pytest.raises(ValueError, match="scalar loss"):
         slc.GraphStep(torch.nn.Linear(3, 2), (torch.randn(4, 3),))
+
+
+def test_graph_step_refuses_a_submodule_registered_twice_and_takes_a_tied_parameter():
+    """A Linear registered under two names (`a.1` and `b.0`) would leave a traced tensor in its
+    weight and lose its gradient (torch's functional_call): a clear error, the model untouched;
+    a parameter tied by assignment (as transformers ties embeddings) trains bit-exact."""
+
+    class Shared(torch.nn.Module):
+        def __init__(self, tie: bool) -> None:
+            super().__init__()
+            shared = torch.nn.Linear(8, 8)
+            self.a = torch.nn.Sequential(torch.nn.Linear(8, 8), shared)
+            self.b = torch.nn.Sequential(torch.nn.Linear(8, 8) if tie else shared, torch.nn.Linear(8, 8))
+            if tie:
+                self.b[0].weight = shared.weight
+
+        def forward(self, x, y):
+            return torch.nn.functional.mse_loss(self.b(torch.relu(self.a(x))), y)
+
+    torch.manual_seed(0)
+    mbs = [(torch.randn(4, 8), torch.randn(4, 8)) for _ in range(2)]
+    net = Shared(tie=False)
+    with pytest.raises(ValueError, match="registered as both 'a.1' and 'b.0'"):
+        sl.GraphStep(net, mbs[0], order="ours")
+    assert all(type(p) is torch.nn.Parameter for p in net.parameters())
+    net = Shared(tie=True)
+    ref = copy.deepcopy(net)
+    sl.GraphStep(net, mbs[0], order="ours").step(mbs)
+    for x, y in mbs:
+        ref(x, y).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(net.parameters(), ref.parameters()))
 
 
 def test_graph_step_takes_a_model_with_buffers_and_refuses_one_that_updates_them():

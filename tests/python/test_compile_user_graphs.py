@@ -6,6 +6,7 @@ launched in one graph and waited in the next, and the order pass's memory guard.
 bit-exact against eager (and aot_eager) over several SGD steps."""
 
 import copy
+import gc
 import socket
 
 import pytest
@@ -288,3 +289,37 @@ def test_the_memory_guard_through_the_schedule_op():
     assert guarded["order"].index("l") < guarded["order"].index("w")
     with pytest.raises(ValueError, match="memory_slack must be a number"):
         sl.schedule(graph, memory_slack="2%")
+
+
+@pytest.mark.parametrize("timed", [False] + ([True] if torch.cuda.is_available() else []), ids=lambda t: "timed" if t else "static")
+def test_a_forward_whose_outputs_are_dropped_gives_its_run_slot_back(monkeypatch, timed):
+    """A skipped step (`if not loss.isfinite(): continue`) drops the loss: its forward's run slot
+    (and host buffers) come back at the next forward, so the MAX_RUNS error never comes; a
+    forward whose outputs are kept still holds its slot, and parity holds after the skips."""
+    from sched_lifetime.compile import paging_pass
+
+    monkeypatch.setattr(paging_pass, "MAX_RUNS", 2)
+    torch._dynamo.reset()
+    dev = "cuda" if timed else "cpu"
+    torch.manual_seed(0)
+    layer = Layer().to(dev)
+    ref = copy.deepcopy(layer)
+    run = torch.compile(layer, backend="sched_lifetime", options={**PAGING, "paging_timed": timed})
+    x = torch.randn(8, 32, device=dev)
+    for _ in range(3):  # calibrate (timed: two steps), then page
+        run(x).square().sum().backward()
+        ref(x).square().sum().backward()
+    for _ in range(6):  # skipped steps: the loss dropped before any backward
+        loss = run(x).square().sum()
+        del loss
+        gc.collect()
+    run(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    gp = [h["module"].sched_lifetime["paging"] for h in slc.history if h["module"].sched_lifetime.get("paging")][-1]
+    assert gp.dropped_runs >= 5 and len(gp.runs) <= 2
+    for p, q in zip(layer.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    keep = [run(x), run(x)]  # outputs alive: their slots stay taken
+    with pytest.raises(RuntimeError, match="waiting for their backwards"):
+        run(x)
+    del keep

@@ -34,6 +34,7 @@ def capture_graphs(model: torch.nn.Module, example_inputs: tuple) -> tuple:
     from functorch.compile import aot_function, make_boxed_func
     from torch._functorch.partitioners import default_partition
 
+    _refuse_shared_submodules(model)
     params = list(model.named_parameters())
     buffers = list(model.named_buffers())
     names = [n for n, _ in params] + [n for n, _ in buffers]
@@ -81,6 +82,26 @@ def capture_graphs(model: torch.nn.Module, example_inputs: tuple) -> tuple:
         p.grad = g
     _drop_dead_forward_ops(graphs["bwd"])
     return names, state, graphs, out.detach()
+
+
+def _refuse_shared_submodules(model: torch.nn.Module) -> None:
+    """A submodule with parameters or buffers of its own registered under two names (`self.b =
+    self.a[1]`) is refused: `functional_call` swaps its tensors in under one name only, and
+    torch leaves a traced tensor in the module's attribute behind (the model's parameter
+    replaced, its gradient lost: measured on torch 2.11). A parameter tied by assignment
+    (`lm_head.weight = embed.weight`, as transformers ties embeddings) is fine."""
+    seen: dict[int, str] = {}
+    for name, mod in model.named_modules(remove_duplicate=False):
+        if not any(True for _ in mod.parameters(recurse=False)) and not any(True for _ in mod.buffers(recurse=False)):
+            continue
+        first = seen.setdefault(id(mod), name)
+        if first != name:
+            raise ValueError(
+                f"GraphStep: the submodule {type(mod).__name__} is registered as both '{first or '(the model)'}' and '{name}'; "
+                "capturing its graphs through torch.func.functional_call would replace its parameters with traced tensors. "
+                "Register it once and call it from both places (or tie its parameters by assignment: "
+                "`b.weight = a.weight`), or train this model with torch.compile(backend='sched_lifetime')"
+            )
 
 
 def _drop_dead_forward_ops(bwd: fx.GraphModule) -> None:

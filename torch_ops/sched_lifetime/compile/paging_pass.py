@@ -82,6 +82,7 @@ class _Run:
         self.owed: set = set()  # (save index, address) of saved values its backward has not read yet
         self.versions: dict[int, SavedVersion] = {}  # save index of a paged value -> its device tensor's version
         self.kept: set = set()  # static: save indices kept on the device at run time (unlike their trace)
+        self.gen = 0  # forwards this slot has started (a dead forward's finalizer names the one it watched)
 
     def close(self) -> None:
         """Its backward is over (finished, or refused): the slot's per-run state is dropped."""
@@ -125,6 +126,11 @@ class GraphPager:
         self._owner: dict[tuple, _Run] = {}  # (save index, address) of a saved value -> its run
         #: Saved values left out of paging and why (name -> reason).
         self.left_out: dict[str, str] = {}
+        #: (run, generation) of forwards whose saved values autograd let go before their backward
+        #: ran (the loss dropped: a skipped step); their slots are given back at the next forward.
+        self._dead: list[tuple[_Run, int]] = []
+        #: Run slots given back that way (their page-outs count in `stats()["bytes_out"]`, with no page-in).
+        self.dropped_runs = 0
 
     @property
     def pager(self) -> Optional[Pager]:
@@ -282,13 +288,17 @@ class GraphPager:
     # -- runs ------------------------------------------------------------------------------
 
     def begin_forward(self) -> _Run:
-        """A forward starts: the lowest run slot whose backward has finished (a new one if none)."""
+        """A forward starts: the lowest run slot whose backward has finished (a new one if none).
+        Slots of forwards whose backward can no longer run (autograd freed their saved values)
+        are given back first."""
+        self._give_back_dead()
         run = next((r for r in self.runs if not r.open), None)
         if run is None:
             if len(self.runs) >= MAX_RUNS:
                 raise RuntimeError(
                     f"sched_lifetime paging: {MAX_RUNS} forwards of this compiled graph are waiting for their backwards; "
-                    "a forward whose backward never runs holds its host buffers: run it under torch.no_grad()"
+                    "a forward whose backward never runs holds its host buffers while its outputs are alive: run it "
+                    "under torch.no_grad(), or drop its outputs (their slots come back at the next forward)"
                 )
             if self.timed:
                 run = _Run(pager=Pager(self.budget, min_bytes=self.min_bytes, prefetch=self.prefetch, slack=self.slack, two_way=self.two_way, count_host=self.count_host))
@@ -296,10 +306,29 @@ class GraphPager:
                 run = _Run(pool=self._new_pool())
             self.runs.append(run)
         run.open = True
+        run.gen += 1
         if self.timed:
             run.pager.begin()
         self._fwd = run
         return run
+
+    def watch(self, run: _Run, saved: torch.Tensor) -> torch.Tensor:
+        """What the forward saves in place of `saved` (its first saved value): an alias of it
+        (`detach()`: the same storage, strides and version counter) that only autograd holds
+        (host views are cached by their pool: `saved` itself may outlive the graph). When the
+        alias goes and `run`'s backward never started, the slot is noted as dead; it is given
+        back at the next forward, not from the collector's callback, which may come in the
+        middle of a paging call."""
+        alias = saved.detach()
+        weakref.finalize(alias, self._dead.append, (run, run.gen))
+        return alias
+
+    def _give_back_dead(self) -> None:
+        dead, self._dead = self._dead, []
+        for run, gen in dead:
+            if run.open and run.gen == gen and run is not self._bwd:
+                self.abandon(run)
+                self.dropped_runs += 1
 
     def _set_index(self, nodes: list) -> None:
         """The paged values' save indices (`nodes`, in the order the forward saves them) and what
@@ -460,15 +489,16 @@ def _page_out(key: int, i: int, t: torch.Tensor) -> torch.Tensor:
     want = gp._expect[i]
     if t.shape != want[0] or t.dtype != want[1] or not restorable(t):
         gp._keep_unlike_trace(run, i, t)
-        return t
-    version = SavedVersion(t)
-    p = run.pool.page_out(t)
-    host = run.pool.view_of(p)
-    gp._held[host.data_ptr()] = (p, run, version)
-    gp._saved(run, i, host)
-    gp._stats["bytes_out"] += p.nbytes
-    gp._stats["copies_out"] += 1
-    return host
+        out = t
+    else:
+        version = SavedVersion(t)
+        p = run.pool.page_out(t)
+        out = run.pool.view_of(p)
+        gp._held[out.data_ptr()] = (p, run, version)
+        gp._saved(run, i, out)
+        gp._stats["bytes_out"] += p.nbytes
+        gp._stats["copies_out"] += 1
+    return gp.watch(run, out) if i == 0 else out
 
 
 def _page_in_launch(key: int, i: int, host: torch.Tensor) -> torch.Tensor:
@@ -530,7 +560,7 @@ def _page_save(key: int, i: int, t: torch.Tensor) -> torch.Tensor:
         out = pg.pool.view_of(pg._handles[i])
         run.versions[i] = packed[3]  # the Pager's (its unpack, called without it, does not check)
     gp._saved(run, i, out)
-    return out
+    return gp.watch(run, out) if i == 0 else out
 
 
 def _page_use(key: int, i: int, x: torch.Tensor) -> torch.Tensor:
