@@ -84,6 +84,12 @@ def test_options_are_checked():
         gp = GraphPager(0.5, timed=True, count_host=on)
         assert gp.begin_forward().pager._calib.count_host is on
     assert slc.check_options({"paging": True})["paging_count_host"] is True
+    # NumPy scalars (a config read with numpy) are the numbers they hold; a float budget stays a fraction.
+    np = pytest.importorskip("numpy")
+    got = slc.check_options({"paging": True, "paging_budget": np.float32(0.5), "paging_min_bytes": np.int64(1024), "paging_slack": np.float64(1.1)})
+    assert (got["paging_budget"], got["paging_min_bytes"]) == (0.5, 1024) and type(got["paging_min_bytes"]) is int
+    with pytest.raises(ValueError, match="option 'paging_budget' must be"):
+        slc.check_options({"paging": True, "paging_budget": np.float32(1.5)})
 
 
 PAGING = {"paging": True, "paging_budget": 1.0, "paging_min_bytes": 0}

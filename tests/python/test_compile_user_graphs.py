@@ -323,3 +323,17 @@ def test_a_forward_whose_outputs_are_dropped_gives_its_run_slot_back(monkeypatch
     with pytest.raises(RuntimeError, match="waiting for their backwards"):
         run(x)
     del keep
+
+
+def test_a_second_backward_through_a_paged_graph_is_refused_naming_retain_graph():
+    """A gradient penalty's `autograd.grad(..., retain_graph=True)` then `backward()` reads the
+    saved values twice: paging does not support it, and the error says so."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    run = torch.compile(Layer(), backend="sched_lifetime", options={**PAGING, "paging_timed": False})
+    x = torch.randn(8, 32)
+    loss = run(x).square().sum()
+    w = next(run.parameters())
+    torch.autograd.grad(loss, w, retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph=True .* is not supported with paging=True"):
+        loss.backward()

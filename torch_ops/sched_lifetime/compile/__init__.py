@@ -38,6 +38,7 @@ never a quiet eager run.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Callable, Optional
 
 import torch.fx as fx
@@ -89,6 +90,8 @@ def check_options(options: Optional[dict]) -> dict:
     for k, v in (options or {}).items():
         if k not in OPTIONS:
             raise ValueError(f"sched_lifetime backend: unknown option {k!r}; valid options: {sorted(OPTIONS)}")
+        if isinstance(v, numbers.Real) and not isinstance(v, (bool, int, float)) and hasattr(v, "item"):
+            v = v.item()  # a NumPy (or 0-d tensor-like) scalar: the Python number it holds
         opts[k] = v
     for k in ("overlap", "explain", "paging", "cudagraphs", "paging_timed", "paging_two_way", "paging_count_host"):
         if not isinstance(opts[k], bool):

@@ -71,6 +71,12 @@ _KEYS = itertools.count()
 #: Forwards of one compiled graph that may wait for their backwards at once.
 MAX_RUNS = 64
 
+#: The end of the error a second read of a saved value raises.
+TWICE = (
+    " (backward run twice? a second backward through one graph, retain_graph=True or torch.autograd.grad(..., "
+    "retain_graph=True) then backward(), is not supported with paging=True: compile this model without paging)"
+)
+
 
 class _Run:
     """One run slot of a compiled graph: a forward and its backward, with their own plan (timed:
@@ -361,7 +367,7 @@ class GraphPager:
         key = (i, x.data_ptr())
         run = self._owner.pop(key, None)
         if run is None:
-            raise RuntimeError(f"sched_lifetime paging: a backward read saved value #{i}, which no forward of this graph saved (backward run twice?)")
+            raise RuntimeError(f"sched_lifetime paging: a backward read saved value #{i}, which no forward of this graph saved" + TWICE)
         run.owed.discard(key)
         self._bwd = run
         return run
@@ -511,7 +517,7 @@ def _page_in_launch(key: int, i: int, host: torch.Tensor) -> torch.Tensor:
             gp._reader(i, host)
             gp._events[id(host)] = None  # `_page_wait`: nothing to wait for
             return host
-        raise RuntimeError("sched_lifetime paging: a backward read a host buffer no forward paged out (backward run twice?)")
+        raise RuntimeError("sched_lifetime paging: a backward read a host buffer no forward paged out" + TWICE)
     p, run, version = held
     gp.check_version(run, i, version)
     del gp._held[host.data_ptr()]
