@@ -16,7 +16,8 @@ AOTAutograd cannot trace (graph breaks in every MoE layer), and `eager`, a Pytho
 experts hit (data-dependent: graph breaks inside every MoE layer, one compiled graph running
 once per expert). Compiling these on 2 cores takes 10-60 s a case, so CI runs `CI_CASES` (the
 dense control and one model per experts implementation) and the whole matrix runs with
-SCHED_LIFETIME_HF_ALL=1."""
+SCHED_LIFETIME_HF_ALL=1, with `MORE`: causal LMs of other families a new user's trial ran
+(2026-12-04), our arms against aot_eager only."""
 
 import copy
 import os
@@ -76,6 +77,7 @@ def train(model, backend, options=None):
     run = model if backend is None else torch.compile(model, backend=backend, options=options)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, grads = [], []
+    torch.manual_seed(1234)  # every arm draws the same random numbers (PhiMoE's router samples in training)
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
         ids = torch.randint(0, COMMON["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(step))
@@ -121,6 +123,56 @@ def test_hf_model_is_bit_exact_under_every_arm(name, impl):
             pagers = {id(p): p for h in slc.history if (p := h["module"].sched_lifetime.get("paging")) is not None}.values()
             moved = sum(p.stats["bytes_out"] for p in pagers)
             assert moved > 0 and all(p.stats["bytes_out"] == p.stats["bytes_in"] for p in pagers), [p.explain() for p in pagers]
+
+
+#: Causal LMs of other families (a new user's trial, 2026-12-04: GPT-NeoX, Falcon, Bloom with
+#: ALiBi, OPT, DBRX, PhiMoE, JetMoE, GPT-OSS, Llama 4 text MoE), tiny configs as transformers
+#: 5.17 takes them: (config class, model class, config kwargs, fix applied to the config).
+MORE = {
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                 max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0), None),
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, max_position_embeddings=64,
+               hidden_dropout=0.0, attention_dropout=0.0, new_decoder_architecture=False), None),
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(hidden_size=32, n_layer=1, n_head=4, hidden_dropout=0.0, attention_dropout=0.0), None),
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, ffn_dim=64, max_position_embeddings=64,
+            word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0), None),
+    "dbrx": ("DbrxConfig", "DbrxForCausalLM", dict(d_model=32, n_heads=4, n_layers=1, max_seq_len=64, attn_config={"kv_n_heads": 2, "clip_qkv": 8.0},
+             ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2}),
+             lambda c: setattr(c.attn_config, "rope_theta", 10000.0)),  # transformers 5.17's DbrxAttentionConfig lacks it
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+               num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64), None),
+    "jetmoe": ("JetMoeConfig", "JetMoeForCausalLM", dict(hidden_size=32, num_hidden_layers=1, num_key_value_heads=2, kv_channels=8,
+               intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64), None),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64, sliding_window=8,
+                layer_types=["full_attention"]), None),
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM", dict(hidden_size=32, intermediate_size=32, intermediate_size_mlp=64, num_hidden_layers=1,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=1,
+                    max_position_embeddings=64, moe_layers=[0], attention_chunk_size=8), None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MORE))
+def test_more_causal_lms_are_bit_exact_with_aot_eager(name):
+    """`MORE` (whole matrix only): our backend, with and without paging, against aot_eager over
+    STEPS SGD steps: losses, gradients and weights bit for bit, and paging moved bytes."""
+    if not ALL:
+        pytest.skip("the whole matrix runs with SCHED_LIFETIME_HF_ALL=1")
+    torch.use_deterministic_algorithms(True)
+    cfg_cls, model_cls, kw, fix = MORE[name]
+    cfg = getattr(transformers, cfg_cls)(vocab_size=COMMON["vocab_size"], **kw)
+    if fix is not None:
+        fix(cfg)
+    torch.manual_seed(0)
+    base = getattr(transformers, model_cls)(cfg)
+    aot = train(copy.deepcopy(base), "aot_eager")
+    for arm, options in ARMS.items():
+        slc.history.clear()
+        ours = train(copy.deepcopy(base), "sched_lifetime", options)
+        assert not differences(aot, ours), f"{arm} vs aot_eager: {differences(aot, ours)[:5]}"
+        if options.get("paging"):
+            pagers = {id(p): p for h in slc.history if (p := h["module"].sched_lifetime.get("paging")) is not None}.values()
+            assert sum(p.stats["bytes_out"] for p in pagers) > 0
 
 
 class _Loss(torch.nn.Module):
