@@ -215,6 +215,16 @@ fn spec_err(f: impl FnOnce(&mut GraphSpec)) -> String {
 #[test]
 fn errors_name_the_node_or_setting() {
     assert!(spec_err(|s| s.control.push(("F.L0.mlp".into(), "F.L0.attn".into()))).contains("cycle through node"));
+    // A cycle of one node: a control edge to itself, or a node reading its own output.
+    assert!(spec_err(|s| s.control.push(("F.L0.attn".into(), "F.L0.attn".into()))).contains("cycle through node 'F.L0.attn': a control edge"));
+    assert!(spec_err(|s| {
+        let own = match &s.nodes[0].outputs[0] {
+            OutputSpec::Name(n) => n.clone(),
+            OutputSpec::Placed { value, .. } | OutputSpec::Sized { value, .. } => value.clone(),
+        };
+        s.nodes[0].inputs.push(own);
+    })
+    .contains("reads its own output"));
     assert!(spec_err(|s| s.nodes[0].inputs.push("ghost".into())).contains("uses value 'ghost', which no node produces"));
     assert!(spec_err(|s| s.nodes[0].source = "Z9".into()).contains("names source 'Z9', which is not declared"));
     assert!(spec_err(|s| {

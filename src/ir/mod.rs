@@ -406,6 +406,12 @@ impl Graph {
         for i in 0..n {
             for &v in &nodes[i].inputs.clone() {
                 if let Some(p) = values[v].producer {
+                    if p.ix() == i {
+                        return Err(Error::InvalidInput(format!(
+                            "the graph has a cycle through node '{}': it reads its own output '{}'",
+                            nodes[i].name, values[v].name
+                        )));
+                    }
                     let p = if nodes[p].kind.is_launch() && nodes[i].kind != Kind::CommWait && nodes[i].kind != Kind::PageWait {
                         nodes[p].partner.unwrap_or(p)
                     } else {
@@ -435,6 +441,9 @@ impl Graph {
             for (a, b) in edges {
                 let ia = *node_ix.get(a.as_str()).ok_or_else(|| bad(format!("{kind} edge names unknown node '{a}'")))?;
                 let ib = *node_ix.get(b.as_str()).ok_or_else(|| bad(format!("{kind} edge names unknown node '{b}'")))?;
+                if ia == ib {
+                    return Err(Error::InvalidInput(format!("the graph has a cycle through node '{a}': a {kind} edge from it to itself")));
+                }
                 add(&mut preds, ia, ib);
             }
         }

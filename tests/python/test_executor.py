@@ -277,3 +277,27 @@ def test_rule3_each_value_of_the_embedded_model_retires_with_the_scheduled_actio
     assert want["F"]["empty_storage"] >= 2 and want["B"]["drop_reference"] >= 2, want
     got = {p: {a: st[f"retired_{a}"] for a in sl.ACTIONS} for p, st in ex.last_stats.items()}
     assert got == want
+
+
+def test_a_node_returning_the_callers_tensor_or_a_view_of_it_never_empties_it():
+    """A callable that returns its input reshaped (or as it is): the schedule retires that output
+    with `empty_storage` after its cross-stream consumer, which would free the caller's tensor;
+    the retire drops the reference instead (`kept_for_caller`), and the caller's tensor is whole."""
+    graph = {
+        "sources": [{"name": "F1", "microbatch": 1, "phase": "F"}],
+        "inputs": ["x"],
+        "nodes": [
+            {"name": "F.flat", "source": "F1", "kind": "compute", "inputs": ["x"], "outputs": ["a"]},
+            {"name": "F.dispatch", "source": "F1", "kind": "comm_launch", "inputs": ["a"], "outputs": ["d"]},
+            {"name": "F.dispatch.wait", "source": "F1", "kind": "comm_wait", "launch": "F.dispatch"},
+            {"name": "F.mlp", "source": "F1", "kind": "compute", "inputs": ["d"], "outputs": ["y"]},
+        ],
+    }
+    s = sl.schedule(graph)
+    assert ("a", "empty_storage") in [(r["value"], r["action"]) for r in s["retires"]]
+    for flat in (lambda x: x.reshape(-1), lambda x: x):
+        ex = sl.Executor(graph, s, {"F.flat": flat, "F.dispatch": lambda a: a.clone(), "F.mlp": lambda d: d.sum()}, device=torch.device("cpu"))
+        x = torch.arange(8.0).reshape(2, 4)
+        assert ex.run({"x": x})["y"].item() == 28.0
+        assert x.untyped_storage().nbytes() == 32 and torch.equal(x, torch.arange(8.0).reshape(2, 4))
+        assert ex.kept_for_caller == 1

@@ -186,3 +186,44 @@ def test_timing_times_every_node_of_forward_only_and_backward_only_runs():
     want = {n["name"] for g in (ch.graph(True, False), ch.graph(False, True)) for n in g["nodes"]}
     times = ch.node_times_us()
     assert set(times) == want and all(t >= 0 for t in times.values())
+
+
+@pytest.mark.parametrize("order", ["ours", "sequential", "calibrated"])
+def test_a_parameter_free_node_whose_inputs_take_no_gradient_trains(order):
+    """`x * 0.5` of the chunk's input (no parameters, no `grad_inputs`) gets no backward node;
+    its forward used to keep state for one anyway, and every step ended with "backward left
+    state behind". Now it keeps none, and the gradients equal plain autograd's."""
+    import sched_lifetime as sl
+
+    torch.manual_seed(0)
+    down = torch.nn.Linear(8, 1)
+    nodes = [
+        sl.NodeDef("scale", "compute", ["x"], ["h"], lambda x: x * 0.5, [], grad_outputs=["h"]),
+        sl.NodeDef("down", "compute", ["h", "y"], ["loss"], lambda h, y: (down(h) - y).square().mean(),
+                   list(down.parameters()), grad_inputs=["h"], grad_outputs=["loss"]),
+    ]
+    chunk = sl.Chunk(nodes, inputs=["x", "y"], loss_output="loss", device=torch.device("cpu"))
+    mbs = [{"x": torch.randn(4, 8), "y": torch.randn(4, 1)} for _ in range(3)]
+    for _ in range(2):
+        sl.train_step(chunk, mbs, order=order)
+    got = [p.grad.clone() for p in down.parameters()]
+    for p in down.parameters():
+        p.grad = None
+    for _ in range(2):
+        for m in mbs:
+            ((down(m["x"] * 0.5) - m["y"]).square().mean() / len(mbs)).backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(got, down.parameters()))
+
+
+def test_a_node_returning_no_tensor_for_a_gradient_output_is_named():
+    """A callable returning None for an output a gradient flows back through: the error names
+    that node and output (it used to surface as an AttributeError in the next node)."""
+    import sched_lifetime as sl
+
+    lin = torch.nn.Linear(4, 4)
+    chunk = sl.Chunk(
+        [sl.NodeDef("a", "compute", ["x"], ["h"], lambda x: None, list(lin.parameters()), grad_outputs=["h"]),
+         sl.NodeDef("b", "compute", ["h", "y"], ["loss"], lambda h, y: (h - y).square().mean(), [], grad_inputs=["h"], grad_outputs=["loss"])],
+        inputs=["x", "y"], loss_output="loss", device=torch.device("cpu"))
+    with pytest.raises(TypeError, match="node 'a' returned NoneType for its output 'h', which takes a gradient"):
+        sl.train_step(chunk, [{"x": torch.randn(3, 4), "y": torch.randn(3, 4)}], order="ours")

@@ -56,6 +56,7 @@ def test_moe_layer_gets_megatrons_four_overlaps(budget):
     assert r["d"]["owner"] == "ep" and r["d"]["last_consumer"] == "F.mlp" and r["d"]["action"] == "empty_storage"
     assert r["gc"]["action"] == "drop_reference"
     sl.validate(moe_layer(), o, [p[:2] for p in s["syncs"]], ep_budget=budget)
+    sl.validate(moe_layer(), o, s["syncs"], ep_budget=budget)  # the schedule's own entries, as they come
 
 
 def test_same_input_same_schedule():
@@ -85,6 +86,10 @@ def test_errors_name_the_node_or_setting(monkeypatch):
     g = moe_layer()
     g["control"] = [["F.mlp", "F.attn"]]
     with pytest.raises(ValueError, match="cycle through node"):
+        sl.schedule(g)
+    g = moe_layer()
+    g["control"] = [["F.attn", "F.attn"]]  # a cycle of one node
+    with pytest.raises(ValueError, match="cycle through node 'F.attn': a control edge from it to itself"):
         sl.schedule(g)
     g = moe_layer()
     g["nodes"][0]["inputs"] = ["ghost"]

@@ -222,6 +222,11 @@ class Executor:
         #: becomes `drop_reference` (the backward still reads them); `kept_for_autograd` counts.
         self.autograd_saved: set[str] = set()
         self.kept_for_autograd = 0
+        #: Retires of a node output that shares the storage of a tensor the caller passed to
+        #: `run` (a callable returning its input, or a view of it): made `drop_reference`, never
+        #: emptied (the caller's tensor would lose its memory); counted here.
+        self.kept_for_caller = 0
+        self._caller_storages: set[int] = set()
         self._plans = sorted({self._source[self._producer[r["value"]]] for r in schedule["retires"]})
         #: Time every node of the next runs (see the class docs).
         self.timing = bool(timing)
@@ -254,6 +259,9 @@ class Executor:
             raise RuntimeError(TWO_WAY_CAPTURE)
         streams = self._streams()
         env: dict[str, Any] = dict(inputs)
+        # The caller's tensors: a node's output that is one of them or a view of one (a callable
+        # returning its input reshaped) is never emptied at its retire, only its reference dropped.
+        self._caller_storages = {p for t in inputs.values() if isinstance(t, torch.Tensor) and (p := t.untyped_storage().data_ptr())}
         managers: dict[str, LifetimeManager] = {}
         if self.lifetime == "scheduled":
             managers = {p: LifetimeManager(p) for p in self._plans}
@@ -377,6 +385,15 @@ class Executor:
             if not live:
                 continue
             if managers:
+                if self._caller_storages and action in _EMPTYING:
+                    theirs = [t.untyped_storage().data_ptr() in self._caller_storages for _, t in live]
+                    if any(theirs):
+                        held = [t for (_, t), c in zip(live, theirs) if c]
+                        live = [vt for vt, c in zip(live, theirs) if not c]
+                        self.kept_for_caller += len(held)
+                        managers[plan].retire(held, streams[consumer_role], "drop_reference", owner_stream=streams[owner_role])
+                        if not live:
+                            continue
                 if self.autograd_saved and action in _EMPTYING:
                     saved = [v.split(".", 1)[-1] in self.autograd_saved for v, _ in live]
                     held = [t for (_, t), kept in zip(live, saved) if kept]

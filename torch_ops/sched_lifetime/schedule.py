@@ -75,7 +75,8 @@ def validate(
     page_budget: Optional[int] = None,
 ) -> None:
     """Check any schedule (ours or yours): topological, every cross-stream use covered by the
-    given record/wait pairs (derived minimal ones when `syncs` is None), budgets respected.
+    given record/wait pairs (`[producer, consumer]` each, or `schedule(...)["syncs"]` as it
+    comes; derived minimal ones when `syncs` is None), budgets respected.
     Raises ValueError naming the node at fault; returns None when the schedule is valid.
 
     Example:
@@ -93,7 +94,9 @@ def validate(
     ops.validate(
         json_text(graph, "graph"),
         json.dumps(list(order)),
-        json.dumps(None if syncs is None else [list(p) for p in syncs]),
+        # A pair per record/wait: [producer, consumer]; `schedule`'s own entries also name the two
+        # streams' roles ([producer, consumer, role, role]): their first two items are the pair.
+        json.dumps(None if syncs is None else [list(p)[:2] if len(p) == 4 else list(p) for p in syncs]),
         _budget(ep_budget, "ep_budget"),
         _budget(page_budget, "page_budget"),
     )

@@ -46,11 +46,13 @@ def forward_fn(chunk: Chunk, n: NodeDef, release_points: bool) -> Callable[..., 
     """The callable of `F.<node>`; `release_points`: it also releases the device storage of the
     page-outs the graph's release edges made it wait for."""
     ctx, pages = chunk.ctx, chunk.pages
+    keep = chunk._has_backward(n)  # else no backward node will take the state back
     if n.kind == "comm":
 
         def comm(*args: Any) -> Any:
             outs, cctx = n.fn(*args, alloc_stream=ctx.compute)
-            ctx.fwd.saved[n.name] = cctx
+            if keep:
+                ctx.fwd.saved[n.name] = cctx
             return outs
 
         return comm
@@ -78,12 +80,19 @@ def forward_fn(chunk: Chunk, n: NodeDef, release_points: bool) -> Callable[..., 
         with torch.enable_grad(), hooks:
             outs = n.fn(*args)
         outs = outs if isinstance(outs, tuple) else (outs,)
+        for i in out_ix:  # a gradient flows back through these: they must be tensors
+            if i < len(outs) and not isinstance(outs[i], torch.Tensor):
+                raise TypeError(
+                    f"node '{n.name}' returned {type(outs[i]).__name__} for its output '{n.outputs[i]}', which takes a "
+                    "gradient (grad_outputs): return a torch.Tensor"
+                )
         if probe:
             chunk._probed.add(n.name)
             for v, t in [*zip(n.inputs, args), *zip(n.outputs, outs)]:
                 if isinstance(t, torch.Tensor) and _storage_id(t) in saved - {0}:
                     chunk.autograd_saved.add(v)
-        ctx.fwd.saved[n.name] = (leaves, [outs[i] for i in out_ix])
+        if keep:
+            ctx.fwd.saved[n.name] = (leaves, [outs[i] for i in out_ix])
         if n.outputs and n.outputs[-1] == chunk.loss_output and len(n.outputs) == 1:
             ctx.fwd.loss = outs[0].detach()
         return tuple(o.detach() if isinstance(o, torch.Tensor) and o.requires_grad else o for o in outs)

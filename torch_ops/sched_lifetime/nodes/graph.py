@@ -169,6 +169,14 @@ class ChunkGraph:
         are on or no input takes a gradient (then the whole backward is dW)."""
         return bool(n.params) and (self.dw_nodes or not n.grad_inputs)
 
+    def _has_backward(self, n: NodeDef) -> bool:
+        """Whether `n` gets a backward node: a gradient flows into it and it has something to
+        compute from it (a comm's transpose, an input's gradient or a dW). Otherwise its forward
+        keeps no state for a backward (a parameter-free node whose inputs take no gradient)."""
+        if not self._grads_into(n):
+            return False
+        return n.kind == "comm" or bool(n.grad_inputs) or self._has_dw_node(n)
+
     def _grads_into(self, n: NodeDef) -> list[str]:
         """Gradient values a backward node of `n` reads: per flowing grad output, the partials
         of its consumers (the loss output reads the source's input)."""
