@@ -292,3 +292,22 @@ class _ScalarLoss(torch.nn.Module):
 
     def forward(self, x):
         return self.lin(x).square().sum()
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("heads", 3, "hidden 64 does not split over 3 heads"),
+    ("heads", 0, "MoEConfig.heads must be an int >= 1"),
+    ("topk", 5, "topk 5 is more than the 4 experts"),
+    ("topk", 0, "MoEConfig.topk must be an int >= 1"),
+    ("capacity_factor", -1.0, "capacity_factor must be None .* or a finite number > 0"),
+    ("capacity_factor", 0, "capacity_factor must be None .* or a finite number > 0"),
+    ("dense_layers", 3, "dense_layers 3 is more than the 2 layers"),
+    ("dtype", "int8", "MoEConfig.dtype must be one of"),
+])
+def test_a_model_config_that_cannot_build_the_model_names_the_field(field, value, message):
+    from dataclasses import replace
+
+    from sched_lifetime.models import CONFIGS
+
+    with pytest.raises(ValueError, match=message):
+        replace(CONFIGS["tiny"], **{field: value})

@@ -29,7 +29,11 @@ def no_spawn(monkeypatch):
         (["--microbatches", "0"], "--microbatches must be at least 1, got 0"),
         (["--world", "0"], "--world must be at least 1, got 0"),
         (["--layers", "-1"], "--layers must be at least 0, got -1"),
-        (["--lr", "0"], "--lr must be > 0, got 0.0"),
+        (["--lr", "0"], "--lr must be > 0 and finite, got 0.0"),
+        (["--lr", "inf"], "--lr must be > 0 and finite, got inf"),
+        (["--arms", ","], "--arms names no arm (got ',')"),
+        (["--world", "3"], "--world 3: config 'tiny''s 4 experts do not shard over 3 EP ranks; use one of [1, 2, 4]"),
+        (["--out", "/dev/null/x"], "--out '/dev/null/x': cannot make that directory"),
         (["--page-budget", "1.5"], "--page-budget is a fraction of the saved activations, in [0, 1]; got 1.5"),
         (["--page-prefetch", "-2"], "--page-prefetch must be at least 0, got -2"),
         (["--costs", "/nonexistent/durations.json"], "--costs '/nonexistent/durations.json': no such file"),
@@ -79,3 +83,28 @@ def test_train_says_it_is_starting_the_ranks_before_spawning_them(monkeypatch, c
     monkeypatch.setattr(mp, "spawn", lambda *a, **k: seen.append(capsys.readouterr().out))
     assert cli.main(["--cpu", "--world", "2"]) == 0
     assert len(seen) == 1 and "] starting 2 gloo ranks" in seen[0], seen
+
+
+def test_train_costs_must_be_a_json_object_of_node_costs(tmp_path, no_spawn, capsys):
+    for text, message in (("not json", "not a JSON file of node costs"), ("[1, 2]", "expected a JSON object")):
+        path = tmp_path / "costs.json"
+        path.write_text(text)
+        with pytest.raises(SystemExit) as info:
+            cli.main(["--cpu", "--costs", str(path)])
+        assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["simulate", "scenario:nope"], "error: unknown scenario 'nope'"),
+    (["simulate-schedule", "scenario:moe_chunk:x:y"], "error: 'moe_chunk:x:y': expected moe_chunk:LAYERS:RATIO"),
+])
+def test_simulate_with_a_bad_scenario_says_so_without_a_traceback(argv, message, capsys):
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_an_output_file_in_a_missing_folder_is_refused_before_the_run(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli_main(["ab", "--device", "cpu", "--json", "/nonexistent-folder/ab.json"])
+    assert info.value.code == 2 and "its folder '/nonexistent-folder' does not exist" in capsys.readouterr().err

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -147,7 +148,7 @@ def parser() -> argparse.ArgumentParser:
     ss.add_argument("graph", help="graph JSON file, or scenario:moe_chunk:LAYERS:RATIO")
     ss.add_argument("--order", default=None, help="JSON list of node names (default: our schedule)")
     ss.add_argument("--costs", default=None, help='JSON {"node": us} (default: graph costs, else per-kind)')
-    ss.add_argument("--policy", default="scheduled", help="scheduled (the lifetime manager, default) or record_stream")
+    ss.add_argument("--policy", default="scheduled", choices=("scheduled", "record_stream"), help="scheduled (the lifetime manager, default) or record_stream")
     return p
 
 
@@ -178,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         return train.main(argv[1:])
     p = parser()
     args = p.parse_args(argv)
-    if args.cmd == "simulate-schedule":
-        return _simulate_schedule(args)
+    for name in ("json", "trace", "plot"):  # an output file whose folder does not exist: said now, not after the run
+        path = getattr(args, name, None)
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            p.error(f"--{name} {path!r}: its folder {os.path.dirname(os.path.abspath(path))!r} does not exist")
     if args.cmd in ("ab", "demo"):
         for name in ("n", "mib", "steps"):
             if getattr(args, name) < 1:
@@ -188,7 +191,11 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--lag must be >= 0")
         _check_device(p, args.device)
         return _ab(args) if args.cmd == "ab" else _demo(args)
-    return _simulate(args)
+    try:  # a bad scenario, order, costs or program: the library's message, not a traceback
+        return _simulate_schedule(args) if args.cmd == "simulate-schedule" else _simulate(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

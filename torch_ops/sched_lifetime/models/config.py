@@ -31,6 +31,30 @@ class MoEConfig:
     #: rank of ceil(tokens * topk / experts * factor) (no host sync; overflow dropped).
     capacity_factor: Optional[float] = None
 
+    def __post_init__(self) -> None:
+        """A config that cannot build the model is refused here, naming the field."""
+        for name in ("vocab", "hidden", "heads", "experts", "topk", "expert_ffn", "seq", "batch"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"MoEConfig.{name} must be an int >= 1, got {v!r}")
+        for name in ("layers", "dense_layers", "shared_ffn", "dense_ffn"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"MoEConfig.{name} must be an int >= 0, got {v!r}")
+        if self.hidden % self.heads:
+            raise ValueError(f"MoEConfig: hidden {self.hidden} does not split over {self.heads} heads (hidden must be a multiple of heads)")
+        if self.topk > self.experts:
+            raise ValueError(f"MoEConfig: topk {self.topk} is more than the {self.experts} experts")
+        if self.dense_layers > self.layers:
+            raise ValueError(f"MoEConfig: dense_layers {self.dense_layers} is more than the {self.layers} layers")
+        if self.dense_layers and self.dense_ffn < 1:
+            raise ValueError(f"MoEConfig.dense_ffn must be >= 1 with dense layers, got {self.dense_ffn}")
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 < cf < float("inf")):
+            raise ValueError(f"MoEConfig.capacity_factor must be None (counted, lossless) or a finite number > 0, got {cf!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16", "float64"):
+            raise ValueError(f"MoEConfig.dtype must be one of float32, bfloat16, float16, float64, got {self.dtype!r}")
+
     def as_dict(self) -> dict:
         return asdict(self)
 

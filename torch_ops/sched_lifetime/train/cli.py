@@ -5,6 +5,8 @@ emulated EP link: `--ep-link host[:K]`, the default on a machine with one GPU)."
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import socket
 import sys
@@ -109,16 +111,49 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name, lo in (("steps", 1), ("microbatches", 1), ("profile_steps", 1), ("world", 1), ("layers", 0), ("nccl_channels", 0), ("page_prefetch", 0), ("page_release", 0)):
         if getattr(args, name) < lo:
             p.error(f"--{name.replace('_', '-')} must be at least {lo}, got {getattr(args, name)}")
-    if not args.lr > 0:
-        p.error(f"--lr must be > 0, got {args.lr}")
+    if not 0 < args.lr < math.inf:
+        p.error(f"--lr must be > 0 and finite, got {args.lr}")
+    if not [a for a in args.arms.split(",") if a]:
+        p.error(f"--arms names no arm (got {args.arms!r}); e.g. --arms sequential,ours")
+
     if args.calibrate_steps < 1:
         p.error(f"--calibrate-steps must be at least 1 (to time nothing, run arm ours), got {args.calibrate_steps}")
     if not 0 < args.calibrate_smoothing <= 1:
         p.error(f"--calibrate-smoothing is the new times' weight, in (0, 1]; got {args.calibrate_smoothing}")
     if not 0 <= args.page_budget <= 1:
         p.error(f"--page-budget is a fraction of the saved activations, in [0, 1]; got {args.page_budget}")
-    if args.costs and not os.path.isfile(args.costs):
-        p.error(f"--costs {args.costs!r}: no such file")
+    if args.costs:
+        if not os.path.isfile(args.costs):
+            p.error(f"--costs {args.costs!r}: no such file")
+        try:
+            with open(args.costs) as f:
+                costs = json.load(f)
+        except (OSError, ValueError) as e:
+            p.error(f"--costs {args.costs!r}: not a JSON file of node costs ({e})")
+        if not isinstance(costs, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in costs.values()):
+            p.error(f"--costs {args.costs!r}: expected a JSON object {{\"node\": us, ...}} (a run's durations.json)")
+    if args.out:
+        try:
+            os.makedirs(args.out, exist_ok=True)
+        except OSError as e:
+            p.error(f"--out {args.out!r}: cannot make that directory ({e.strerror})")
+
+
+def check_world(p: argparse.ArgumentParser, args: argparse.Namespace, use_cuda: bool) -> None:
+    """EP over ranks (not the emulated link): the config's experts must shard over the ranks
+    that will run (torchrun's WORLD_SIZE, else --world; one GPU runs EP=1)."""
+    from ..models import CONFIGS
+
+    if args.ep_link != "nccl":
+        return
+    if "RANK" in os.environ and os.environ.get("WORLD_SIZE", "").isdigit():
+        ranks = int(os.environ["WORLD_SIZE"])
+    else:
+        ranks = 1 if use_cuda and torch.cuda.device_count() < args.world else args.world
+    experts = CONFIGS[args.config].experts
+    if ranks > 1 and experts % ranks:
+        divisors = [d for d in range(1, experts + 1) if experts % d == 0]
+        p.error(f"--world {ranks}: config {args.config!r}'s {experts} experts do not shard over {ranks} EP ranks; use one of {divisors}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -132,6 +167,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     check_args(p, args)
     check_arms([a for a in args.arms.split(",") if a], use_cuda, bool(args.costs))
     args.ep_link = resolve_ep_link(args, use_cuda)
+    check_world(p, args, use_cuda)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     # Deterministic cuBLAS (must be set before the first cuBLAS call).
