@@ -259,7 +259,8 @@ def test_from_spec(spec, k):
     assert HostLinkAllToAll.from_spec(spec, device="cpu").emulated_ranks == k
 
 
-@pytest.mark.parametrize("spec,msg", [("host:1", r"k=1 "), ("host:x", r"K='x' is not an integer"), ("nccl", r"unknown kind 'nccl'")])
+@pytest.mark.parametrize("spec,msg", [("host:1", r"k=1 "), ("host:x", r"K='x' is not an integer"), ("nccl", r"unknown kind 'nccl'"),
+                                      ("host:", r"K is missing after ':'")])
 def test_from_spec_errors_name_the_setting(spec, msg):
     with pytest.raises(ValueError, match=msg):
         HostLinkAllToAll.from_spec(spec, device="cpu")

@@ -227,3 +227,9 @@ def test_a_step_cut_short_gives_its_buffers_back():
     with pager.step():
         (torch.tanh(x @ w)).sum().backward()
     assert w.grad is not None
+
+
+@pytest.mark.parametrize("value", [-1, "x", 1.5, True])
+def test_min_bytes_must_be_a_byte_count(value):
+    with pytest.raises(ValueError, match="min_bytes must be an int >= 0"):
+        sl.Pager(0.5, min_bytes=value)

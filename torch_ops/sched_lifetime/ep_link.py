@@ -236,11 +236,13 @@ class HostLinkAllToAll:
     def from_spec(cls, spec: str, device: Any = None, **options: Any) -> "HostLinkAllToAll":
         """From a setting `host` (k = 8) or `host:K`, as a command line gives it; `options` are
         the constructor's other settings (`duplex`, `chunks`, ...)."""
-        kind, _, k = str(spec).partition(":")
+        kind, colon, k = str(spec).partition(":")
         if kind != "host":
             raise ValueError(f"EP link {spec!r}: unknown kind {kind!r}; accepted: 'host' or 'host:K' (K emulated EP ranks, >= 2)")
-        if not k:
+        if not colon:
             return cls(device=device, **options)
+        if not k:
+            raise ValueError(f"EP link {spec!r}: K is missing after ':'; accepted: 'host' (K = 8) or 'host:K' with K >= 2")
         try:
             n = int(k)
         except ValueError:

@@ -46,9 +46,11 @@ from .plan import Budget, _budget_text, explain_plan, page_plan
 from .pool import HostPool, wait_us
 
 
-def _check_settings(budget: Budget, drain_distance: int, prefetch: int, slack: float) -> None:
+def _check_settings(budget: Budget, drain_distance: int, prefetch: int, slack: float, min_bytes: int = 0) -> None:
     """A `Pager`'s settings checked at construction: an error names the setting and its range."""
     _budget_text(budget)  # validate now
+    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+        raise ValueError(f"min_bytes must be an int >= 0 (bytes; smaller saved tensors stay on the device), got {min_bytes!r}")
     if drain_distance < 0:
         raise ValueError(f"drain_distance must be >= 0, got {drain_distance}")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
@@ -112,7 +114,7 @@ class Pager:
         `count_host` (timed): calibration also measures the host time one page-out and its
         page-in take, and a tensor whose copy is shorter stays on the device (its host calls
         would cost the step more than the link does); False: any tensor that hides may be paged."""
-        _check_settings(budget, drain_distance, prefetch, slack)
+        _check_settings(budget, drain_distance, prefetch, slack, min_bytes)
         self.prefetch = prefetch
         self.two_way = bool(two_way)
         self._calib = Calibration(bool(timed), float(slack), self.two_way, bool(count_host))
