@@ -161,11 +161,11 @@ def test_format_table_on_cpu_rows():
     lines = format_table(rows, cfg, args, use_cuda=False, world=2).splitlines()
     assert lines[0] == "MEASURED (CPU, EP=2, config tiny, 4 microbatches, 3 timed steps)"
     assert lines[1].split() == ["arm", "parity", "vs", "ref", "step", "ms", "vs", "seq", "exposed", "comm", "ms", "comm", "ms", "max", "alloc", "MiB", "max", "resv", "MiB", "pending", "MiB"]
-    assert lines[2].split()[:5] == ["sequential", "equal", "exact", "20.00", "1.000"] and "(GPU only)" in lines[2]
+    assert lines[2].split()[:5] == ["sequential", "base", "exact", "20.00", "1.000"] and "(GPU only)" in lines[2]  # the others' parity base
     assert lines[3].split()[:5] == ["ours", "equal", "3e-07", "10.00", "2.000"]
     assert lines[4].split()[:5] == ["ours+record", "DIFFER", "DIFFER", "16.00", "1.250"]
     assert lines[5] == "ours+graph     FAILED: RuntimeError: boom"
-    assert lines[6].startswith("parity: torch.equal with sequential") and "vs ref: the same against plain autograd" in lines[6]
+    assert lines[6].startswith("parity: torch.equal with the first arm, sequential (base") and "vs ref: the same against plain autograd" in lines[6]
     assert lines[7].startswith("CPU: step times are host times")
 
 

@@ -232,6 +232,7 @@ def format_table(rows: dict, cfg: Any, args: argparse.Namespace, use_cuda: bool,
     where = f"{'CUDA' if use_cuda else 'CPU'}, {ep}, config {args.config}, {args.microbatches} microbatches, {args.steps} timed steps{nccl}"
     lines = [f"MEASURED ({where})", f"{'arm':<13}{'parity':>8}{'vs ref':>8}{'step ms':>10}{'vs seq':>8}{'exposed comm ms':>17}{'comm ms':>9}{'max alloc MiB':>15}{'max resv MiB':>14}{'pending MiB':>13}"]
     base = rows.get("sequential", next(iter(rows.values())))["step_ms"]
+    first = next(iter(rows), None)  # the arm the others' parity is taken against
     for a, r in rows.items():
         if "failed" in r:
             lines.append(f"{a:<13}  FAILED: {r['failed']}")
@@ -242,11 +243,12 @@ def format_table(rows: dict, cfg: Any, args: argparse.Namespace, use_cuda: bool,
             else f"{'(GPU only)':>15}{'':>14}{'':>13}"
         )
         comm = f"{r['exposed_comm_us'] / 1e3:>17.2f}{r['comm_us'] / 1e3:>9.2f}" if "comm_us" in r else f"{'(GPU only)':>17}{'':>9}"
-        lines.append(f"{a:<13}{'equal' if r['parity'] else 'DIFFER':>8}{r.get('ref', '-'):>8}{r['step_ms']:>10.2f}{base / r['step_ms']:>8.3f}{comm}{mem}")
+        parity = "base" if a == first else "equal" if r["parity"] else "DIFFER"
+        lines.append(f"{a:<13}{parity:>8}{r.get('ref', '-'):>8}{r['step_ms']:>10.2f}{base / r['step_ms']:>8.3f}{comm}{mem}")
     if any("comm_us" in r for r in rows.values()):
         lines.append(f"exposed comm: the median of {args.profile_steps} profiled steps (each profiled alone); comm ms: that step's")
     lines.append(
-        "parity: torch.equal with sequential (every loss, every gradient after every step, the weights); vs ref: the same "
+        f"parity: torch.equal with the first arm, {first} (base: every loss, every gradient after every step, the weights); vs ref: the same "
         "against plain autograd (loss.backward() per microbatch, no node API): exact, the worst deviation within tolerance, or DIFFER"
     )
     for a, r in rows.items():
