@@ -199,6 +199,8 @@ def test_a_step_that_raises_in_its_backward_loses_nothing_and_the_next_step_is_e
         _FailsInBackward.armed = False
     pool = failing.pool
     assert pool.page_outs > 0 and failing.stats()["bytes_in"] > 0  # paged out, some paged in
+    st = failing.stats()  # every page-in was launched (prefetch) before the error: nothing abandoned
+    assert st["bytes_out"] == st["bytes_in"] + st["bytes_abandoned"], st
     assert pool.in_use() == 0 and not pool._retiring and not failing._ready and not failing._handles
     for w in ws:
         w.grad = None
@@ -211,6 +213,8 @@ def test_a_step_that_raises_in_its_backward_loses_nothing_and_the_next_step_is_e
         loss().backward()
     assert all(torch.equal(a, w.grad) for a, w in zip(ref, ws))
     assert pool.in_use() == 0 and not pool._retiring
+    st = failing.stats()
+    assert st["bytes_out"] == st["bytes_in"] + st["bytes_abandoned"] and ok.stats()["bytes_abandoned"] == 0, st
 
 
 def test_a_step_cut_short_gives_its_buffers_back():
@@ -224,6 +228,8 @@ def test_a_step_cut_short_gives_its_buffers_back():
             torch.tanh(x @ w).sum()  # paged out, never paged in
             raise RuntimeError("boom")
     assert pager.pool.in_use() == 0
+    st = pager.stats()  # paged out, never in: counted as abandoned
+    assert st["bytes_abandoned"] > 0 and st["bytes_out"] == st["bytes_in"] + st["bytes_abandoned"], st
     with pager.step():
         (torch.tanh(x @ w)).sum().backward()
     assert w.grad is not None

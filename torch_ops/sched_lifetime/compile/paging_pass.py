@@ -166,7 +166,7 @@ class GraphPager:
         for r in self.runs:
             for k, v in r.pager.stats().items():
                 total[k] = max(total.get(k, 0), v) if k == "max_prefetched" else total.get(k, 0) + v
-        return total or {"steps": 0, "bytes_out": 0, "bytes_in": 0, "host_bytes": 0, "max_prefetched": 0}
+        return total or {"steps": 0, "bytes_out": 0, "bytes_in": 0, "bytes_abandoned": 0, "host_bytes": 0, "max_prefetched": 0}
 
     @property
     def host_pool(self) -> Optional[HostPool]:

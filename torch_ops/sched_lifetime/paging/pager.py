@@ -136,7 +136,7 @@ class Pager:
         self._page: set[int] = set()
         self._index = 0
         self._unpacks = 0
-        self._stats = {"steps": 0, "bytes_out": 0, "bytes_in": 0, "host_bytes": 0, "max_prefetched": 0}
+        self._stats = {"steps": 0, "bytes_out": 0, "bytes_in": 0, "bytes_abandoned": 0, "host_bytes": 0, "max_prefetched": 0}
         self._shapes: list = []
         self._step_start = (0, 0)
         self._paging_step = False
@@ -256,7 +256,9 @@ class Pager:
         """End a step after its backward (`ok`: it ran to the end): calibration moves on,
         bytes out must equal bytes in; every page-out's storage released, every buffer back."""
         try:
-            if not ok:
+            if not ok:  # what this step paged out and never in: given back with the pool, counted
+                out0, in0 = self._step_start
+                self._stats["bytes_abandoned"] += (self._stats["bytes_out"] - out0) - (self._stats["bytes_in"] - in0)
                 return
             if self.plan is None and self._calib.finish_step():  # else the next step measures the timeline
                 self._calibrate()
@@ -320,8 +322,10 @@ class Pager:
         return out
 
     def stats(self) -> dict[str, int]:
-        """Bytes paged out and in (equal after every step), host bytes held, steps, and the most
-        page-ins queued ahead of their use at once (prefetch)."""
+        """Bytes paged out and in, host bytes held, steps, and the most page-ins queued ahead of
+        their use at once (prefetch). `bytes_out == bytes_in + bytes_abandoned`: a step cut short
+        by an exception counts what it paged out and never back in as abandoned (its buffers
+        are given back all the same)."""
         return dict(self._stats)
 
     def explain(self) -> str:
