@@ -23,10 +23,16 @@ pub struct Device {
 
 impl std::fmt::Display for Device {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // c10::DeviceType's numbers for the names a user may meet here.
         let name = match self.device_type {
             DEVICE_CPU => "cpu",
             DEVICE_CUDA => "cuda",
-            _ => "device",
+            6 => "hip",
+            12 => "xpu",
+            13 => "mps",
+            14 => "meta",
+            20 => "privateuseone",
+            t => return write!(f, "device type {t}"),
         };
         if self.index < 0 {
             write!(f, "{name}")
@@ -218,5 +224,17 @@ impl Runtime for RecordingRuntime {
     fn record_stream(&mut self, payload: u64, stream: StreamId) -> Result<()> {
         self.push(Op::RecordStream(payload, stream));
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_device_says_its_name() {
+        let d = |device_type, index| Device { device_type, index }.to_string();
+        assert_eq!((d(DEVICE_CPU, -1), d(DEVICE_CUDA, 1)), ("cpu".into(), "cuda:1".into()));
+        assert_eq!((d(14, -1), d(13, 0), d(99, 0)), ("meta".into(), "mps:0".into(), "device type 99".into()));
     }
 }
