@@ -313,3 +313,43 @@ def test_describe_takes_an_moe_layers_own_nodes():
         p.grad = None
     yb.square().sum().backward()
     assert torch.equal(a.grad, b.grad) and all(torch.equal(x, p.grad) for x, p in zip(pa, stage.parameters()))
+
+
+def test_graph_stage_refuses_another_shape_and_leaves_the_random_state_alone():
+    """A GraphStage's graphs are captured for the example's shapes: a call with another shape is
+    an error (it ran silently and could compute wrong values: a mean written with x.shape[0]);
+    building one (the capture runs the model once) leaves the random generators as they were, so
+    dropout draws the masks the same code draws without us."""
+    import copy
+
+    from sched_lifetime.pipelining import GraphStage
+
+    class Center(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(32, 32)
+            self.drop = torch.nn.Dropout(0.1)
+
+        def forward(self, x):
+            return self.drop(self.lin(x - x.sum(0) / x.shape[0]))
+
+    torch.manual_seed(0)
+    mod = Center()
+    before = torch.get_rng_state()
+    stage = GraphStage(copy.deepcopy(mod), (torch.zeros(2, 32),))
+    assert torch.equal(before, torch.get_rng_state())
+    with pytest.raises(ValueError, match=r"input 0 is shape \[4, 32\] torch.float32, the graphs were captured for shape \[2, 32\]"):
+        stage(torch.randn(4, 32, requires_grad=True))
+    x = torch.randn(2, 32)
+    torch.manual_seed(1)
+    ref = mod(x)
+    torch.manual_seed(1)
+    assert torch.equal(stage(x.clone().requires_grad_(True)), ref)
+
+
+def test_node_stage_output_must_be_a_value_no_node_of_the_stage_reads():
+    from sched_lifetime.pipelining import NodeStage, describe
+
+    layers = [torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8)]
+    with pytest.raises(ValueError, match=r"output 'h1' is read by node 'L1' of the stage: the stage returns a value no node of it reads \(\['out'\]\)"):
+        NodeStage(torch.nn.Sequential(*layers), nodes=describe(layers), output="h1")

@@ -54,6 +54,11 @@ def capture_graphs(model: torch.nn.Module, example_inputs: tuple) -> tuple:
 
     traced = aot_function(fn, fw_compiler=keep("fwd"), bw_compiler=keep("bwd"), partition_fn=default_partition)
     versions = [b._version for _, b in buffers]
+    # The capture runs the model once: its random ops (dropout) must not move the caller's
+    # generators, or every later step draws other masks than the same code without us.
+    devices = sorted({t.device.index for t in [*state, *example_inputs] if isinstance(t, torch.Tensor) and t.is_cuda and t.device.index is not None})
+    rng = torch.random.fork_rng(devices=devices)
+    rng.__enter__()
     try:
         out = traced(*state, *example_inputs)
     except Exception as e:
@@ -67,6 +72,8 @@ def capture_graphs(model: torch.nn.Module, example_inputs: tuple) -> tuple:
             "docs/nodes.md#graphstep-the-same-step-on-compiled-graphs lists what can and a recipe for Hugging Face models"
         )
         raise
+    finally:
+        rng.__exit__(None, None, None)
     updated = [n for (n, b), v in zip(buffers, versions) if b._version != v]
     if updated:
         raise ValueError(

@@ -82,6 +82,8 @@ class GraphStage(_DualPipeHook, nn.Module):
         # A stage's floating-point inputs take gradients (activations from the previous stage).
         example = tuple(x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x for x in example_inputs)
         _, self.params, self.graphs, _ = capture_graphs(module, example)
+        #: What the graphs were captured for: each input's (shape, dtype), None for a non-tensor.
+        self.input_meta = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None for x in example]
         self.fwd, self.bwd, self.n_fwd_out = compile_graphs(self.graphs, ep_budget)
         self._run_bwd = boxed(self.bwd)
         self.ep_budget = ep_budget
@@ -92,6 +94,17 @@ class GraphStage(_DualPipeHook, nn.Module):
         self.overlapped = 0
 
     def forward(self, *args: Any) -> torch.Tensor:
+        want = self.input_meta
+        if len(args) != len(want):
+            raise ValueError(f"GraphStage: called with {len(args)} inputs, the graphs were captured with {len(want)}")
+        for j, (t, w) in enumerate(zip(args, want)):
+            got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None
+            if w is not None and got != w:
+                raise ValueError(
+                    f"GraphStage: input {j} is {'not a tensor' if got is None else f'shape {list(got[0])} {got[1]}'}, the graphs were "
+                    f"captured for shape {list(w[0])} {w[1]} (static shapes and dtypes): give every microbatch the example's, "
+                    "or make a GraphStage per shape"
+                )
         return _GraphChain.apply(self, len(args), *args, *self.params)
 
     def multiplexed_with(self, fstage: "GraphStage") -> Any:

@@ -120,6 +120,13 @@ class NodeStage(_DualPipeHook, nn.Module):
                 f"NodeStage: output '{output}' is written by no node of {type(module).__name__} (their outputs: {written}); "
                 "pass output=<the value the stage returns>"
             )
+        readers = [n.name for n in nodes if output in n.inputs]
+        if readers:
+            final = [v for v in written if not any(v in n.inputs for n in nodes)]
+            raise ValueError(
+                f"NodeStage: output '{output}' is read by node {readers[0]!r} of the stage: the stage returns a value no node of it "
+                f"reads ({final}); pass output= one of those, or end the stage's nodes there"
+            )
         dev = torch.device(device) if device is not None else _module_device(module)
         self.chunk = Chunk(nodes, inputs, output, dev, dw_nodes=dw_nodes)
         self.chunk.rank_group = rank_group
