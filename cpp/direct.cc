@@ -158,15 +158,11 @@ bool unpack_handle(PyObject* obj, uint64_t& out) {
   return true;
 }
 
-// Runs a Rust entry point without the GIL; its errors become the Python errors the ops raise.
-// The GIL is let go first (src/ffi/registry.rs, `enter`: the lock rule): an entry may wait for
-// the registry lock, and a thread that holds that lock may need the GIL to release a tensor's
-// Python object. Nothing inside `f` touches a Python object (the arguments are unpacked first).
+// Runs `f`; a C++ error becomes the Python error kind the ops raise (a tagged rust::Error and
+// c10::ValueError: ValueError; any other: RuntimeError) and its message, in `msg`. Returns that
+// kind, or nullptr when `f` returned.
 template <typename F>
-bool call_rust(F&& f) {
-  std::string msg;
-  PyObject* kind = nullptr;
-  PyThreadState* state = PyEval_SaveThread();
+PyObject* run_catching(F&& f, std::string& msg) {
   try {
     f();
   } catch (const rust::Error& e) {
@@ -174,23 +170,36 @@ bool call_rust(F&& f) {
     const std::string tag = kValueTag;
     if (msg.rfind(tag, 0) == 0) {
       msg = msg.substr(tag.size());
-      kind = PyExc_ValueError;
-    } else {
-      kind = PyExc_RuntimeError;
+      return PyExc_ValueError;
     }
+    return PyExc_RuntimeError;
   } catch (const c10::ValueError& e) {
     msg = e.what_without_backtrace();
-    kind = PyExc_ValueError;
+    return PyExc_ValueError;
   } catch (const c10::Error& e) {
     msg = e.what_without_backtrace();
-    kind = PyExc_RuntimeError;
+    return PyExc_RuntimeError;
   } catch (const std::exception& e) {
     msg = e.what();
-    kind = PyExc_RuntimeError;
+    return PyExc_RuntimeError;
+  } catch (...) {
+    return PyExc_RuntimeError;
   }
+  return nullptr;
+}
+
+// Runs a Rust entry point without the GIL; its errors become the Python errors the ops raise.
+// The GIL is let go first (src/ffi/registry.rs, `enter`: the lock rule): an entry may wait for
+// the registry lock, and a thread that holds that lock may need the GIL to release a tensor's
+// Python object. Nothing inside `f` touches a Python object (the arguments are unpacked first).
+template <typename F>
+bool call_rust(F&& f) {
+  std::string msg;
+  PyThreadState* state = PyEval_SaveThread();
+  PyObject* kind = run_catching(f, msg);
   PyEval_RestoreThread(state);
   if (kind == nullptr) return true;
-  PyErr_SetString(kind, msg.c_str());
+  PyErr_SetString(kind, msg.empty() ? "sched_lifetime: unknown C++ error" : msg.c_str());
   return false;
 }
 
@@ -394,11 +403,10 @@ PyObject* direct_page_copy(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_ValueError, "page_copy: `after` needs a created `mark` event");
     return nullptr;
   }
-  // Errors: a C++ one becomes a RuntimeError (ValueError for c10::ValueError); a Python one raised
-  // inside the copy (a dispatch mode's) stays as it was raised.
+  // Errors as the ops raise them (`run_catching`); a Python one raised inside the copy (a dispatch
+  // mode's) stays as it was raised. The GIL is held: the copy may call into Python.
   std::string msg;
-  PyObject* kind = nullptr;
-  try {
+  PyObject* kind = run_catching([&] {
     const c10::Stream s = c10::Stream::unpack3(page.id, static_cast<c10::DeviceIndex>(page.device_index),
                                                static_cast<c10::DeviceType>(page.device_type));
     const c10::impl::VirtualGuardImpl impl(s.device_type());
@@ -421,18 +429,7 @@ PyObject* direct_page_copy(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     for (int i = 2; i < 4; ++i) {
       if (ev[i] != nullptr) impl.record(&ev[i], s, s.device_index(), c10::EventFlag::PYTORCH_DEFAULT);
     }
-  } catch (const c10::ValueError& e) {
-    msg = e.what_without_backtrace();
-    kind = PyExc_ValueError;
-  } catch (const c10::Error& e) {
-    msg = e.what_without_backtrace();
-    kind = PyExc_RuntimeError;
-  } catch (const std::exception& e) {
-    msg = e.what();
-    kind = PyExc_RuntimeError;
-  } catch (...) {
-    kind = PyExc_RuntimeError;
-  }
+  }, msg);
   if (kind != nullptr) {
     if (PyErr_Occurred()) return nullptr;  // torch's python_error: the Python error is set already
     PyErr_SetString(kind, msg.empty() ? "page_copy failed" : msg.c_str());

@@ -385,21 +385,17 @@ class Executor:
             if not live:
                 continue
             if managers:
-                if self._caller_storages and action in _EMPTYING:
-                    theirs = [t.untyped_storage().data_ptr() in self._caller_storages for _, t in live]
-                    if any(theirs):
-                        held = [t for (_, t), c in zip(live, theirs) if c]
-                        live = [vt for vt, c in zip(live, theirs) if not c]
-                        self.kept_for_caller += len(held)
-                        managers[plan].retire(held, streams[consumer_role], "drop_reference", owner_stream=streams[owner_role])
-                        if not live:
-                            continue
-                if self.autograd_saved and action in _EMPTYING:
-                    saved = [v.split(".", 1)[-1] in self.autograd_saved for v, _ in live]
-                    held = [t for (_, t), kept in zip(live, saved) if kept]
-                    if held:
-                        live = [vt for vt, kept in zip(live, saved) if not kept]
-                        self.kept_for_autograd += len(held)
+                if action in _EMPTYING and (self._caller_storages or self.autograd_saved):
+                    # Never emptied, only their reference dropped: the caller's tensors (or views
+                    # of them) and values autograd saved for a backward.
+                    caller = [bool(self._caller_storages) and t.untyped_storage().data_ptr() in self._caller_storages for _, t in live]
+                    saved = [not c and v.split(".", 1)[-1] in self.autograd_saved for (v, _), c in zip(live, caller)]
+                    kept = [c or a for c, a in zip(caller, saved)]
+                    if any(kept):
+                        self.kept_for_caller += sum(caller)
+                        self.kept_for_autograd += sum(saved)
+                        held = [t for (_, t), k in zip(live, kept) if k]
+                        live = [vt for vt, k in zip(live, kept) if not k]
                         managers[plan].retire(held, streams[consumer_role], "drop_reference", owner_stream=streams[owner_role])
                         if not live:
                             continue

@@ -66,7 +66,10 @@ class SlotOrder:
     def before(self, slot: int, stream: Any) -> None:
         """A copy touching `slot` is about to be queued on `stream`: if the slot's last copy ran
         on another stream (in this epoch), `stream` waits for it."""
-        ev = self.wait_for(slot, stream)
+        self.queue_wait(self.wait_for(slot, stream), stream)
+
+    def queue_wait(self, ev: Any, stream: Any) -> None:
+        """`stream` waits on `ev` (`wait_for`'s answer; None: nothing to wait for)."""
         if ev is not None:
             self._wait(ev, stream)
 

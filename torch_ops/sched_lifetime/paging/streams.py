@@ -114,20 +114,17 @@ class PageStreams:
         (`page_copy`) once the events involved exist (each is created by its first record,
         which the calls from Python make); the same CUDA calls either way."""
         done = self._event()
+        w = order.wait_for(slot, page)  # the slot rule, asked once for either way of queueing
         mark = self._mark
         if self.native_copy and _page_copy is not None and mark is not None:
-            slot_ev = order.event(slot)
-            h_mark, h_done, h_slot = mark.cuda_event, done.cuda_event, slot_ev.cuda_event
-            if h_mark and h_done and h_slot:
-                w = order.wait_for(slot, page)
-                h_wait = 0 if w is None else w.cuda_event
-                if (w is None or h_wait) and _page_copy(dst, src, page, comp, h_mark, h_wait, h_done, h_slot) is not NotImplemented:
+            h_mark, h_done, h_slot = mark.cuda_event, done.cuda_event, order.event(slot).cuda_event
+            h_wait = 0 if w is None else w.cuda_event
+            if h_mark and h_done and h_slot and (w is None or h_wait):
+                if _page_copy(dst, src, page, comp, h_mark, h_wait, h_done, h_slot) is not NotImplemented:
                     order.recorded(slot, page)
                     return done
-                if w is not None:  # not a plain tensor (or an event never recorded): the calls below ask again
-                    order.waits -= 1
-        self._after(page, comp)
-        order.before(slot, page)
+        self._after(page, comp)  # not a plain tensor, or an event not created yet: the calls from Python
+        order.queue_wait(w, page)
         prev = self._on(page)
         try:
             dst.copy_(src, non_blocking=True)
