@@ -4,8 +4,8 @@ each against its timing-free order `ours` in the same run.
 
 Per path, three instances of one model (same weights, same microbatches): order `ours`;
 `calibrated` with the search at the calibration step's end (`Calibration(background=False)`);
-`calibrated` with the search in a thread beside the next step (`background=True`, the new order
-from the step after). First a throwaway instance in order `ours` runs one untimed step (kernels and
+`calibrated` with the search in a thread beside the next step (`background=True`, the default
+since 2026-12-05; the new order from the step after). First a throwaway instance in order `ours` runs one untimed step (kernels and
 allocator warm); then the three, each fresh (its first step builds what any first step builds,
 and the calibrated ones' is their calibration step), run `--steps` steps each, one instance
 after the other (a background search runs beside its own instance's next step), a sync around

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from sched_lifetime.calibrate import Calibration
 from sched_lifetime.ep import AllToAll, FunctionalAllToAll
 from sched_lifetime.models.moe import CONFIGS, MoEModel, MoEStage, stage_io, with_overrides
 from sched_lifetime.nodes import NodeDef
@@ -70,6 +71,9 @@ def _run_arm(kind: str, cfg, stage_ids, n_stages: int, handler: bool, steps: int
                 m = GraphStage(m, (inp,))
             elif kind == "dualpipev_calibrated":  # costs measured in step 0, orders searched from step 1
                 m = NodeStage(m, order="calibrated", rank_group=rank_group)
+                # The default background search, its orders taken at the end of the step after
+                # (wait_after=1: then, however long the search takes on a busy CI machine).
+                m.chunk.calibration = Calibration(wait_after=1)
             else:
                 m = NodeStage(m, dw_nodes=kind != "dualpipev_fused")
         mods.append(m)
@@ -102,7 +106,9 @@ def _run_arm(kind: str, cfg, stage_ids, n_stages: int, handler: bool, steps: int
     deferred = [
         {**m.dw_deferred, "dw_only": sum(1 for n in m.chunk.nodes if n.params and not n.grad_inputs),
          # Calibration steps done: the stage's own, and per other stage's forward paired with its backward.
-         "calibrated": [m.chunk.calibration.steps_done] + [c.steps_done for c in m.chunk._pair_calibrations.values()]}
+         "calibrated": [m.chunk.calibration.steps_done] + [c.steps_done for c in m.chunk._pair_calibrations.values()],
+         # The step whose costs the running orders come from (None: still the timing-free order).
+         "from_step": [m.chunk.calibration.from_step] + [c.from_step for c in m.chunk._pair_calibrations.values()]}
         for m in mods
         if isinstance(m, NodeStage)
     ]
@@ -186,6 +192,8 @@ def test_pipeline_schedules_bit_exact_with_the_handler(tmp_path, kind):
                 # Each stage calibrated once (step 0) for its own runs and for the other stage's
                 # forward paired with its backward (OVERLAP_F_B), then kept its orders.
                 assert all(d["calibrated"][0] == 1 and len(d["calibrated"]) >= 2 and set(d["calibrated"]) == {1} for d in deferred), deferred
+                # The search ran beside step 1 and its orders took over at that step's end.
+                assert all(set(d["from_step"]) == {0} for d in deferred), deferred
         else:
             assert registered is False  # no OVERLAP_F_B in these schedules: the handler stays out
             assert overlaps == [0] * len(overlaps)

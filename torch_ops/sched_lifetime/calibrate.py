@@ -13,10 +13,11 @@ waits, host clock on CPU; no sync per node or run), and at the step's end (`end_
    order per rank would issue collectives in a different order, a hang);
 3. the costs are smoothed with the earlier calibration steps' (`smoothing`: the weight of the
    new measurement, 1.0 = the latest only);
-4. each calibrated graph is scheduled again under rule `search` with these costs (at the
-   calibration step's end by default; with `background=True` in a thread beside the next step,
-   taking over at the step after it, the same step on every rank), and its executor is rebuilt only when the order changed; the
-   orders are then checked rank-identical (`ep.check_rank_identical`).
+4. each calibrated graph is scheduled again under rule `search` with these costs (by default
+   in a thread beside the next step, taking over at the first step after it that finds every
+   rank's search done, the same step on every rank; `background=False`: at the calibration
+   step's end), and its executor is rebuilt only when the order changed; the orders are then
+   checked rank-identical (`ep.check_rank_identical`).
 
 `GraphStep` (compiled graphs, `order="calibrated"` by default) does the same for its
 multiplexed module: its nodes timed in a `torch.fx.Interpreter` run, then `apply_plans`.
@@ -74,17 +75,17 @@ class Calibration:
 
     `steps`: calibration steps (>= 1): the first `steps` steps are timed and each re-plans at
     its end. `smoothing`: in (0, 1], the weight of a step's measurement against the costs so
-    far (exponential smoothing over the calibration steps). `background` (default False): the
-    search runs at the calibration step's end and applies from the next step. True: it runs
-    in a thread (the op releases the GIL) while the next step runs in the old order, and the
-    new orders apply from the step after it, on every rank at the same step (the calibration
-    step's own extra is then the events, one sync and the agreement): from the second step
+    far (exponential smoothing over the calibration steps). `background` (default True): the
+    search runs in a thread (the op releases the GIL) while the next step runs in the old
+    order, and the new orders apply from the step after it, on every rank at the same step
+    (the calibration step's own extra is then the events, one sync and the agreement; False:
+    the search runs at the calibration step's end and applies from the next step): from the second step
     after, each step's start asks every rank whether its search is done (one small collective
     while one is in flight) and the orders take over at the first step where all are, so a
     search longer than a step never makes a step wait; `wait_after=N`: the step start waits for
-    it once N steps ran beside it (1: always the second step after). The thread must be
-    joined before the process ends (a thread left running at exit aborted spawned ranks in
-    CI, 1 run in 4: hence the default). `group`:
+    it once N steps ran beside it (1: always the second step after). The thread is no daemon:
+    a script that ends while it runs waits for it at exit (as a daemon it was still inside the
+    native op at shutdown and aborted the process). `group`:
     the process group whose ranks must agree (None: the chunk's `rank_group`, itself None for
     the default group, when torch.distributed is initialized).
 
@@ -105,7 +106,7 @@ class Calibration:
     """
 
     def __init__(
-        self, steps: int = 1, smoothing: float = 0.5, group: Any = None, background: bool = False, wait_after: Optional[int] = None
+        self, steps: int = 1, smoothing: float = 0.5, group: Any = None, background: bool = True, wait_after: Optional[int] = None
     ) -> None:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"calibration steps must be an int >= 1, got {steps!r} (to time nothing, use order='ours')")
@@ -236,17 +237,19 @@ class Calibration:
         self._pending = [t, holder, self._measured_step, 0]
         return None
 
-    def take_plans(self, wait: bool) -> Optional[dict[str, dict]]:
+    def take_plans(self, wait: bool, at_end: bool = False) -> Optional[dict[str, dict]]:
         """At a step's start (`wait=False`): the background search's schedules once a whole
         step has run beside it, else None (one more step begun); every rank takes them at the
-        same step. `wait=True`: now, whatever the steps (a calibration step's end applies an
+        same step. `at_end=True`: asked at a step's end instead (runs made with `Chunk.run`,
+        which have no step start: the step just ended ran beside the search), for the next
+        step. `wait=True`: now, whatever the steps (a calibration step's end applies an
         earlier search's first). The caller applies what it gets: called only to join the
         thread before the process ends, the orders are dropped."""
         if self._pending is None:
             return None
         if not wait:
             self._pending[3] += 1
-            beside = self._pending[3] - 1  # steps run beside the search so far
+            beside = self._pending[3] - (0 if at_end else 1)  # steps run beside the search so far
             if beside < 1:
                 return None
             if not self._all_done() and (self.wait_after is None or beside < self.wait_after):

@@ -166,10 +166,11 @@ class GraphStep:
     outside the module in microbatch order. The warm-up and cool-down graphs (and
     `paired_ends`' modules) keep the timing-free order. A timed step runs a copy of the module with a tick
     (an event, or the host clock on CPU) before and after each node, compiled like the module
-    (each value freed at its last use). `Calibration(background=True)`: the
+    (each value freed at its last use). By default (`Calibration(background=True)`) the
     search runs in a thread beside the next steps, and the module it gives is built and takes
     over at the start of the first step that finds every rank's search done; the calibration step
-    then ends with the sync and the costs' agreement only.
+    then ends with the sync and the costs' agreement only (`background=False`: the search at
+    its end, the module rebuilt from the next step).
 
 
     Example (bit-exact against eager backward per microbatch):

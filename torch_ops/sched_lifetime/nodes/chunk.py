@@ -170,12 +170,14 @@ class Chunk(ChunkGraph):
         return _executor(self if forward else None, self if backward else None, order, lifetime)
 
     def end_calibration_step(self) -> None:
-        """End a step of cost calibration for runs of order `"calibrated"` made with `run`
-        (`train_step` and `combined_step` end theirs themselves): agree on the node times,
-        re-plan (see `train_step`). Every rank calls it together."""
+        """End a step of runs of order `"calibrated"` made with `run` (`train_step` and
+        `combined_step` end theirs themselves): while calibrating, agree on the node times and
+        re-plan (see `train_step`); after, a background search's orders take over from the next
+        step once one whole step ran beside it and it is done on every rank. Every rank calls it
+        together, at every step's end."""
         from .run import end_calibration
 
-        end_calibration(self, "calibrated")
+        end_calibration(self, "calibrated", no_step_start=True)
 
     def node_times_us(self) -> dict[str, float]:
         """Median time of each node over the timed runs so far (µs, by graph node name): the

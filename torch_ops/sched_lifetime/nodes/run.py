@@ -95,17 +95,21 @@ def _cal_groups(chunk: Chunk) -> list[tuple[Calibration, dict]]:
     return [(chunk.calibration, own)] + [(chunk._pair_calibrations[f], exs) for f, exs in pairs.items()]
 
 
-def end_calibration(chunk: Chunk, order: str) -> None:
+def end_calibration(chunk: Chunk, order: str, no_step_start: bool = False) -> None:
     """At a step's end with order `"calibrated"` while calibrating: the step's node times (one
     device sync), agreed across the ranks and smoothed (`Calibration.end_step`), then every
     calibrated executor of `chunk` scheduled again (`Calibration.plan`: now, or in the
     background, applied by `begin_calibrated_step` two steps on). A pipeline's F of another
     chunk with B of this one has a Calibration of its own (`_calibration_of`), ended here too.
-    Nothing once calibration is done."""
+    `no_step_start` (steps of runs made with `Chunk.run`, whose starts nobody marks): a
+    background search's orders are taken here instead, for the next step, once a whole step
+    ran beside it and every rank's search is done. Nothing once calibration is done."""
     if order != CALIBRATED:
         return
     for cal, mine in _cal_groups(chunk):
         if not cal.active:
+            if no_step_start:
+                _apply_plans(chunk, cal, cal.take_plans(wait=False, at_end=True))
             continue
         # A label the same on every rank (the keys hold object ids): which sources, which lifetime.
         labels = {_label(chunk, k): k for k in mine}
@@ -330,9 +334,10 @@ def train_step(
     set) time every node (CUDA events, one sync at the step's end; host clock on CPU), and at
     each such step's end the ranks agree on the costs (one collective: each node's maximum),
     which are smoothed over the calibration steps, and every graph of the step is scheduled
-    again under rule `search` with them, at that step's end, applying from the next step
-    (`chunk.calibration = Calibration(background=True)`: in a thread while the next step runs
-    the old order, taking over at the step after it, on every rank at once); an
+    again under rule `search` with them, in a thread while the next step runs the old order,
+    taking over at the first step after it that finds every rank's search done, on every rank
+    at once (`chunk.calibration = Calibration(background=False)`: at that step's end, applying
+    from the next step); an
     executor is rebuilt only when its order changed, and the orders are checked rank-identical. Before the first calibration step's end, and
     for `order="ours"` always, the order is the timing-free one. Later steps time nothing.
     See `sched_lifetime.calibrate`.

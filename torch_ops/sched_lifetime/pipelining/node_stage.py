@@ -58,8 +58,9 @@ class NodeStage(_DualPipeHook, nn.Module):
     `nodes`: the description (defaults to `module.nodes()`); `inputs`: the names of the
     forward's positional arguments; `output`: the value it returns (one tensor). `order`:
     "ours" (the scheduler's timing-free order), "calibrated" (the first step times every node,
-    then rule `search` re-plans with the measured costs: `enable_overlap` ends the calibration
-    step at the stage's last backward of the step; `rank_group` is then the process group of the
+    then rule `search` re-plans with the measured costs, in the background by default:
+    `enable_overlap` ends each step at the stage's last backward of the step, where the
+    calibration step's costs are agreed and a finished search's orders take over; `rank_group` is then the process group of the
     ranks that run this same stage and must agree on its costs, e.g. `dist.new_group([rank])` when
     each rank holds its own stages, required when torch.distributed is initialized with more
     than one rank), or a baseline ("b_then_f", "sequential"); `lifetime`:

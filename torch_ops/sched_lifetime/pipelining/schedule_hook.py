@@ -75,8 +75,9 @@ def _split_dw_on_input_backward(stage: Any) -> None:
 
     def end_step(last: bool) -> None:
         if last and mod.order == CALIBRATED:
-            # One device sync, the costs agreed over the stage's rank_group, the orders searched
-            # again; nothing once calibration is done.
+            # While calibrating: one device sync, the costs agreed over the stage's rank_group,
+            # the orders searched again; after: a background search's orders taken over for the
+            # next step once done on every rank; then nothing.
             mod.chunk.end_calibration_step()
 
     def backward_weight_one_chunk(*args: Any, **kwargs: Any) -> Any:
