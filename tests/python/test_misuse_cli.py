@@ -108,3 +108,25 @@ def test_an_output_file_in_a_missing_folder_is_refused_before_the_run(capsys):
     with pytest.raises(SystemExit) as info:
         cli_main(["ab", "--device", "cpu", "--json", "/nonexistent-folder/ab.json"])
     assert info.value.code == 2 and "its folder '/nonexistent-folder' does not exist" in capsys.readouterr().err
+
+
+def test_train_costs_that_name_no_node_of_the_step_graph_are_refused(tmp_path):
+    """A costs file from another config, or with a typo, would leave those nodes at cost 0 for
+    rule search: each rank refuses it before any step (the graph's names need the model, so the
+    check runs where the arms are built), naming the names; a run's own names pass, a second
+    microbatch's (`F2.`) as the first's."""
+    import argparse
+    import json
+
+    from sched_lifetime.ep import AllToAll
+    from sched_lifetime.models import CONFIGS
+    from sched_lifetime.train.loop import build_arms
+
+    path = tmp_path / "costs.json"
+    args = argparse.Namespace(arms="ours+search", lr=1e-3, costs=str(path), config="tiny", page_nodes="", page_budget=0.2, page_prefetch=0, page_release=0, progress=False)
+    path.write_text(json.dumps({"F.L0.attn": 5.0, "F.L0.atn": 5.0}))
+    with pytest.raises(SystemExit, match=r"1 name\(s\) are not nodes of config 'tiny''s step graph, e\.g\. \['F\.L0\.atn'\]"):
+        build_arms(args, CONFIGS["tiny"], AllToAll(), torch.device("cpu"), True)
+    path.write_text(json.dumps({"F.L0.attn": 5.0, "F2.L0.attn": 4.0, "B.L0.attn.dw": 3.0}))
+    arm = build_arms(args, CONFIGS["tiny"], AllToAll(), torch.device("cpu"), True)["ours+search"]
+    assert arm.chunk.costs["F.L0.attn"] == 5.0 and arm.chunk.costs["B.L0.attn.dw"] == 3.0

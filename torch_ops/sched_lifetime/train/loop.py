@@ -151,8 +151,17 @@ def build_arms(args: argparse.Namespace, cfg: Any, transport: Any, device: torch
     # calibrated order (train_step's default searches in the background, a step later).
     arms = {a: Arm(a, cfg, transport, device, args.lr, Calibration(steps, smoothing, background=False)) for a in names}
     if args.costs:
+        from ..calibrate import fold_name
+
         with open(args.costs) as f:
             costs = {str(k): float(v) for k, v in json.load(f).items()}
+        known = {n["name"] for n in next(iter(arms.values())).chunk.graph(True, True)["nodes"]}
+        unknown = sorted(k for k in costs if fold_name(k) not in known)
+        if unknown:  # a typo or another config's file would leave those nodes at cost 0, silently
+            raise SystemExit(
+                f"--costs {args.costs!r}: {len(unknown)} name(s) are not nodes of config {args.config!r}'s step graph, "
+                f"e.g. {unknown[:5]}; its nodes are named like {sorted(known)[:3]} (a durations.json of a run of the same config)"
+            )
         for arm in arms.values():
             arm.chunk.costs = costs
     for a, arm in arms.items():
