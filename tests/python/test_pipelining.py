@@ -285,6 +285,36 @@ def test_describe_and_non_reentrant_checkpoint_compose():
         assert torch.equal(a.grad, b.grad), n
 
 
+def test_describe_puts_a_layer_that_works_in_place_into_the_node_before_it():
+    """`nn.ReLU(inplace=True)` and other `inplace=True` layers: a node of their own would modify
+    a leaf of the node's autograd graph (an error); `describe` runs them in the node before,
+    or on a copy of the input when they come first; gradients bit-exact with the plain model.
+    A hand-made node that does so gets the error with a note saying why and what to do."""
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.ReLU(inplace=True), torch.nn.Linear(8, 16), torch.nn.ReLU(inplace=True), torch.nn.Dropout(0.0, inplace=True), torch.nn.Linear(16, 8)
+        )
+
+    x = torch.randn(4, 8)
+    ref, seq = build(), build()
+    xr = x.clone().requires_grad_(True)
+    ref(xr * 1).square().sum().backward()  # (a leaf itself cannot go through an in-place ReLU)
+    stage = NodeStage(seq, nodes=describe(list(seq)))
+    assert [n.name for n in stage.chunk.nodes] == ["L0", "L1", "L4"]
+    xi = x.clone().requires_grad_(True)
+    stage(xi).square().sum().backward()
+    assert torch.equal(xr.grad, xi.grad)
+    for (n, a), b in zip(ref.named_parameters(), seq.parameters()):
+        assert torch.equal(a.grad, b.grad), n
+    relu = torch.nn.ReLU(inplace=True)
+    own = NodeStage(relu, nodes=[NodeDef("r", "compute", ["x"], ["out"], relu, (), ["x"], ["out"])])
+    with pytest.raises(RuntimeError, match="in-place operation") as info:
+        own(x.clone().requires_grad_(True))
+    assert any("may not modify an input in place" in note for note in getattr(info.value, "__notes__", [])), info.value
+
+
 def test_refusals_name_what_is_wrong():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 

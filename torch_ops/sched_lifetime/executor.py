@@ -371,6 +371,13 @@ class Executor:
                     except Exception as e:
                         # The caller's own exception (type, message, traceback), with the node named.
                         add_note(e, f"in node '{name}' ({kind}) of the schedule")
+                        if "leaf Variable that requires grad is being used in an in-place operation" in str(e):
+                            add_note(
+                                e,
+                                "a node's inputs are leaves of its own autograd graph, so it may not modify an input in place "
+                                "(e.g. nn.ReLU(inplace=True) as a node of its own): use inplace=False, or compute it in the node "
+                                "before it (sl.pipelining.describe does that for layers with inplace=True)",
+                            )
                         raise
             for v, t in zip(self._outs[name], out):
                 env[v] = t

@@ -184,16 +184,37 @@ class NodeStage(_DualPipeHook, nn.Module):
 def describe(layers: Sequence[nn.Module], input: str = "x", output: str = "out") -> list[NodeDef]:
     """Nodes for a stage that applies `layers` in sequence: a layer with
     `sched_nodes(inp, out, prefix)` gives its own nodes (where its dispatch and combine are);
-    any other layer is one compute node with its parameters."""
+    any other layer is one compute node with its parameters. A layer that modifies its input in
+    place (`inplace=True`: `nn.ReLU`, `nn.Dropout`, ...) runs in the node of the layer before it
+    (a node's inputs are leaves of its own autograd graph; an in-place op on one is an error),
+    on a copy of its input when that layer gives its own nodes or it comes first."""
     names = [input] + [f"h{i + 1}" for i in range(len(layers) - 1)] + [output]
     nodes: list[NodeDef] = []
     for i, layer in enumerate(layers):
         a, b, p = names[i], names[i + 1], f"L{i}"
         if hasattr(layer, "sched_nodes"):
             nodes += layer.sched_nodes(a, b, p)
+        elif getattr(layer, "inplace", False) is True:
+            prev = nodes[-1] if nodes and i > 0 and not hasattr(layers[i - 1], "sched_nodes") else None
+            if prev is not None:  # one node: the layer before, then this one on its output
+                nodes[-1] = NodeDef(prev.name, "compute", prev.inputs, [b], nn.Sequential(prev.fn, layer), list(prev.params) + list(layer.parameters()), prev.grad_inputs, [b])
+            else:
+                nodes.append(NodeDef(p, "compute", [a], [b], _OnACopy(layer), list(layer.parameters()), [a], [b]))
         else:
             nodes.append(NodeDef(p, "compute", [a], [b], layer, list(layer.parameters()), [a], [b]))
     return nodes
+
+
+class _OnACopy(nn.Module):
+    """`layer` applied to a copy of its input (a layer that modifies its input in place, as a
+    node of its own)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x.clone())
 
 
 def _module_device(module: nn.Module) -> torch.device:
