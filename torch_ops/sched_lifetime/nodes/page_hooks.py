@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import torch
 
 from ..paging import HostPool, group_plan, is_weight, page_plan, restorable
-from ..paging.paged import SavedVersion
+from ..paging.paged import SavedVersion, plain
 from .state import MicrobatchState, _Ctx
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class PageHooks:
             return contextlib.nullcontext()
 
         def pageable(t: torch.Tensor) -> bool:
-            return not is_weight(t) and restorable(t) and t.numel() * t.element_size() >= self.min_bytes
+            return not is_weight(t) and restorable(t) and plain(t) and t.numel() * t.element_size() >= self.min_bytes
 
         # Nothing packed refers back to the graph: the autograd graph keeps what the hooks
         # pack (in C++, out of the garbage collector's sight), so a kept tensor with its

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from .paged import is_weight, restorable
+from .paged import is_weight, plain, restorable
 from .plan import link_rates, page_host_us
 
 
@@ -133,7 +133,7 @@ class Calibration:
             self._peak("save")
         # Metadata only: a reference here would keep every activation alive through the
         # backward and distort the memory timeline.
-        self.saved.append({"device": t.device, "bytes": t.numel() * t.element_size(), "shape": tuple(t.shape), "dtype": t.dtype, "weight": is_weight(t), "restorable": restorable(t)})
+        self.saved.append({"device": t.device, "bytes": t.numel() * t.element_size(), "shape": tuple(t.shape), "dtype": t.dtype, "weight": is_weight(t), "restorable": restorable(t) and plain(t)})
 
     def unpack(self, i: int, u: int) -> None:
         """Saved tensor `i` is read by the backward's unpack number `u`."""
@@ -142,6 +142,24 @@ class Calibration:
         elif self._peaks["save"]:  # a timed calibration on CUDA
             self._peak("unpack")
         self.first_use.setdefault(i, u)
+
+    def had_backward(self) -> bool:
+        """Whether this calibration step's backward read a saved tensor (a forward alone, a
+        warm-up or a step that skipped its backward, tells nothing of the backward's order)."""
+        return bool(self._events["unpack"]) if self.timing_pass else bool(self.first_use)
+
+    def abort(self) -> None:
+        """Forget this calibration step's record (it raised, or had no backward): the next step
+        calibrates again; a second timed step keeps the first's memory line."""
+        self._events = {"save": [], "unpack": []}
+        if self.timing_pass:
+            return
+        if self._dev is not None:
+            self.line.leave()
+            self._dev = None
+        self.saved, self.first_use = [], {}
+        self._peaks = {"save": [], "unpack": []}
+        self._start = self._last = -1
 
     def finish_step(self) -> bool:
         """A calibration step ran to its end: whether the record is complete. After the first of

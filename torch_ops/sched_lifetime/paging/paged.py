@@ -21,7 +21,10 @@ def is_weight(t: torch.Tensor) -> bool:
 def restorable(t: torch.Tensor) -> bool:
     """Whether a fresh tensor can take `t`'s exact strides: no two of its elements share memory
     (an expanded tensor's do). Only those are paged: the page-in rebuilds the strides, since a
-    backward kernel given another layout may round differently."""
+    backward kernel given another layout may round differently. A sparse or nested tensor
+    (not strided) is never one."""
+    if t.layout != torch.strided:
+        return False
     if t.is_contiguous():
         return True
     covered = 0  # the furthest offset the dims seen so far reach, strides ascending
@@ -30,6 +33,13 @@ def restorable(t: torch.Tensor) -> bool:
             return False
         covered += stride * (size - 1)
     return True
+
+
+def plain(t: torch.Tensor) -> bool:
+    """A tensor of torch's own (a `torch.Tensor` or a parameter), not a subclass whose data lives
+    elsewhere (DTensor's local shard, a wrapper's inner tensor): the eager hooks page only
+    those; a subclass is kept on the device as it is saved."""
+    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
 
 
 def _check_restorable(t: torch.Tensor) -> None:

@@ -9,7 +9,7 @@ Wiring only: what to page is Rust's choice (`page_plan`).
         with pager.step():
             loss = model(batch); loss.backward()
 
-The first step calibrates: it records the live prefix (every tensor autograd saves, its bytes,
+The first step with a backward calibrates: it records the live prefix (every tensor autograd saves, its bytes,
 its save order and the backward order of its first use) and asks Rust (`page_plan`) what to
 page. Host buffers are then allocated once (pinned on CUDA), never during a step. Later steps
 copy the chosen tensors to their host buffer when autograd saves them and back when the
@@ -27,7 +27,8 @@ silent fallback. A saved tensor changed in place after its save raises at its un
 autograd's version check does in eager (saved_tensors_hooks turn that check off): every kept
 one, and a paged one while anything still holds it (else its host copy is the value saved). A step that raises between page-outs and page-ins loses nothing: the compute
 stream waits for the copies in flight, every page-out's storage is released and every host
-buffer comes back (`HostPool.abandon`); the next step runs as usual. `stats()` gives bytes out and in (equal every step) and the host bytes held;
+buffer comes back (`HostPool.abandon`); the next step runs as usual (a calibration step that
+raises, or runs no backward, is not counted: the next step calibrates). `stats()` gives bytes out and in (equal every step) and the host bytes held;
 `per_step()` per step: bytes out and in, host bytes in use at once, page-outs in flight at once,
 and (`measure_waits=True`) the time the compute stream waited on page-ins.
 """
@@ -41,7 +42,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from .calibrate import Calibration
-from .paged import Paged, SavedVersion, restorable
+from .paged import Paged, SavedVersion, plain, restorable
 from .plan import Budget, _budget_text, explain_plan, page_plan
 from .pool import HostPool, wait_us
 
@@ -170,7 +171,7 @@ class Pager:
                 f"paging: saved tensor #{i} is {tuple(t.shape)} {t.dtype}, calibration saw "
                 f"{shapes[i] if i < len(shapes) else 'nothing'}; make a new Pager for a new shape"
             )
-        if i not in self._page or not restorable(t):
+        if i not in self._page or not restorable(t) or not plain(t):
             packed: Any = ("keep", i, t, SavedVersion(t, held=True))
         else:
             p = pool.page_out(t)
@@ -259,9 +260,14 @@ class Pager:
             if not ok:  # what this step paged out and never in: given back with the pool, counted
                 out0, in0 = self._step_start
                 self._stats["bytes_abandoned"] += (self._stats["bytes_out"] - out0) - (self._stats["bytes_in"] - in0)
+                if self.plan is None:  # a calibration step cut short: the next step calibrates afresh
+                    self._calib.abort()
                 return
-            if self.plan is None and self._calib.finish_step():  # else the next step measures the timeline
-                self._calibrate()
+            if self.plan is None:
+                if not self._calib.had_backward():  # a forward alone: the next step calibrates
+                    self._calib.abort()
+                elif self._calib.finish_step():  # else the next step measures the timeline
+                    self._calibrate()
             out0, in0 = self._step_start
             moved_out, moved_in = self._stats["bytes_out"] - out0, self._stats["bytes_in"] - in0
             if moved_out != moved_in:
