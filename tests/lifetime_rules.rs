@@ -133,6 +133,17 @@ fn rule3_empty_storage_of_a_partial_view_is_refused_before_any_change() {
     assert!(e.to_string().contains("view of part"), "{e}");
     assert_eq!(m.stats(), before);
     assert!(rt.ops.is_empty(), "{:?}", rt.ops);
+    // A storage already emptied (another plan retired the tensor) is said to be so, not a view.
+    {
+        let (mut m2, mut rt2) = mgr();
+        let emptied = TensorKey { covers_storage: false, nbytes: 0, ..t(4) };
+        bind(&mut m2, &[emptied], A);
+        let before2 = m2.stats();
+        let e = retire(&mut m2, &mut rt2, &[emptied], B, Action::EmptyStorage).unwrap_err();
+        assert!(e.is_value_error() && e.to_string().contains("storage is already empty") && !e.to_string().contains("view"), "{e}");
+        assert_eq!(m2.stats(), before2);
+        retire(&mut m2, &mut rt2, &[emptied], B, Action::DropReference).unwrap();
+    }
     retire(&mut m, &mut rt, &[part], B, Action::DropReference).unwrap();
     m.retire_owned(&mut rt, &[t(3)], A, B, Action::EmptyStorage, |_| 3).unwrap();
     m.acquire(&mut rt, A).unwrap();

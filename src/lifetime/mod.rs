@@ -191,6 +191,15 @@ impl<P, E> Manager<P, E> {
     /// whole storage: on a view of part of one it would empty the base tensor's bytes as well (a
     /// later read of the base reads freed memory). Such a view is refused, naming the fix.
     fn check_action(&self, verb: &str, i: usize, t: &TensorKey, action: Action) -> Result<()> {
+        if action == Action::EmptyStorage && !t.covers_storage && t.nbytes == 0 {
+            // Elements but no bytes: the storage was emptied already (another plan's retire).
+            return Err(Error::InvalidInput(format!(
+                "plan '{}': {verb}: tensor {i}'s storage is already empty (0 bytes; emptied by another plan's \
+                 retire?): there is nothing to free; retire each tensor in one plan, or this one with \
+                 action='drop_reference'",
+                self.name
+            )));
+        }
         if action == Action::EmptyStorage && !t.covers_storage {
             return Err(Error::InvalidInput(format!(
                 "plan '{}': {verb}: tensor {i} is a view of part of its storage ({} bytes); action \

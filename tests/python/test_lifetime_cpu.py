@@ -286,3 +286,28 @@ def test_rule3_empty_storage_of_a_partial_view_is_refused_and_the_base_stays_rea
         m.retire(whole, s, owner_stream=s)
         assert base.untyped_storage().nbytes() == 0
         m.finalize()
+
+
+def test_bad_events_and_names_are_value_errors_and_a_second_free_says_what_happened():
+    """An event that is not one (a string crashed the process inside the stream's wait), a
+    name that is not a str, and a tensor another plan already emptied (it was reported as "a
+    view of part of its storage") are clear errors; finalize takes a CPU event on CPU (it asked
+    the accelerator for its stream: "Found no NVIDIA driver")."""
+    s = sl.current_stream(torch.device("cpu"))
+    m = sl.LifetimeManager("plan")
+    for bad in ("e", 5, torch.zeros(1)):
+        with pytest.raises(ValueError, match="acquire: event must be a torch.Event or torch.cuda.Event"):
+            m.acquire(s, event=bad)
+        with pytest.raises(ValueError, match="finalize: event must be"):
+            m.finalize(event=bad)
+    assert m.acquire(s, event=torch.Event("cpu")) == 0
+    assert m.finalize(event=torch.Event("cpu"))["bound"] == 0
+    with pytest.raises(ValueError, match="name must be a str"):
+        sl.LifetimeManager(5)
+    x = torch.randn(64, 64)
+    first, second = sl.LifetimeManager("first"), sl.LifetimeManager("second")
+    first.retire(x, s, action="empty_storage", owner_stream=s)
+    assert x.untyped_storage().nbytes() == 0
+    with pytest.raises(ValueError, match="plan 'second': retire: tensor 0's storage is already empty") as info:
+        second.retire(x, s, action="empty_storage", owner_stream=s)
+    assert "view" not in str(info.value)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -119,6 +119,14 @@ def _stream(stream: Optional[torch.Stream], tensors: list[torch.Tensor], what: s
     return stream
 
 
+def _checked_event(event: Any, verb: str) -> Any:
+    """`event` if it is an event a stream can wait on (torch's stream calls do not check: a
+    string crashed the process)."""
+    if not isinstance(event, (torch.Event, torch.cuda.Event)):
+        raise ValueError(f"{verb}: event must be a torch.Event or torch.cuda.Event, got {type(event).__name__} {event!r:.60}")
+    return event
+
+
 class LifetimeManager:
     """Frees tensors that cross streams when the schedule proves it safe, for one plan.
 
@@ -147,6 +155,8 @@ class LifetimeManager:
     """
 
     def __init__(self, name: Optional[str] = None) -> None:
+        if name is not None and not isinstance(name, str):
+            raise ValueError(f"LifetimeManager: name must be a str (the plan's name in errors), got {type(name).__name__} {name!r}")
         self.name = name if name is not None else f"plan{next(_names)}"
         self._handle: Optional[int] = direct.create(self.name)
 
@@ -228,14 +238,14 @@ class LifetimeManager:
         this plan parked for `stream`. Returns how many were released."""
         s = current_stream(_default_device()) if stream is None else stream
         if event is not None:
-            s.wait_event(event)
+            s.wait_event(_checked_event(event, "acquire"))
         return direct.acquire(self.handle, s)
 
     def finalize(self, event: Optional[torch.Event] = None) -> dict[str, int]:
         """Terminal hand-back: every owner stream with parked tensors waits and drains.
         Raises if tensors were bound but never retired. Returns the final stats."""
         if event is not None:
-            torch.accelerator.current_stream().wait_event(event)
+            current_stream(_default_device()).wait_event(_checked_event(event, "finalize"))
         return dict(zip(STATS_FIELDS, direct.finalize(self.handle)))
 
     def stats(self) -> dict[str, int]:
