@@ -368,3 +368,24 @@ def test_tensor_parallel_activations_stay_on_the_device_and_stay_exact(tmp_path)
     mp.spawn(_dtensor_rank, args=(port, out), nprocs=1, join=True)
     same, paged = eval(open(out).read())
     assert same == [True, True, True] and paged, (same, paged)
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"budget": -1}, "paging budget in bytes must be >= 0, got -1"),
+        ({"budget": -0.5}, "paging budget fraction must be in 0..=1"),
+        ({"budget": {"frac": 0.5}}, 'paging budget must be {"bytes": n} or {"fraction": f}: unknown variant `frac`'),
+        ({"budget": {}}, 'paging budget must be {"bytes": n} or {"fraction": f}'),
+        ({"budget": 0.5, "min_distance": -1}, "min_distance must be an int >= 0"),
+        ({"budget": 0.5, "min_distance": 1.5}, "min_distance must be an int >= 0"),
+        ({"budget": 0.5, "drain_distance": 2.5}, "drain_distance must be an int >= 0"),
+        ({"budget": 0.5, "two_way": "yes"}, "two_way must be True or False, got 'yes'"),
+        ({"budget": 0.5, "timed": 1}, "timed must be True or False"),
+    ],
+)
+def test_bad_pager_settings_are_refused_when_it_is_made(kw, message):
+    """Checked at construction (the budget by the plan's own parser), not after a whole
+    calibration step, and none silently taken (`two_way="yes"` was True)."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sl.Pager(**kw)

@@ -307,7 +307,7 @@ class GraphPager:
                     "under torch.no_grad(), or drop its outputs (their slots come back at the next forward)"
                 )
             if self.timed:
-                run = _Run(pager=Pager(self.budget, min_bytes=self.min_bytes, prefetch=self.prefetch, slack=self.slack, two_way=self.two_way, count_host=self.count_host))
+                run = _Run(pager=Pager(self.budget, min_bytes=self.min_bytes, prefetch=self.prefetch, slack=self.slack, two_way=bool(self.two_way), count_host=bool(self.count_host)))
             else:
                 run = _Run(pool=self._new_pool())
             self.runs.append(run)

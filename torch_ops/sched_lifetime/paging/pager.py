@@ -43,17 +43,25 @@ import torch
 
 from .calibrate import Calibration
 from .paged import Paged, SavedVersion, plain, restorable
-from .plan import Budget, _budget_text, explain_plan, page_plan
+from .plan import Budget, explain_plan, page_plan
 from .pool import HostPool, wait_us
 
 
-def _check_settings(budget: Budget, drain_distance: int, prefetch: int, slack: float, min_bytes: int = 0) -> None:
-    """A `Pager`'s settings checked at construction: an error names the setting and its range."""
-    _budget_text(budget)  # validate now
+def _check_settings(
+    budget: Budget, drain_distance: int, prefetch: int, slack: float, min_bytes: int = 0, min_distance: int = 1, flags: Optional[dict] = None
+) -> None:
+    """A `Pager`'s settings checked at construction: an error names the setting and its range
+    (the budget by Rust's own parser, as the plan will read it)."""
+    page_plan([], budget)  # validate now, not after the calibration step
     if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
         raise ValueError(f"min_bytes must be an int >= 0 (bytes; smaller saved tensors stay on the device), got {min_bytes!r}")
-    if drain_distance < 0:
-        raise ValueError(f"drain_distance must be >= 0, got {drain_distance}")
+    if isinstance(min_distance, bool) or not isinstance(min_distance, int) or min_distance < 0:
+        raise ValueError(f"min_distance must be an int >= 0 (backward steps, see Pager), got {min_distance!r}")
+    if isinstance(drain_distance, bool) or not isinstance(drain_distance, int) or drain_distance < 0:
+        raise ValueError(f"drain_distance must be an int >= 0 (page-outs in flight), got {drain_distance!r}")
+    for name, v in (flags or {}).items():
+        if not isinstance(v, bool):
+            raise ValueError(f"{name} must be True or False, got {v!r}")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0 (backward unpacks ahead), got {prefetch!r}")
     if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not slack >= 1:
@@ -115,7 +123,10 @@ class Pager:
         `count_host` (timed): calibration also measures the host time one page-out and its
         page-in take, and a tensor whose copy is shorter stays on the device (its host calls
         would cost the step more than the link does); False: any tensor that hides may be paged."""
-        _check_settings(budget, drain_distance, prefetch, slack, min_bytes)
+        _check_settings(
+            budget, drain_distance, prefetch, slack, min_bytes, min_distance,
+            {"timed": timed, "measure_waits": measure_waits, "two_way": two_way, "count_host": count_host},
+        )
         self.prefetch = prefetch
         self.two_way = bool(two_way)
         self._calib = Calibration(bool(timed), float(slack), self.two_way, bool(count_host))

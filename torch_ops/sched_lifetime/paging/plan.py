@@ -28,6 +28,8 @@ def _budget_text(budget: Budget) -> str:
         return json.dumps(budget)
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise ValueError(f"paging budget must be bytes (int), a fraction (float) or a dict, got {budget!r}")
+    if isinstance(budget, int) and budget < 0:
+        raise ValueError(f"paging budget in bytes must be >= 0, got {budget!r}")
     if isinstance(budget, float) and not math.isfinite(budget):  # JSON has no NaN or infinity
         raise ValueError(f"paging budget fraction must be in 0..=1, got {budget!r}")
     if isinstance(budget, int) and 0 < budget < 1024:
