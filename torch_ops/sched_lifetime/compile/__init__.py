@@ -172,9 +172,10 @@ def backend(gm: fx.GraphModule, example_inputs: list, options: Optional[dict] = 
 
         return compile_graph
 
-    return aot_autograd(
+    compiled = aot_autograd(
         fw_compiler=compiler("fwd"), bw_compiler=compiler("bwd"), inference_compiler=compiler("fwd", inference=True), partition_fn=partition
     )(gm, example_inputs)
+    return compiled if pager is None else pager.beside_outer_hooks(compiled)
 
 
 def boxed(gm: fx.GraphModule) -> Callable:

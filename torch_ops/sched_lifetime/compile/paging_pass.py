@@ -53,6 +53,7 @@ Eager only: the release of a paged-out tensor's device storage asks whether its 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import warnings
 import weakref
@@ -361,6 +362,38 @@ class GraphPager:
         key = (i, t.data_ptr())
         self._owner[key] = run
         run.owed.add(key)
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether `t` is a value a forward of this graph saved and its backward will read (the
+        host tensor of a page-out, or a value kept on the device), looked up by its address."""
+        p = t.data_ptr()
+        return any(k[1] == p for k in self._owner)
+
+    def beside_outer_hooks(self, fn: Any) -> Any:
+        """`fn` (the compiled function) run so that saved-tensor hooks the caller has on (e.g.
+        `torch.autograd.graph.save_on_cpu`, an `sl.Pager`, activation offloading) still apply
+        to every value the graph saves except this pager's own: the backward finds those by
+        their address, which an outer hook's copy would change (it read "a backward read saved
+        value #1, which no forward of this graph saved"). Nothing is added with no hooks on."""
+        top, enabled = torch._C._autograd._top_saved_tensors_default_hooks, torch._C._autograd._saved_tensors_hooks_is_enabled
+
+        @functools.wraps(fn)
+        def run(*args: Any) -> Any:
+            outer = top(True)
+            if outer is None or not enabled():
+                return fn(*args)
+            pack0, unpack0 = outer
+
+            def pack(t: torch.Tensor) -> tuple:
+                return (True, t) if self.owns(t) else (False, pack0(t))
+
+            def unpack(p: tuple) -> torch.Tensor:
+                return p[1] if p[0] else unpack0(p[1])
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                return fn(*args)
+
+        return run
 
     def _reader(self, i: int, x: torch.Tensor) -> _Run:
         """The run that saved `x` as saved value `i` (it is read once, by its backward)."""
