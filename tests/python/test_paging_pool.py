@@ -297,3 +297,24 @@ def test_the_one_call_page_copy_copies_and_lets_a_python_error_inside_the_copy_t
     with Refuses(), pytest.raises(ValueError, match="no copies here"):
         direct.page_copy(torch.zeros(4), b, s, None, 0, 0, 0, 0)
     assert direct.page_copy(a, b * 2, s, None, 0, 0, 0, 0) is None and torch.equal(a, b * 2)
+
+
+def test_a_handle_paged_in_twice_is_refused_even_after_its_buffer_was_taken_again():
+    """A stale handle (paged in already) read another page-out's bytes once that page-out took
+    its buffer, and gave that buffer back under the live handle; now both cases are refused,
+    and the live handle still pages in its own tensor. Groups too."""
+    pool = sl.HostPool([4096])
+    a, b = torch.arange(1024.0), torch.zeros(1024)
+    ha = pool.page_out(a)
+    assert torch.equal(pool.page_in(ha), a)
+    with pytest.raises(RuntimeError, match=r"page_in: a stale handle: host buffer 0 was given back \(this handle was paged in already\); page each"):
+        pool.page_in(ha)
+    hb = pool.page_out(b)
+    with pytest.raises(RuntimeError, match="a stale handle: host buffer 0 was given back .* and taken by another page-out since"):
+        pool.page_in(ha)
+    assert torch.equal(pool.page_in(hb), b) and pool.in_use() == 0
+    g = pool.page_out_group([torch.ones(512), torch.full((512,), 2.0)])
+    back, _ = pool.page_in_group(g)
+    assert torch.equal(back[1], torch.full((512,), 2.0))
+    with pytest.raises(RuntimeError, match="page_in_group: a stale handle"):
+        pool.page_in_group(g)

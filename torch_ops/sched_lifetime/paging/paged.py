@@ -61,6 +61,7 @@ class Paged:
     nbytes: int
     offset: int = 0  # byte offset in the buffer of its element [0, ..., 0] (a group's tensors share one)
     packed: bool = False  # in a group: held contiguous (a view with gaps), scattered back on the device
+    gen: int = -1  # which take of the buffer it came from (`HostSlots.check_handle`; -1: not checked)
 
 
 class SavedVersion:

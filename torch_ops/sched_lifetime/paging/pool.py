@@ -96,7 +96,7 @@ class HostPool(HostSlots, Releases):
         else:
             buf.copy_(t.detach())
             self.page_outs += 1
-        return Paged(slot, tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, nbytes)
+        return Paged(slot, tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, nbytes, gen=self._gen[slot])
 
     def page_in(self, p: Paged) -> torch.Tensor:
         """The tensor back on its device, allocated on the compute (consumer) stream; the
@@ -112,6 +112,7 @@ class HostPool(HostSlots, Releases):
         before reading it (None on CPU). The buffer goes back to the freelist at once: the next
         page-out that takes it waits for this copy (`SlotOrder`). `alloc_stream`: the
         consumer's stream (default: the current stream)."""
+        self.check_handle(p.slot, p.gen, "page_in")
         buf = self.view_of(p)
         ev = None
         if p.device.type == "cuda":
@@ -170,7 +171,7 @@ class HostPool(HostSlots, Releases):
         else:
             self.page_outs += 1
         return [
-            Paged(slot, tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, t.numel() * t.element_size(), off, packed)
+            Paged(slot, tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, t.numel() * t.element_size(), off, packed, self._gen[slot])
             for t, (off, packed) in zip(ts, plan.places)
         ]
 
@@ -187,6 +188,7 @@ class HostPool(HostSlots, Releases):
         slot = ps[0].slot
         if any(p.slot != slot for p in ps):
             raise ValueError("page_in_group: the tensors were not paged out as one group")
+        self.check_handle(slot, ps[0].gen, "page_in_group")
         dev = ps[0].device
         cuda = dev.type == "cuda"
         host = self._bufs[slot]

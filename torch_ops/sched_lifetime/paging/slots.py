@@ -34,6 +34,8 @@ class HostSlots:
             self._bufs.append(torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=pin))
         self.bytes = sum(sizes)
         self._taken: set[int] = set()
+        #: How many times each buffer was taken: a handle names the take it came from.
+        self._gen: list[int] = [0] * len(self._bufs)
         self._views: dict[tuple, torch.Tensor] = {}
         # A per-step figure (`HostPool.take_figures`): host bytes taken now, and at most at once.
         self._taken_bytes = 0
@@ -48,9 +50,20 @@ class HostSlots:
             raise RuntimeError(f"host pool exhausted: all {sum(1 for b in self._bufs if b.numel() == nbytes)} buffers of {nbytes} bytes are in use")
         slot = free.popleft()
         self._taken.add(slot)
+        self._gen[slot] += 1
         self._taken_bytes += nbytes
         self.peak_taken_bytes = max(self.peak_taken_bytes, self._taken_bytes)
         return slot
+
+    def check_handle(self, slot: int, gen: int, verb: str) -> None:
+        """A handle (`Paged`) is current: its buffer is still taken by the page-out that made it
+        (`gen`, -1: not checked), else reading it would return another tensor's bytes."""
+        if slot not in self._taken or (gen >= 0 and gen != self._gen[slot]):
+            again = " and taken by another page-out since" if slot in self._taken else ""
+            raise RuntimeError(
+                f"{verb}: a stale handle: host buffer {slot} was given back (this handle was paged in already){again}; "
+                "page each handle in once"
+            )
 
     def give(self, slot: int) -> None:
         """Back to the freelist; call it after queueing the copy that last reads the buffer."""
