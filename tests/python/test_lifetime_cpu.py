@@ -294,7 +294,7 @@ def test_bad_events_and_names_are_value_errors_and_a_second_free_says_what_happe
     view of part of its storage") are clear errors; finalize takes a CPU event on CPU (it asked
     the accelerator for its stream: "Found no NVIDIA driver")."""
     s = sl.current_stream(torch.device("cpu"))
-    m = sl.LifetimeManager("plan")
+    m, m2 = sl.LifetimeManager("plan"), sl.LifetimeManager("other")
     for bad in ("e", 5, torch.zeros(1)):
         with pytest.raises(ValueError, match="acquire: event must be a torch.Event or torch.cuda.Event"):
             m.acquire(s, event=bad)
@@ -304,6 +304,11 @@ def test_bad_events_and_names_are_value_errors_and_a_second_free_says_what_happe
     assert m.finalize(event=torch.Event("cpu"))["bound"] == 0
     with pytest.raises(ValueError, match="name must be a str"):
         sl.LifetimeManager(5)
+    for call in (lambda: m2.bind(None), lambda: m2.retire(None, s), lambda: m2.passthrough(None)):
+        with pytest.raises(ValueError, match="expected a tensor or a sequence of tensors, got"):
+            call()
+    with pytest.raises(ValueError, match=r"page_in: expected the handle page_out returned \(a Paged\), got str"):
+        sl.HostPool([16]).page_in("x")
     x = torch.randn(64, 64)
     first, second = sl.LifetimeManager("first"), sl.LifetimeManager("second")
     first.retire(x, s, action="empty_storage", owner_stream=s)

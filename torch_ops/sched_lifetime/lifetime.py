@@ -82,7 +82,10 @@ def _action_code(action: Optional[str], verb: str) -> int:
 def _tensor_list(tensors: Tensors, verb: str) -> list[torch.Tensor]:
     if isinstance(tensors, torch.Tensor):
         return [tensors]
-    items = list(tensors)
+    try:
+        items = list(tensors)
+    except TypeError:
+        raise ValueError(f"{verb}: expected a tensor or a sequence of tensors, got {type(tensors).__name__}") from None
     for i, t in enumerate(items):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{verb}: item {i} is a {type(t).__name__}, not a torch.Tensor")
@@ -194,7 +197,7 @@ class LifetimeManager:
         code = _DEFAULT_ACTION if action is None else _action_code(action, "retire")
         if code in _EMPTYING and (type(tensors) is not torch.Tensor or tensors.requires_grad):  # one plain tensor: no call
             if not isinstance(tensors, (torch.Tensor, list, tuple)):
-                tensors = list(tensors)  # read twice
+                tensors = _tensor_list(tensors, "retire")  # read twice
             _refuse_autograd_held(tensors, owner_stream is not None, "retire")
         if consumer_stream is not None and _direct_retire(h, tensors, consumer_stream, code, owner_stream) is None:
             return
@@ -224,7 +227,7 @@ class LifetimeManager:
         code = _DEFAULT_ACTION if action is None else _action_code(action, "release_after")
         if code in _EMPTYING and (type(tensors) is not torch.Tensor or tensors.requires_grad):  # one plain tensor: no call
             if not isinstance(tensors, (torch.Tensor, list, tuple)):
-                tensors = list(tensors)  # read twice
+                tensors = _tensor_list(tensors, "release_after")  # read twice
             _refuse_autograd_held(tensors, True, "release_after")
         got = _direct_release(h, tensors, consumer_stream, code, owner_stream)
         if got is not NotImplemented:

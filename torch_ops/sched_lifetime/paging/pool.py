@@ -112,6 +112,8 @@ class HostPool(HostSlots, Releases):
         before reading it (None on CPU). The buffer goes back to the freelist at once: the next
         page-out that takes it waits for this copy (`SlotOrder`). `alloc_stream`: the
         consumer's stream (default: the current stream)."""
+        if not isinstance(p, Paged):
+            raise ValueError(f"page_in: expected the handle page_out returned (a Paged), got {type(p).__name__}")
         self.check_handle(p.slot, p.gen, "page_in")
         buf = self.view_of(p)
         ev = None
@@ -185,6 +187,8 @@ class HostPool(HostSlots, Releases):
         once (the next page-out into it waits for this copy: `SlotOrder`)."""
         if not ps:
             return [], None
+        if not all(isinstance(p, Paged) for p in ps):
+            raise ValueError("page_in_group: expected the handles page_out_group returned (Paged)")
         slot = ps[0].slot
         if any(p.slot != slot for p in ps):
             raise ValueError("page_in_group: the tensors were not paged out as one group")
