@@ -10,6 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from sched_lifetime.calibrate import Calibration
+
 
 @contextlib.contextmanager
 def _arms(*names: str):
@@ -27,7 +29,8 @@ def _arms(*names: str):
         moe_mod.deterministic_sdpa(dev, torch.float32)
         cfg = replace(CONFIGS["tiny"], capacity_factor=1.0, hidden=512, heads=8, expert_ffn=1024, shared_ffn=512, seq=256, batch=8)
         t = ep.AllToAll(None)
-        yield [Arm(a, cfg, t, dev, 0.05) for a in names]
+        # The search at the calibration step's end (as the main job does): its order from step 1.
+        yield [Arm(a, cfg, t, dev, 0.05, Calibration(background=False)) for a in names]
     finally:
         torch.use_deterministic_algorithms(False)
         moe_mod.SDPA_BACKENDS = None

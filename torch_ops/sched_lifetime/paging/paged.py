@@ -23,7 +23,7 @@ def restorable(t: torch.Tensor) -> bool:
     (an expanded tensor's do). Only those are paged: the page-in rebuilds the strides, since a
     backward kernel given another layout may round differently. A sparse or nested tensor
     (not strided) is never one."""
-    if t.layout != torch.strided:
+    if t.layout != torch.strided or t.is_nested:
         return False
     if t.is_contiguous():
         return True

@@ -187,7 +187,7 @@ def describe(layers: Sequence[nn.Module], input: str = "x", output: str = "out")
     any other layer is one compute node with its parameters. A layer that modifies its input in
     place (`inplace=True`: `nn.ReLU`, `nn.Dropout`, ...) runs in the node of the layer before it
     (a node's inputs are leaves of its own autograd graph; an in-place op on one is an error),
-    on a copy of its input when that layer gives its own nodes or it comes first."""
+    on a copy of its input (the layer before may return its own input: `nn.Identity`)."""
     names = [input] + [f"h{i + 1}" for i in range(len(layers) - 1)] + [output]
     nodes: list[NodeDef] = []
     for i, layer in enumerate(layers):
@@ -197,7 +197,7 @@ def describe(layers: Sequence[nn.Module], input: str = "x", output: str = "out")
         elif getattr(layer, "inplace", False) is True:
             prev = nodes[-1] if nodes and i > 0 and not hasattr(layers[i - 1], "sched_nodes") else None
             if prev is not None:  # one node: the layer before, then this one on its output
-                nodes[-1] = NodeDef(prev.name, "compute", prev.inputs, [b], nn.Sequential(prev.fn, layer), list(prev.params) + list(layer.parameters()), prev.grad_inputs, [b])
+                nodes[-1] = NodeDef(prev.name, "compute", prev.inputs, [b], nn.Sequential(prev.fn, _OnACopy(layer)), list(prev.params) + list(layer.parameters()), prev.grad_inputs, [b])
             else:
                 nodes.append(NodeDef(p, "compute", [a], [b], _OnACopy(layer), list(layer.parameters()), [a], [b]))
         else:
