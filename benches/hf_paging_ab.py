@@ -11,9 +11,9 @@ step, no optimizer step, so every arm computes the same gradients):
     cudagraphs   torch.compile(backend="sched_lifetime", options={"cudagraphs": True}) (CUDA only)
     paging       torch.compile(backend="sched_lifetime", options={"paging": True}): default
                  paging options (timed: calibrated over the first two steps)
-    paging_pycopy  the same, each page copy's CUDA calls made one by one from Python (the
-                 library's default); the paging arm queues each copy with one native call
-                 (`PageStreams.native_copy = True`, opt-in until it has run on a GPU)
+    paging_pycopy  the same, each page copy's CUDA calls made one by one from Python
+                 (`PageStreams.native_copy = False`); the paging arm queues each copy with one
+                 native call (the library's default)
     compiled_dma   compiled, with copies between device and pinned host memory queued on a side
                  stream at each step's start (`--dma-mib`, `--dma-dir`; none of the model's data,
                  nothing waits on them but the step's closing sync): does the copies' traffic

@@ -131,6 +131,10 @@ class GraphPager:
         self._fwd: Optional[_Run] = None  # the run whose forward is running
         self._bwd: Optional[_Run] = None  # the run whose backward is running
         self._owner: dict[tuple, _Run] = {}  # (save index, address) of a saved value -> its run
+        # What the page nodes handed the forward to save (`owns`), by layout (address, shape,
+        # strides, dtype: another tensor may start at a kept value's address; AOTAutograd saves a
+        # view's `detach()`, so not by identity) -> its `_owner` key, valid while that key is.
+        self._mine: dict[tuple, tuple] = {}
         #: Saved values left out of paging and why (name -> reason).
         self.left_out: dict[str, str] = {}
         #: (run, generation) of forwards whose saved values autograd let go before their backward
@@ -364,10 +368,17 @@ class GraphPager:
         run.owed.add(key)
 
     def owns(self, t: torch.Tensor) -> bool:
-        """Whether `t` is a value a forward of this graph saved and its backward will read (the
-        host tensor of a page-out, or a value kept on the device), looked up by its address."""
-        p = t.data_ptr()
-        return any(k[1] == p for k in self._owner)
+        """Whether `t` is a value a page node of this graph handed its forward to save (the host
+        tensor of a page-out, or a value kept on the device) and its backward has not read yet:
+        one with its address, shape, strides and dtype."""
+        key = self._mine.get(_layout(t))
+        return key is not None and key in self._owner
+
+    def _give(self, run: _Run, i: int, out: torch.Tensor) -> torch.Tensor:
+        """What the forward saves as value `i` of `run` (`out`, or for the first an alias that
+        watches the run), noted as this pager's own (`owns`)."""
+        self._mine[_layout(out)] = (i, out.data_ptr())
+        return self.watch(run, out) if i == 0 else out
 
     def beside_outer_hooks(self, fn: Any) -> Any:
         """`fn` (the compiled function) run so that saved-tensor hooks the caller has on (e.g.
@@ -395,6 +406,10 @@ class GraphPager:
 
         return run
 
+    def _forget_read(self) -> None:
+        """`owns`' entries whose values were read (or given up) leave with them."""
+        self._mine = {lay: key for lay, key in self._mine.items() if key in self._owner}
+
     def _reader(self, i: int, x: torch.Tensor) -> _Run:
         """The run that saved `x` as saved value `i` (it is read once, by its backward)."""
         key = (i, x.data_ptr())
@@ -413,6 +428,7 @@ class GraphPager:
             self._bwd = None
         for key in [k for k, r in self._owner.items() if r is run]:
             del self._owner[key]
+        self._forget_read()
         run.close()
         if self.timed:
             run.pager.end(False)
@@ -440,6 +456,7 @@ class GraphPager:
             return
         for key in run.owed:  # saved values this backward did not read (none expected)
             self._owner.pop(key, None)
+        self._forget_read()
         run.close()
         if self.timed:
             run.pager.end(True)
@@ -512,6 +529,11 @@ class GraphPager:
         return gm
 
 
+def _layout(t: torch.Tensor) -> tuple:
+    """What tells a saved value from another tensor at its address (`GraphPager.owns`)."""
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
 def _pager(key: int) -> GraphPager:
     gp = _PAGERS.get(key)
     if gp is None:
@@ -537,7 +559,7 @@ def _page_out(key: int, i: int, t: torch.Tensor) -> torch.Tensor:
         gp._saved(run, i, out)
         gp._stats["bytes_out"] += p.nbytes
         gp._stats["copies_out"] += 1
-    return gp.watch(run, out) if i == 0 else out
+    return gp._give(run, i, out)
 
 
 def _page_in_launch(key: int, i: int, host: torch.Tensor) -> torch.Tensor:
@@ -599,7 +621,7 @@ def _page_save(key: int, i: int, t: torch.Tensor) -> torch.Tensor:
         out = pg.pool.view_of(pg._handles[i])
         run.versions[i] = packed[3]  # the Pager's (its unpack, called without it, does not check)
     gp._saved(run, i, out)
-    return gp.watch(run, out) if i == 0 else out
+    return gp._give(run, i, out)
 
 
 def _page_use(key: int, i: int, x: torch.Tensor) -> torch.Tensor:
