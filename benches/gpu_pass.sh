@@ -61,14 +61,18 @@ qwen_rounds() {  # qwen_rounds NAME PAGING_JSON [ARMS]: qwen_big's A/B with the 
 }
 case "$mode" in
 s9b)
-    # Issue 27: what the page nodes cost the host with nothing paged (budget 0: every candidate
-    # goes through its page nodes and stays on the device), 2 rounds; then one cProfiled step per
-    # arm at budget 1.0 / slack 1.1 (where the paged forward's extra ~25 ms of host time goes).
+    # Issue 27: where the paged forward's extra host time goes. hf_paging_ab.py now clocks the
+    # Pager's save and use hooks per step. Budget 0 (every candidate goes through its page nodes
+    # and stays on the device) and budget 1.0 / slack 1.1, 2 rounds each; then one cProfiled step
+    # per arm at budget 1.0 / slack 1.1.
     export PYTHONUNBUFFERED=1
-    step hf_qwen_rounds_keep 200 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --rounds 2 --determinism warn \
+    step hf_qwen_rounds_keep 170 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --rounds 2 --determinism warn \
         --set hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024 \
         --arms compiled,paging --paging '{"paging_budget": 0.0}' --out "$out/hf_qwen_rounds_keep.json"
-    step hf_qwen_py 200 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 3 --determinism warn --pyprofile \
+    step hf_qwen_rounds_b1s1.1 170 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --rounds 2 --determinism warn \
+        --set hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024 \
+        --arms compiled,paging --paging '{"paging_budget": 1.0, "paging_slack": 1.1}' --out "$out/hf_qwen_rounds_b1s1.1.json"
+    step hf_qwen_py 150 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 3 --determinism warn --pyprofile \
         --set hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024 \
         --arms compiled,paging --paging '{"paging_budget": 1.0, "paging_slack": 1.1}' --out "$out/hf_qwen_py.json"
     ;;

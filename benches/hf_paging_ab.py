@@ -245,6 +245,25 @@ def main() -> None:
             gc_clock["full"] += info.get("generation") == 2
 
     gc.callbacks.append(on_gc)
+    # Paging arms (timed plan): the host time inside the Pager's save hook (`Pager._pack`, in the
+    # forward: the page-outs and every candidate kept) and use hook (`Pager._unpack`, in the
+    # backward: the page-ins), per step: how much of a paged step's extra host time is the
+    # paging calls' own (two perf_counter reads per call, under 1 us).
+    hook_clock = {"save": 0.0, "use": 0.0, "saves": 0, "uses": 0}
+
+    def clocked(fn, name: str):
+        def timed(self, *args):
+            t = time.perf_counter()
+            try:
+                return fn(self, *args)
+            finally:
+                hook_clock[name] += (time.perf_counter() - t) * 1e3
+                hook_clock[name + "s"] += 1
+        return timed
+
+    from sched_lifetime.paging.pager import Pager
+
+    Pager._pack, Pager._unpack = clocked(Pager._pack, "save"), clocked(Pager._unpack, "use")
     kept: dict = {}  # reference arm -> per step, its loss and gradients (host)
     history: dict = {}
     batches = [torch.randint(0, base.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(step)) for step in range(a.steps + 2)]
@@ -304,6 +323,7 @@ def main() -> None:
                 gc.collect(1)
                 gc.disable()
             gc_clock.update(ms=0.0, runs=0, full=0)
+            hook_clock.update(save=0.0, use=0.0, saves=0, uses=0)
             t0 = time.perf_counter()
             loss = one_step(arm, run, ids)
             sync()
@@ -333,6 +353,7 @@ def main() -> None:
                 rows[arm]["gc_full"].append(gc_step["full"])
                 rows[arm]["fwd_host_ms"].append(host_clock["fwd"])
                 rows[arm]["bwd_host_ms"].append(host_clock["bwd"])
+                rows[arm].setdefault("hooks", []).append(dict(hook_clock))
         rows[arm]["round_ms"].append(statistics.median(rows[arm]["ms"][-a.steps:]))
         if a.profile and dev.type == "cuda" and last:
             trace = os.path.join(a.trace, f"{a.model}_{arm}.json") if a.trace else ""
@@ -393,6 +414,12 @@ def main() -> None:
         line = (f"{arm}: garbage collector ({a.gc}) {sum(r['gc_ms']) / n:.2f} ms in {sum(r['gc_runs']) / n:.1f} collections per timed step"
                 f" ({sum(r['gc_full']) / n:.2f} full); host time in the forward call {statistics.median(r['fwd_host_ms']):.1f} ms, in backward()"
                 f" {statistics.median(r['bwd_host_ms']):.1f} ms (medians; no sync inside); host probe {', '.join(f'{x:.1f}' for x in r['host_probe_us'])} us per 1000 Python loop iterations")
+        hooks = r.get("hooks", [])
+        if any(h["saves"] for h in hooks):
+            med = {k: statistics.median(h[k] for h in hooks) for k in ("save", "use", "saves", "uses")}
+            out["arms"][arm]["pager_hooks"] = med
+            line += (f"; of it in the Pager's save hook {med['save']:.1f} ms ({med['saves']:.0f} calls),"
+                     f" its use hook {med['use']:.1f} ms ({med['uses']:.0f} calls)")
         if a.rounds > 1:
             ratios = [x / y for x, y in zip(r["round_ms"], rows[ref]["round_ms"])]
             out["arms"][arm]["round_ratios"] = ratios

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
-from ..paging import HostPool, group_plan, is_weight, page_plan, restorable
-from ..paging.paged import SavedVersion, plain
+from ..paging import HostPool, group_plan, is_weight, page_plan
+from ..paging.paged import SavedVersion, pageable
 from .state import MicrobatchState, _Ctx
 
 if TYPE_CHECKING:
@@ -56,8 +56,8 @@ class PageHooks:
         if calib is None and not paged:
             return contextlib.nullcontext()
 
-        def pageable(t: torch.Tensor) -> bool:
-            return not is_weight(t) and restorable(t) and plain(t) and t.numel() * t.element_size() >= self.min_bytes
+        def worth_paging(t: torch.Tensor) -> bool:
+            return not is_weight(t) and pageable(t) and t.numel() * t.element_size() >= self.min_bytes
 
         # Nothing packed refers back to the graph: the autograd graph keeps what the hooks
         # pack (in C++, out of the garbage collector's sight), so a kept tensor with its
@@ -76,7 +76,7 @@ class PageHooks:
             return ("keep", d, SavedVersion(d, held=True))
 
         def pack(t: torch.Tensor) -> Any:
-            if not pageable(t):
+            if not worth_paging(t):
                 if calib is not None and not is_weight(t):
                     self.calib_small[name] = max(self.calib_small.get(name, 0), t.numel() * t.element_size())
                 return _kept(t)

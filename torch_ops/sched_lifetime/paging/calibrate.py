@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from .paged import is_weight, plain, restorable
+from .paged import is_weight, pageable
 from .plan import link_rates, page_host_us
 
 
@@ -133,7 +133,7 @@ class Calibration:
             self._peak("save")
         # Metadata only: a reference here would keep every activation alive through the
         # backward and distort the memory timeline.
-        self.saved.append({"device": t.device, "bytes": t.numel() * t.element_size(), "shape": tuple(t.shape), "dtype": t.dtype, "weight": is_weight(t), "restorable": restorable(t) and plain(t)})
+        self.saved.append({"device": t.device, "bytes": t.numel() * t.element_size(), "shape": tuple(t.shape), "dtype": t.dtype, "weight": is_weight(t), "restorable": pageable(t)})
 
     def unpack(self, i: int, u: int) -> None:
         """Saved tensor `i` is read by the backward's unpack number `u`."""

@@ -42,6 +42,12 @@ def plain(t: torch.Tensor) -> bool:
     return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
 
 
+def pageable(t: torch.Tensor) -> bool:
+    """What the eager hooks (the Pager, page nodes, calibration) may page: a plain tensor that
+    can come back with its strides (`plain` and `restorable`)."""
+    return plain(t) and restorable(t)
+
+
 def _check_restorable(t: torch.Tensor) -> None:
     """A page-out's check: `t` can come back with its strides (`restorable`)."""
     if not restorable(t):

@@ -42,7 +42,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from .calibrate import Calibration
-from .paged import Paged, SavedVersion, plain, restorable
+from .paged import Paged, SavedVersion, pageable
 from .plan import Budget, explain_plan, page_plan
 from .pool import HostPool, wait_us
 
@@ -182,7 +182,7 @@ class Pager:
                 f"paging: saved tensor #{i} is {tuple(t.shape)} {t.dtype}, calibration saw "
                 f"{shapes[i] if i < len(shapes) else 'nothing'}; make a new Pager for a new shape"
             )
-        if i not in self._page or not restorable(t) or not plain(t):
+        if i not in self._page or not pageable(t):
             packed: Any = ("keep", i, t, SavedVersion(t, held=True))
         else:
             p = pool.page_out(t)
