@@ -315,8 +315,12 @@ def test_paging_explain_says_what_the_paging_pass_added(timed, capsys):
     else:
         assert f"paging (its nodes go in after the order above): {n} of {c} candidate saved values paged out" in out
         assert f"{n} page-ins, each launched 2 compute nodes before its first use" in out
-    with pytest.warns(UserWarning, match="paging budget 1 is an int: 1 byte"):
+    with pytest.warns(UserWarning, match="paging budget 1 is an int: 1 byte") as got:
         sl.page_plan([{"name": "a", "bytes": 4096, "saved_at": 0, "used_at": 3}], 1)
+    with pytest.warns(UserWarning, match="paging budget 2 is an int") as got2:
+        sl.Pager(2)
+    # Each warning names the caller's line (here), not the library's check.
+    assert [w.filename for w in (*got, *got2)] == [__file__, __file__]
 
 
 @pytest.mark.parametrize(

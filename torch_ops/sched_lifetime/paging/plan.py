@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 import warnings
 import time
 from typing import NamedTuple, Optional, Union
@@ -21,6 +23,19 @@ import torch
 from .._ops import ops
 
 Budget = Union[dict, float, int]
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _outside_level() -> int:
+    """The `stacklevel` of the first frame outside this package, for a warning about the
+    caller's argument made in the function that calls this (the user's `Pager(...)` or
+    `page_plan(...)`, not the library line that checked it)."""
+    f, level = sys._getframe(2), 2  # the caller of the function that warns: stacklevel 2
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_PACKAGE + os.sep):
+        f, level = f.f_back, level + 1
+    return level
 
 
 def _budget_text(budget: Budget) -> str:
@@ -36,7 +51,7 @@ def _budget_text(budget: Budget) -> str:
         warnings.warn(
             f"paging budget {budget} is an int: {budget} byte(s), which pages almost nothing; for a fraction of the "
             f"saved bytes write a float ({float(budget)!r} is all of them)",
-            stacklevel=3,
+            stacklevel=_outside_level(),
         )
     return json.dumps({"bytes": budget} if isinstance(budget, int) else {"fraction": budget})
 
