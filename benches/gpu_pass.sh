@@ -30,8 +30,8 @@
 #                                       # one vs two page streams at 65536 tokens (issue 32)
 #   bash benches/gpu_pass.sh calib2 OUT # nvidia-h200-x2: the main job over NCCL, ours vs calibrated
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|final OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|final OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|final OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|final OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -60,6 +60,31 @@ qwen_rounds() {  # qwen_rounds NAME PAGING_JSON [ARMS]: qwen_big's A/B with the 
         --arms "${3:-compiled,paging}" --paging "$2" --out "$out/hf_qwen_rounds_$1.json"
 }
 case "$mode" in
+s10a)
+    # Issue 27: grouped page-outs (paging_group_out: copies queued behind one wait). The copy
+    # cost bench with its controls (a wait on a done event; a kernel launched right after the
+    # compute stream waits on a running copy: a release); the paging cuda tests (grouped arms
+    # included); the Qwen3-MoE A/B at budget 1.0 / slack 1.1, group 1 (paging) vs 4 (paging_b),
+    # compiled alongside, 3 rounds; then one profiled + traced step per arm, the idle split.
+    export PYTHONUNBUFFERED=1
+    step copy_enqueue_cost 60 "$py" benches/copy_enqueue_cost.py --controls --json "$out/copy_enqueue_cost.json"
+    step paging_cuda 150 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_paging_pool.py tests/python/test_paging_pager.py \
+        tests/python/test_compile.py -k "paging or pool or pager or page"
+    step hf_qwen_rounds_g4 300 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --rounds 3 --determinism warn \
+        --set hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024 \
+        --arms compiled,paging,paging_b --paging '{"paging_budget": 1.0, "paging_slack": 1.1}' --paging-b '{"paging_group_out": 4}' \
+        --out "$out/hf_qwen_rounds_g4.json"
+    ;;
+s10b)
+    # Issue 27: s10a's A/B with group 8 and one profiled, traced step per arm (benches/trace_stalls.py).
+    export PYTHONUNBUFFERED=1
+    step hf_qwen_g8_trace 200 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --rounds 2 --determinism warn \
+        --set hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024 \
+        --arms compiled,paging,paging_b --paging '{"paging_budget": 1.0, "paging_slack": 1.1}' --paging-b '{"paging_group_out": 8}' \
+        --profile --trace "$out/traces" --out "$out/hf_qwen_g8_trace.json"
+    step stalls 90 "$py" benches/trace_stalls.py "$out"/traces/*.json
+    rm -rf "$out/traces"
+    ;;
 s9d)
     # Issue 27: does queueing a copy cost the host more the larger it is (benches/copy_enqueue_cost.py)?
     step copy_enqueue_cost 60 "$py" benches/copy_enqueue_cost.py --json "$out/copy_enqueue_cost.json"

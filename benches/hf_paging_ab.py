@@ -14,6 +14,8 @@ step, no optimizer step, so every arm computes the same gradients):
     paging_pycopy  the same, each page copy's CUDA calls made one by one from Python
                  (`PageStreams.native_copy = False`); the paging arm queues each copy with one
                  native call (the library's default)
+    paging_b     the paging arm with `--paging-b` options over its own: two paging settings
+                 A/B in one run (e.g. `--paging-b '{"paging_group_out": 4}'`)
     compiled_dma   compiled, with copies between device and pinned host memory queued on a side
                  stream at each step's start (`--dma-mib`, `--dma-dir`; none of the model's data,
                  nothing waits on them but the step's closing sync): does the copies' traffic
@@ -82,9 +84,9 @@ TINY_EXTRA = {
                         n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16,
                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
 }
-ARMS = ("eager", "eager_again", "save_on_cpu", "aot_eager", "compiled", "cudagraphs", "paging", "paging_pycopy", "compiled_dma")
+ARMS = ("eager", "eager_again", "save_on_cpu", "aot_eager", "compiled", "cudagraphs", "paging", "paging_pycopy", "paging_b", "compiled_dma")
 REFERENCE = {"eager": "eager", "eager_again": "eager", "save_on_cpu": "eager", "aot_eager": "aot_eager", "compiled": "aot_eager", "cudagraphs": "aot_eager",
-             "paging": "aot_eager", "paging_pycopy": "aot_eager", "compiled_dma": "aot_eager"}
+             "paging": "aot_eager", "paging_pycopy": "aot_eager", "paging_b": "aot_eager", "compiled_dma": "aot_eager"}
 
 
 
@@ -184,6 +186,7 @@ def main() -> None:
     ap.add_argument("--set", type=overrides, default={}, help="config fields over the model's defaults, e.g."
                     " hidden_size=2048,num_attention_heads=32,moe_intermediate_size=1024 (a larger, GPU-bound config)")
     ap.add_argument("--paging", default="", help="extra paging options as JSON, merged into the paging arm's (default: none)")
+    ap.add_argument("--paging-b", default="", help="the paging_b arm's options as JSON, over the paging arm's")
     ap.add_argument("--determinism", default="strict", choices=("strict", "warn", "off"),
                     help="torch.use_deterministic_algorithms: strict (True; an op with no deterministic kernel raises), warn (True,"
                          " warn_only: such an op warns and runs its fast kernel, e.g. cuDNN attention's backward on an H200), off")
@@ -307,7 +310,7 @@ def main() -> None:
         elif arm == "aot_eager":
             run = torch.compile(model, backend="aot_eager")
         else:
-            opts = paging_opts if arm in ("paging", "paging_pycopy") else {} if arm == "compiled_dma" else {"cudagraphs": True} if arm == "cudagraphs" else {}
+            opts = paging_opts if arm in ("paging", "paging_pycopy") else {**paging_opts, **json.loads(a.paging_b or "{}")} if arm == "paging_b" else {} if arm == "compiled_dma" else {"cudagraphs": True} if arm == "cudagraphs" else {}
             run = torch.compile(model, backend="sched_lifetime", options=opts)
         PageStreams.native_copy = arm != "paging_pycopy"
         for step, ids in enumerate(batches):
@@ -377,13 +380,13 @@ def main() -> None:
             print(f"== cProfile, arm {arm}, one step (sorted by own time)\n" + text.getvalue())
         del run, model
     out = {"model": a.model, "params": params, "set": a.set, "seq": seq, "dtype": str(dtype), "device": str(dev), "tiny": a.tiny,
-           "experts_implementation": base.config._experts_implementation, "paging_options": paging_opts, "arms": {}}
+           "experts_implementation": base.config._experts_implementation, "paging_options": paging_opts, "paging_b_options": json.loads(a.paging_b or "{}"), "arms": {}}
     print(f"HF A/B: {a.model} ({params / 1e6:.0f}M parameters, experts {base.config._experts_implementation}), seq {seq}, {dtype}, {dev};"
           f" medians of {a.steps} steps per arm (one fwd+bwd each) after 2 warm-up steps, arms one after another"
           + (f", {a.rounds} rounds of the arms (medians over all rounds' steps)" if a.rounds > 1 else ""))
     print(f"{'arm':<14}{'step ms':>9}{'vs ref':>9}{'peak MiB':>10}{'saved':>8}  {'against':<10}{'parity':>7}")
     measured_against = {"eager": "eager", "eager_again": "eager", "save_on_cpu": "eager", "aot_eager": "aot_eager", "compiled": "aot_eager",
-                        "cudagraphs": "compiled", "paging": "compiled", "paging_pycopy": "compiled", "compiled_dma": "compiled"}
+                        "cudagraphs": "compiled", "paging": "compiled", "paging_pycopy": "compiled", "paging_b": "compiled", "compiled_dma": "compiled"}
     for arm in arms:
         r = rows[arm]
         # A captured arm's memory is its graph pool, allocated at capture and held: the peak

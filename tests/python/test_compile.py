@@ -70,7 +70,7 @@ def test_options_are_checked():
         slc.check_options({"partition": "auto"})
     with pytest.raises(ValueError, match="paging=True with cudagraphs=True is not supported"):
         slc.check_options({"paging": True, "cudagraphs": True})
-    for k, v in (("paging_budget", 1.5), ("paging_budget", "half"), ("paging_prefetch", -1), ("paging_buffers", 0), ("paging_min_bytes", 1.0), ("paging_timed", 1), ("paging_slack", 0.5), ("paging_two_way", 1), ("paging_count_host", 1), ("paging_slack", True), ("paging_budget", True), ("paging_prefetch", True),
+    for k, v in (("paging_budget", 1.5), ("paging_budget", "half"), ("paging_prefetch", -1), ("paging_buffers", 0), ("paging_min_bytes", 1.0), ("paging_timed", 1), ("paging_slack", 0.5), ("paging_two_way", 1), ("paging_count_host", 1), ("paging_group_out", 0), ("paging_group_out", True), ("paging_slack", True), ("paging_budget", True), ("paging_prefetch", True),
                  ("paging_budget", float("nan")), ("paging_slack", float("inf")), ("memory_slack", float("inf")), ("memory_slack", float("nan"))):
         with pytest.raises(ValueError, match=f"option '{k}' must be"):
             slc.check_options({"paging": True, k: v})
@@ -83,6 +83,7 @@ def test_options_are_checked():
     for on in (True, False):
         gp = GraphPager(0.5, timed=True, count_host=on)
         assert gp.begin_forward().pager._calib.count_host is on
+    assert GraphPager(0.5, timed=True, group_out=4).begin_forward().pager.group_out == 4  # and to the pool it makes
     assert slc.check_options({"paging": True})["paging_count_host"] is True
     # NumPy scalars (a config read with numpy) are the numbers they hold; a float budget stays a fraction.
     np = pytest.importorskip("numpy")
@@ -265,6 +266,8 @@ def test_static_paging_leaves_what_it_cannot_restore_and_keeps_what_runs_unlike_
     for build, x, autocast, options in (
         (Expanded, torch.randn(2, 12), False, static),
         (Expanded, torch.randn(2, 12), False, timed),
+        (Expanded, torch.randn(2, 12), False, {**timed, "paging_group_out": 3}),
+        (Norms, torch.randn(2, 3, 8, 8), True, {**static, "paging_group_out": 2}),
         (Norms, torch.randn(2, 3, 8, 8), True, static),
     ):
         got = {}
@@ -425,6 +428,8 @@ def test_paging_on_the_gpu_releases_saved_activations_and_stays_bit_exact():
     assert _same(eager, timed)
     one_stream = _steps(copy.deepcopy(base), batch, "sched_lifetime", {"paging": True, "paging_budget": 1.0, "paging_two_way": False})
     assert _same(eager, one_stream)
+    grouped = _steps(copy.deepcopy(base), batch, "sched_lifetime", {"paging": True, "paging_budget": 1.0, "paging_group_out": 4})
+    assert _same(eager, grouped)
     paged = _steps(copy.deepcopy(base), batch, "sched_lifetime", static)
     assert _same(eager, paged) and _same(plain, paged)
     pager = slc.history[-1]["module"].sched_lifetime["paging"]

@@ -31,7 +31,8 @@ def grads(m: MoEModel) -> dict:
 @pytest.mark.parametrize(
     "budget,prefetch,shape", [(0.5, 0, "tiny"), (1.0, 0, "tiny"), ({"bytes": 1 << 14}, 0, "tiny"), (1.0, 4, "tiny"), (1.0, 4, "odd")]
 )
-def test_paging_on_vs_off_is_bit_exact_over_steps(budget, prefetch, shape, device):
+@pytest.mark.parametrize("group_out", [1, 3])
+def test_paging_on_vs_off_is_bit_exact_over_steps(budget, prefetch, shape, device, group_out):
     two_way = device != "cuda-one-stream"  # page-ins on their own stream, or on the page stream
     device = device.removesuffix("-one-stream")
     cfg = ODD if shape == "odd" else replace(CONFIGS["tiny"], capacity_factor=1.0)
@@ -40,7 +41,10 @@ def test_paging_on_vs_off_is_bit_exact_over_steps(budget, prefetch, shape, devic
     opt_p = torch.optim.SGD(paged.parameters(), lr=0.05)
     # Untimed: the budget alone chooses (the tiny model's forward hides almost no copy; the
     # timed plan has its own test below).
-    pager = sl.Pager(budget, min_distance=0, min_bytes=1024, prefetch=prefetch, timed=False, measure_waits=True, two_way=two_way)
+    # group_out=3: page-outs queued three at a time (the last ones at the backward's first use).
+    pager = sl.Pager(
+        budget, min_distance=0, min_bytes=1024, prefetch=prefetch, timed=False, measure_waits=True, two_way=two_way, group_out=group_out
+    )
     for step in range(3):
         for m, opt in ((ref, opt_r), (paged, opt_p)):
             opt.zero_grad()
@@ -382,6 +386,8 @@ def test_tensor_parallel_activations_stay_on_the_device_and_stay_exact(tmp_path)
         ({"budget": 0.5, "drain_distance": 2.5}, "drain_distance must be an int >= 0"),
         ({"budget": 0.5, "two_way": "yes"}, "two_way must be True or False, got 'yes'"),
         ({"budget": 0.5, "timed": 1}, "timed must be True or False"),
+        ({"budget": 0.5, "group_out": 0}, "group_out must be an int >= 1 (page-outs queued behind one wait; 1: each at once), got 0"),
+        ({"budget": 0.5, "group_out": True}, "group_out must be an int >= 1"),
     ],
 )
 def test_bad_pager_settings_are_refused_when_it_is_made(kw, message):

@@ -175,6 +175,43 @@ def test_a_page_in_releases_exactly_the_page_outs_queued_before_it():
     assert not pool._retiring and pool.released == 4
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_grouped_page_outs_wait_for_a_full_group_or_whatever_needs_them(device):
+    """`group_out`: page-outs are queued only when the group is full (one wait on the GPU for all
+    of them) or when something needs them: a page-in (any: FIFO), a release point past them,
+    `drain`; a step cut short drops them unqueued and gets every buffer back. Until queued a
+    copy has not run (on the CPU too: its buffer is still empty), and what it copies is the
+    tensor as it is then."""
+    pool = sl.HostPool([16] * 6, device)
+    pool.group_out = 3
+    xs = [torch.full((4,), float(k + 1), device=device) for k in range(6)]
+
+    def host(p):
+        torch.cuda.synchronize() if device == "cuda" else None
+        return pool.view_of(p).clone()
+
+    ps = [pool.page_out(x) for x in xs[:2]]
+    assert pool.page_outs == 0 and len(pool._deferred) == 2 and pool.in_use() == 2
+    assert not host(ps[0]).any()  # nothing copied yet
+    ps.append(pool.page_out(xs[2]))  # the group is full: all three queued, in save order
+    assert pool.page_outs == 3 and not pool._deferred and [pool._wrote[p.slot] for p in ps] == [0, 1, 2]
+    assert all(torch.equal(host(p), x.cpu()) for p, x in zip(ps, xs))
+    ps.append(pool.page_out(xs[3]))
+    assert pool.page_outs == 3
+    assert torch.equal(pool.page_in(ps[0]), xs[0]) and pool.page_outs == 4  # a page-in queues what waits
+    ps.append(pool.page_out(xs[4]))
+    pool.release_until(pool.released + len(pool._retiring) + 1)  # a release point past the deferred one
+    assert pool.page_outs == 5 and not pool._deferred
+    ps.append(pool.page_out(xs[5]))
+    pool.drain()
+    assert pool.page_outs == 6 and not pool._retiring and pool.released == (6 if device == "cuda" else 0)
+    assert all(torch.equal(pool.page_in(p), x) for p, x in zip(ps[1:], xs[1:])) and pool.in_use() == 0
+    # Cut short with page-outs deferred: nothing queued, every buffer back.
+    pool.page_out(xs[0])
+    pool.abandon()
+    assert pool.page_outs == 6 and not pool._deferred and pool.in_use() == 0
+
+
 @pytest.mark.parametrize("two_way", [True, False])
 def test_a_two_way_page_in_proves_done_only_the_page_outs_up_to_its_buffers(two_way):
     """On one page stream a page-in runs after every page-out queued before it; two-way it

@@ -67,6 +67,7 @@ OPTIONS: dict[str, Any] = {
     "paging_slack": 1.25,  # timed: copies planned this many times slower than measured
     "paging_count_host": True,  # timed: a value whose copy is shorter than a page-out's host time stays (False: every one may be paged)
     "paging_two_way": False,  # True: page-ins on their own stream beside the page-outs (opt-in: not bit-exact under capture yet)
+    "paging_group_out": 1,  # page-outs queued together behind one wait for the compute stream (sl.Pager's group_out)
     "cudagraphs": False,  # capture each compiled graph in a CUDA graph (torch's cudagraph trees)
     # The order may raise a graph's estimated peak (liveness of the values' bytes) over
     # AOTAutograd's order by at most this fraction, else the graph keeps AOTAutograd's order; a
@@ -120,7 +121,7 @@ def check_options(options: Optional[dict]) -> dict:
     sl_ = opts["paging_slack"]
     if isinstance(sl_, bool) or not isinstance(sl_, (int, float)) or not 1 <= sl_ < math.inf:
         raise ValueError(f"sched_lifetime backend: option 'paging_slack' must be a finite number >= 1, got {sl_!r}")
-    for k, lo in (("paging_prefetch", 0), ("paging_buffers", 1), ("paging_min_bytes", 0)):
+    for k, lo in (("paging_prefetch", 0), ("paging_buffers", 1), ("paging_min_bytes", 0), ("paging_group_out", 1)):
         if isinstance(opts[k], bool) or not isinstance(opts[k], int) or opts[k] < lo:
             raise ValueError(f"sched_lifetime backend: option {k!r} must be an int >= {lo}, got {opts[k]!r}")
     return opts
@@ -155,6 +156,7 @@ def backend(gm: fx.GraphModule, example_inputs: list, options: Optional[dict] = 
         pager = GraphPager(
             opts["paging_budget"], opts["paging_prefetch"], opts["paging_buffers"], opts["paging_min_bytes"],
             timed=opts["paging_timed"], slack=opts["paging_slack"], two_way=opts["paging_two_way"], count_host=opts["paging_count_host"],
+            group_out=opts["paging_group_out"],
         )
         partition = pager.partition(partition)
 

@@ -105,10 +105,11 @@ class GraphPager:
 
     def __init__(
         self, budget: Budget, prefetch: int = 2, buffers: int = 2, min_bytes: int = 1 << 16, timed: bool = False, slack: float = 1.25,
-        two_way: bool = True, count_host: bool = True,
+        two_way: bool = True, count_host: bool = True, group_out: int = 1,
     ) -> None:
         # The values come checked (`compile.check_options`).
         self.count_host = count_host
+        self.group_out = group_out
         self.budget, self.prefetch, self.buffers, self.min_bytes = budget, prefetch, buffers, min_bytes
         self.two_way = two_way
         self.key = next(_KEYS)
@@ -294,7 +295,9 @@ class GraphPager:
                     self.runs.append(_Run(pool=self._new_pool()))
 
     def _new_pool(self) -> HostPool:
-        return HostPool(list(self._sizes), device=self._device, two_way=self.two_way)
+        pool = HostPool(list(self._sizes), device=self._device, two_way=self.two_way)
+        pool.group_out = self.group_out
+        return pool
 
     # -- runs ------------------------------------------------------------------------------
 
@@ -312,7 +315,7 @@ class GraphPager:
                     "under torch.no_grad(), or drop its outputs (their slots come back at the next forward)"
                 )
             if self.timed:
-                run = _Run(pager=Pager(self.budget, min_bytes=self.min_bytes, prefetch=self.prefetch, slack=self.slack, two_way=bool(self.two_way), count_host=bool(self.count_host)))
+                run = _Run(pager=Pager(self.budget, min_bytes=self.min_bytes, prefetch=self.prefetch, slack=self.slack, two_way=bool(self.two_way), count_host=bool(self.count_host), group_out=self.group_out))
             else:
                 run = _Run(pool=self._new_pool())
             self.runs.append(run)

@@ -48,7 +48,8 @@ from .pool import HostPool, wait_us
 
 
 def _check_settings(
-    budget: Budget, drain_distance: int, prefetch: int, slack: float, min_bytes: int = 0, min_distance: int = 1, flags: Optional[dict] = None
+    budget: Budget, drain_distance: int, prefetch: int, slack: float, min_bytes: int = 0, min_distance: int = 1, flags: Optional[dict] = None,
+    group_out: int = 1,
 ) -> None:
     """A `Pager`'s settings checked at construction: an error names the setting and its range
     (the budget by Rust's own parser, as the plan will read it)."""
@@ -66,6 +67,13 @@ def _check_settings(
         raise ValueError(f"prefetch must be an int >= 0 (backward unpacks ahead), got {prefetch!r}")
     if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not slack >= 1:
         raise ValueError(f"slack must be a number >= 1, got {slack!r}")
+    check_group_out(group_out)
+
+
+def check_group_out(group_out: Any, name: str = "group_out") -> None:
+    """`group_out` (`Pager`, `HostPool.group_out`; compile option `paging_group_out`): an int >= 1."""
+    if isinstance(group_out, bool) or not isinstance(group_out, int) or group_out < 1:
+        raise ValueError(f"{name} must be an int >= 1 (page-outs queued behind one wait; 1: each at once), got {group_out!r}")
 
 
 
@@ -105,6 +113,7 @@ class Pager:
         measure_waits: bool = False,
         two_way: bool = False,
         count_host: bool = True,
+        group_out: int = 1,
     ) -> None:
         """`timed` (CUDA): calibration takes two steps, the first measuring the memory timeline
         (the most memory allocated between saves and unpacks: it resets the peak memory
@@ -122,11 +131,18 @@ class Pager:
         page-outs end in the backward); False: one page stream for both (the baseline).
         `count_host` (timed): calibration also measures the host time one page-out and its
         page-in take, and a tensor whose copy is shorter stays on the device (its host calls
-        would cost the step more than the link does); False: any tensor that hides may be paged."""
+        would cost the step more than the link does); False: any tensor that hides may be paged.
+        `group_out` (CUDA): page-outs whose copies are queued together behind one wait for the
+        compute stream (`HostPool.group_out`): on a step whose host runs ahead of the GPU the
+        first copy behind such a wait costs the host 65-100 us, the next ones 11-14 (H200,
+        `benches/copy_enqueue_cost.py`); the copies start when the group's last tensor is
+        made, not each when its own is. A page-in, a release point or the backward's first use
+        queues what waits. 1: each page-out queued at its save."""
         _check_settings(
             budget, drain_distance, prefetch, slack, min_bytes, min_distance,
-            {"timed": timed, "measure_waits": measure_waits, "two_way": two_way, "count_host": count_host},
+            {"timed": timed, "measure_waits": measure_waits, "two_way": two_way, "count_host": count_host}, group_out,
         )
+        self.group_out = group_out
         self.prefetch = prefetch
         self.two_way = bool(two_way)
         self._calib = Calibration(bool(timed), float(slack), self.two_way, bool(count_host))
@@ -208,6 +224,8 @@ class Pager:
         self._unpacks += 1
         pool = self.pool
         if pool is not None:
+            if pool._deferred:  # the backward started: the forward's last page-outs go now
+                pool.flush_out()
             pool.release_done()
         # Prefetch: page-ins of the tensors read within `prefetch` unpacks from now are queued
         # now, so the copy runs under the backward's compute; the wait stays at the use.
@@ -319,6 +337,7 @@ class Pager:
             # A timed plan places every release; the count-based drain is only a backstop.
             drain = len(page) if timing is not None else self.drain_distance
             self.pool = HostPool(sizes, dev, drain, two_way=self.two_way)
+            self.pool.group_out = self.group_out
             self.pool.measure_waits = self.measure_waits and dev.type == "cuda"
             self.pool.take_figures()  # figures start with the first paged step
             self._stats["host_bytes"] = self.pool.bytes

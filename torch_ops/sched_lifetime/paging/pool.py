@@ -73,6 +73,14 @@ class HostPool(HostSlots, Releases):
         # page-in.
         self.measure_waits = False
         self._wait_marks: list[tuple] = []
+        #: Page-outs queued behind one wait (`flush_out`): on CUDA the page stream's wait for the
+        #: compute stream makes the copy queued behind it cost the host 65-100 us while the
+        #: compute stream still runs (the host ahead of the GPU), 11-14 us for the next copy
+        #: behind the same wait (H200, `benches/copy_enqueue_cost.py`). `page_out` defers its
+        #: copy until this many wait (1: each queued at once, as before).
+        self.group_out = 1
+        self._deferred: list[tuple] = []  # (slot, source tensor, handle), save order
+        self._deferred_owner: Any = None  # the stream they were produced on
 
     def page_out(self, t: torch.Tensor, owner: Any = None) -> Paged:
         """Copy `t` into a free host buffer (on the page stream after the compute stream's work
@@ -83,20 +91,45 @@ class HostPool(HostSlots, Releases):
         event and the reference is dropped (rule 1, no record_stream, no host sync; the event
         query makes this path eager-only, as saved_tensors_hooks are). `owner`: the stream `t`
         was produced on (default: the current stream; a page node running on the page stream
-        passes the compute stream)."""
+        passes the compute stream). With `group_out` > 1 the copy is queued later, with the
+        next page-outs, behind one wait (`flush_out`); the handle is good at once (a page-in
+        queues what is deferred first)."""
         _check_restorable(t)
         nbytes = t.numel() * t.element_size()
         slot = self.take(nbytes)
-        buf = self.view(slot, tuple(t.shape), t.dtype, t.stride())
-        self._wrote[slot] = self.page_outs
-        if t.is_cuda:
-            comp, page = owner if owner is not None else self.current_stream(), self.page_stream
-            done = self._queue_copy(page, comp, buf, t.detach(), self.slot_order, slot)
-            self._hold([t], done, comp, page)
-        else:
-            buf.copy_(t.detach())
-            self.page_outs += 1
-        return Paged(slot, tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, nbytes, gen=self._gen[slot])
+        p = Paged(slot, tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, nbytes, gen=self._gen[slot])
+        comp = (owner if owner is not None else self.current_stream()) if t.is_cuda else None
+        if self._deferred and comp != self._deferred_owner:  # one wait covers one producing stream
+            self.flush_out()
+        self._deferred.append((slot, t.detach(), p))
+        self._deferred_owner = comp
+        if len(self._deferred) >= self.group_out:
+            self.flush_out()
+        return p
+
+    def flush_out(self) -> None:
+        """Queue the deferred page-outs' copies (`group_out`), in save order: on CUDA the page
+        stream waits once for the work queued on their stream so far (which made them all), then
+        each copy follows under the buffer rule (`SlotOrder`) with its own copy-done event and
+        lifetime manager. Called by `page_out` when the group is full and by whatever needs the
+        copies queued: a page-in, a release point past them, `drain`."""
+        pend, self._deferred = self._deferred, []
+        if not pend:
+            return
+        comp = self._deferred_owner
+        if comp is None:  # CPU: plain copies
+            for slot, src, p in pend:
+                self.view_of(p).copy_(src)
+                self._wrote[slot] = self.page_outs
+                self.page_outs += 1
+            return
+        page = self.page_stream
+        after = comp  # the group's one wait, queued with its first copy
+        for slot, src, p in pend:
+            self._wrote[slot] = self.page_outs
+            done = self._queue_copy(page, after, self.view_of(p), src, self.slot_order, slot)
+            after = None
+            self._hold([src], done, comp, page)
 
     def page_in(self, p: Paged) -> torch.Tensor:
         """The tensor back on its device, allocated on the compute (consumer) stream; the
@@ -115,6 +148,7 @@ class HostPool(HostSlots, Releases):
         if not isinstance(p, Paged):
             raise ValueError(f"page_in: expected the handle page_out returned (a Paged), got {type(p).__name__}")
         self.check_handle(p.slot, p.gen, "page_in")
+        self.flush_out()  # its copy out may still be deferred (`group_out`)
         buf = self.view_of(p)
         ev = None
         if p.device.type == "cuda":
@@ -146,6 +180,7 @@ class HostPool(HostSlots, Releases):
         one stream (`mark` counts on their order)."""
         for t in ts:
             _check_restorable(t)
+        self.flush_out()  # page-out numbers follow the page stream's order
         plan = group_plan(ts)
         slot = self.take(plan.nbytes)
         buf = self._bufs[slot]
@@ -238,6 +273,7 @@ class HostPool(HostSlots, Releases):
         writes a block the allocator may hand out again once its tensor is dropped), then every
         page-out's device storage is released and every buffer given back. Stream-order waits,
         no host sync; the next step finds the pool whole."""
+        self._deferred = []  # never queued: their buffers come back below, their tensors go
         try:
             if self.device.type == "cuda":
                 comp, out, inn = self.current_stream(), self.page_stream, self.page_in_stream

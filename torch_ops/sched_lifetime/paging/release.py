@@ -36,6 +36,9 @@ class Releases(PageStreams):
         self.forced_drains = 0  # releases forced by `drain_distance` (the compute stream may stall)
         self.peak_out_in_flight = 0  # a per-step figure: page-outs holding device storage at once
 
+    def flush_out(self) -> None:
+        """Queue deferred page-outs (`HostPool`; none here)."""
+
     def _hold(self, ts: Sequence[torch.Tensor], done: Any, comp: Any, page: Any) -> None:
         """A page-out queued (its copies end at `done` on `page`): a lifetime manager holds the
         device storage of `ts` (owner `comp`, each storage once: a node may save two views of
@@ -65,7 +68,10 @@ class Releases(PageStreams):
     def release_until(self, n: int) -> None:
         """Release the oldest page-outs until `n` have been released in all (a calibrated
         plan's release points: there the copy is done by the measured timeline, so the compute
-        stream's wait costs nothing)."""
+        stream's wait costs nothing). Deferred page-outs (`HostPool.group_out`) it reaches are
+        queued first."""
+        if self.released + len(self._retiring) < n:
+            self.flush_out()
         while self.released < n and self._retiring:
             self._drain_one()
 
@@ -96,7 +102,8 @@ class Releases(PageStreams):
             self._drain_one()
 
     def drain(self) -> None:
-        """Release every page-out's device storage still held (the compute stream waits on the
-        copies first)."""
+        """Queue what is deferred, then release every page-out's device storage still held (the
+        compute stream waits on the copies first)."""
+        self.flush_out()
         while self._retiring:
             self._drain_one()

@@ -108,22 +108,24 @@ class PageStreams:
     native_copy = True
 
     def _queue_copy(self, page: Any, comp: Any, dst: torch.Tensor, src: torch.Tensor, order: Any, slot: int) -> Any:
-        """`dst.copy_(src)` queued on `page` after the work queued on `comp` so far and after
-        host slot `slot`'s last copy on another stream (`order`: the pool's `SlotOrder`), with
-        the slot's event recorded behind it; returns the copy-done event. One native call
+        """`dst.copy_(src)` queued on `page` after the work queued on `comp` so far (None: the
+        caller queued that wait, `HostPool.flush_out`) and after host slot `slot`'s last copy
+        on another stream (`order`: the pool's `SlotOrder`), with the slot's event recorded
+        behind it; returns the copy-done event. One native call
         (`page_copy`) once the events involved exist (each is created by its first record,
         which the calls from Python make); the same CUDA calls either way."""
         done = self._event()
         w = order.wait_for(slot, page)  # the slot rule, asked once for either way of queueing
         mark = self._mark
-        if self.native_copy and _page_copy is not None and mark is not None:
-            h_mark, h_done, h_slot = mark.cuda_event, done.cuda_event, order.event(slot).cuda_event
+        if self.native_copy and _page_copy is not None and (mark is not None or comp is None):
+            h_mark, h_done, h_slot = 0 if comp is None else mark.cuda_event, done.cuda_event, order.event(slot).cuda_event
             h_wait = 0 if w is None else w.cuda_event
-            if h_mark and h_done and h_slot and (w is None or h_wait):
+            if (h_mark or comp is None) and h_done and h_slot and (w is None or h_wait):
                 if _page_copy(dst, src, page, comp, h_mark, h_wait, h_done, h_slot) is not NotImplemented:
                     order.recorded(slot, page)
                     return done
-        self._after(page, comp)  # not a plain tensor, or an event not created yet: the calls from Python
+        if comp is not None:  # not a plain tensor, or an event not created yet: the calls from Python
+            self._after(page, comp)
         order.queue_wait(w, page)
         prev = self._on(page)
         try:
