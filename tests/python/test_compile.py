@@ -200,6 +200,12 @@ def test_paging_inside_the_callers_saved_tensor_hooks_is_exact_and_the_hooks_sti
     # paged or kept; static: the chosen ones), each step: no more, no fewer.
     assert n_ours > 0 and n_ref == n_ours + 3 * len(pager.chosen)
     assert pager.stats["bytes_out"] > 0
+    # Whatever else the hooks see is not the pager's: a sparse tensor, a subclass with no storage
+    # (their addresses cannot be read: asking raised), a plain one at no page node's address.
+    sparse = torch.eye(4).to_sparse()
+    assert not pager.owns(sparse) and not pager.owns(torch.zeros(3))
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    assert not pager.owns(two_tensor.TwoTensor(torch.zeros(2), torch.ones(2)))
 
 
 @pytest.mark.parametrize("options", [PAGING, STATIC])
@@ -322,8 +328,14 @@ def test_paging_explain_says_what_the_paging_pass_added(timed, capsys):
         sl.page_plan([{"name": "a", "bytes": 4096, "saved_at": 0, "used_at": 3}], 1)
     with pytest.warns(UserWarning, match="paging budget 2 is an int") as got2:
         sl.Pager(2)
-    # Each warning names the caller's line (here), not the library's check.
-    assert [w.filename for w in (*got, *got2)] == [__file__, __file__]
+    # Each warning names the caller's line (here), not the library's check; for a compiled
+    # model, the line that calls it (its pager is made inside torch.compile's first call).
+    torch._dynamo.reset()
+    run = torch.compile(build(), backend="sched_lifetime", options={**PAGING, "paging_timed": timed, "paging_budget": 3})
+    with pytest.warns(UserWarning, match="paging budget 3 is an int") as got3:
+        run(*batch(0)).sum().backward()
+    names = [w.filename for w in (*got, *got2, *got3)]
+    assert len(names) >= 3 and set(names) == {__file__}, names
 
 
 @pytest.mark.parametrize(

@@ -63,7 +63,7 @@ import torch
 import torch.fx as fx
 
 from ..paging import Budget, HostPool, Pager, page_plan
-from ..paging.paged import SavedVersion, restorable
+from ..paging.paged import SavedVersion, plain, restorable
 
 #: Live pagers by key (the graphs' page nodes carry the key, an int, as their first argument).
 _PAGERS: "weakref.WeakValueDictionary[int, GraphPager]" = weakref.WeakValueDictionary()
@@ -373,7 +373,10 @@ class GraphPager:
     def owns(self, t: torch.Tensor) -> bool:
         """Whether `t` is a value a page node of this graph handed its forward to save (the host
         tensor of a page-out, or a value kept on the device) and its backward has not read yet:
-        one with its address, shape, strides and dtype."""
+        one with its address, shape, strides and dtype. A sparse tensor or a subclass (no
+        address to read; the page nodes hand over neither) is not."""
+        if t.layout != torch.strided or not plain(t):
+            return False
         key = self._mine.get(_layout(t))
         return key is not None and key in self._owner
 

@@ -28,12 +28,18 @@ Budget = Union[dict, float, int]
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+#: Where a frame is not the user's: this package, torch (a compiled model's pager is made inside
+#: torch.compile's first call) and code torch generates (`<eval_with_key>.N`).
+_LIBRARY = (_PACKAGE + os.sep, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+
+
 def _outside_level() -> int:
-    """The `stacklevel` of the first frame outside this package, for a warning about the
-    caller's argument made in the function that calls this (the user's `Pager(...)` or
-    `page_plan(...)`, not the library line that checked it)."""
+    """The `stacklevel` of the first frame outside this package and torch, for a warning about
+    the caller's argument made in the function that calls this (the user's `Pager(...)`,
+    `page_plan(...)` or call of a model compiled with paging options, not the library line
+    that checked it)."""
     f, level = sys._getframe(2), 2  # the caller of the function that warns: stacklevel 2
-    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_PACKAGE + os.sep):
+    while f is not None and (f.f_code.co_filename.startswith("<") or os.path.abspath(f.f_code.co_filename).startswith(_LIBRARY)):
         f, level = f.f_back, level + 1
     return level
 
