@@ -184,6 +184,8 @@ def test_grouped_page_outs_wait_for_a_full_group_or_whatever_needs_them(device):
     tensor as it is then."""
     pool = sl.HostPool([16] * 6, device)
     pool.group_out = 3
+    for b in pool._bufs:  # host memory comes uninitialised: zeros tell "not copied yet"
+        b.zero_()
     xs = [torch.full((4,), float(k + 1), device=device) for k in range(6)]
 
     def host(p):
