@@ -6,8 +6,10 @@ every gradient and the weights are compared bit for bit: our arms against aot_ea
 same AOTAutograd graphs, so they must be equal), and against eager where aot_eager itself is
 bit-exact with eager. On CPU with torch 2.11 and transformers 5.17 it is not, for every case
 here but DeepSeek-V3 under the `eager` experts: the losses of step 0 are equal, the gradients
-differ from step 0 on (`EAGER_DIFFERS`; the test fails when that stops being true, so the
-comparison with eager is taken up again).
+differ from step 0 on, on the machines CI ran on until 2026-12-05 (`EAGER_DIFFERS`). On another
+CPU they came out equal (a session's CI machine, 2026-12-05: kernels chosen by the CPU's
+instruction set); where they are equal our arms are compared with eager too. A case outside
+`EAGER_DIFFERS` must be equal.
 
 MoE models run under both of transformers' experts implementations (`config.experts_implementation`;
 transformers picks `grouped_mm` where torch has it, else `eager`): `grouped_mm`, which under
@@ -48,8 +50,8 @@ MODELS = {
 }
 MOE = sorted(set(MODELS) - {"llama"})
 CASES = [(m, impl) for m in MOE for impl in ("grouped_mm", "eager")] + [("llama", None)]
-#: (model, experts implementation) where aot_eager itself is not bit-exact with eager on CPU
-#: (our arms are then compared with aot_eager only); checked to still differ.
+#: (model, experts implementation) where aot_eager itself may differ from eager on CPU (our arms
+#: are then compared with aot_eager only); every other case must be equal.
 EAGER_DIFFERS: set = set(CASES) - {("deepseek_v3", "eager")}
 CI_CASES = [("llama", None), ("qwen3_moe", "grouped_mm"), ("mixtral", "eager")]
 ALL = os.environ.get("SCHED_LIFETIME_HF_ALL") == "1"
@@ -109,7 +111,7 @@ def test_hf_model_is_bit_exact_under_every_arm(name, impl):
     eager = train(copy.deepcopy(base), None)
     aot = train(copy.deepcopy(base), "aot_eager")
     aot_vs_eager = differences(eager, aot)
-    assert bool(aot_vs_eager) == ((name, impl) in EAGER_DIFFERS), f"aot_eager vs eager: {aot_vs_eager[:5]} (update EAGER_DIFFERS)"
+    assert not aot_vs_eager or (name, impl) in EAGER_DIFFERS, f"aot_eager vs eager: {aot_vs_eager[:5]} (update EAGER_DIFFERS)"
     assert torch.equal(eager[0][0], aot[0][0]), "the first step's loss differs between eager and aot_eager"
     for arm, options in ARMS.items():
         slc.history.clear()
