@@ -451,11 +451,15 @@ def main() -> None:
                 info["paging"]["paged_values"] = sum(len(pl["page"]) for pl in plans)
                 info["paging"]["kept_for_host_time"] = sum("us of host time" in line for line in text)
                 info["paging"]["page_host_us"] = [(pl.get("timing") or {}).get("page_host_us") for pl in plans]
+                # Page-ins are queued in batches, one per backward point the plan launches some at
+                # (`Pager._unpack`): how many such points (each one wait for the compute stream).
+                info["paging"]["page_in_points"] = sum(len(set(pl["launch_at"])) for pl in plans if pl.get("launch_at") is not None)
         out["arms"][arm]["graphs"] = info
         print(f"{arm}: {info['fwd_graphs']} fwd / {info['bwd_graphs']} bwd graphs, AOT order kept in {info['kept_aot_order']},"
               f" scheduled/AOT estimated peak at most {info['est_peak_vs_aot_order']}" + (f", paged {info['paging']['bytes_out'] / 2**20:.0f} MiB in all, {info['paging']['run_slots']} run slots" if pagers else "")
               + (f", {info['paging']['paged_values']} values paged per step, {info['paging']['kept_for_host_time']} kept for host time"
-                 f" (a page-out and its page-in: {info['paging']['page_host_us']} us of host)" if "paged_values" in info.get("paging", {}) else ""))
+                 f" (a page-out and its page-in: {info['paging']['page_host_us']} us of host), their page-ins queued at"
+                 f" {info['paging']['page_in_points']} points" if "paged_values" in info.get("paging", {}) else ""))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1, default=str)

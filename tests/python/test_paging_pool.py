@@ -180,8 +180,8 @@ def test_grouped_page_outs_wait_for_a_full_group_or_whatever_needs_them(device):
     """`group_out`: page-outs are queued only when the group is full (one wait on the GPU for all
     of them) or when something needs them: a page-in (any: FIFO), a release point past them,
     `drain`; a step cut short drops them unqueued and gets every buffer back. Until queued a
-    copy has not run (on the CPU too: its buffer is still empty), and what it copies is the
-    tensor as it is then."""
+    copy has not run (on the CPU too: its buffer is still empty). Page-ins due at one point go
+    behind one wait too (`page_in_launch_many`)."""
     pool = sl.HostPool([16] * 6, device)
     pool.group_out = 3
     for b in pool._bufs:  # host memory comes uninitialised: zeros tell "not copied yet"
@@ -207,7 +207,14 @@ def test_grouped_page_outs_wait_for_a_full_group_or_whatever_needs_them(device):
     ps.append(pool.page_out(xs[5]))
     pool.drain()
     assert pool.page_outs == 6 and not pool._retiring and pool.released == (6 if device == "cuda" else 0)
-    assert all(torch.equal(pool.page_in(p), x) for p, x in zip(ps[1:], xs[1:])) and pool.in_use() == 0
+    # Page-ins due at one point: allocated first, then one wait and the copies (each its event).
+    got = pool.page_in_launch_many(ps[1:])
+    for (out, ev), x in zip(got, xs[1:]):
+        pool.page_wait(ev)
+        assert torch.equal(out, x)
+    assert pool.in_use() == 0 and (device == "cpu") == all(ev is None for _, ev in got)
+    with pytest.raises(RuntimeError, match="page_in"):  # each handle is checked: paged in already
+        pool.page_in_launch_many([ps[1]])
     # Cut short with page-outs deferred: nothing queued, every buffer back.
     pool.page_out(xs[0])
     pool.abandon()

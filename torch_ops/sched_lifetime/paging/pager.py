@@ -230,26 +230,31 @@ class Pager:
         # Prefetch: page-ins of the tensors read within `prefetch` unpacks from now are queued
         # now, so the copy runs under the backward's compute; the wait stays at the use.
         order = self._in_order
+        due = self._next_in
         while self._next_in < len(order) and self._launch_at[order[self._next_in]] <= u:
-            self._launch_in(order[self._next_in])
             self._next_in += 1
+        if self._next_in > due:  # the page-ins due here, behind one wait (`page_in_launch_many`)
+            self._launch_in(order[due : self._next_in])
         if kind == "keep":
             return packed[2]
         if i not in self._ready:
             if i not in self._handles:
                 raise RuntimeError(f"paging: saved tensor #{i} unpacked twice (retain_graph is not supported with paging)")
-            self._launch_in(i)
+            self._launch_in([i])
         out, ev = self._ready.pop(i)
         pool.page_wait(ev)
         pool.recycle(ev)
         return out
 
-    def _launch_in(self, i: int) -> None:
-        p = self._handles.pop(i, None)
-        if p is None:  # not paged out this step (yet): the use pages it in
+    def _launch_in(self, idx: list[int]) -> None:
+        """Queue the page-ins of save indices `idx` (one point of the backward: one wait)."""
+        idx = [i for i in idx if i in self._handles]  # one not paged out this step (yet): its use pages it in
+        if not idx:
             return
-        self._ready[i] = self.pool.page_in_launch(p)
-        self._stats["bytes_in"] += p.nbytes
+        ps = [self._handles.pop(i) for i in idx]
+        for i, p, got in zip(idx, ps, self.pool.page_in_launch_many(ps)):
+            self._ready[i] = got
+            self._stats["bytes_in"] += p.nbytes
         self._stats["max_prefetched"] = max(self._stats["max_prefetched"], len(self._ready) - 1)
 
     # -- steps -------------------------------------------------------------------------

@@ -145,29 +145,40 @@ class HostPool(HostSlots, Releases):
         before reading it (None on CPU). The buffer goes back to the freelist at once: the next
         page-out that takes it waits for this copy (`SlotOrder`). `alloc_stream`: the
         consumer's stream (default: the current stream)."""
-        if not isinstance(p, Paged):
-            raise ValueError(f"page_in: expected the handle page_out returned (a Paged), got {type(p).__name__}")
-        self.check_handle(p.slot, p.gen, "page_in")
-        self.flush_out()  # its copy out may still be deferred (`group_out`)
-        buf = self.view_of(p)
-        ev = None
-        if p.device.type == "cuda":
+        return self.page_in_launch_many([p], alloc_stream)[0]
+
+    def page_in_launch_many(self, ps: Sequence[Paged], alloc_stream: Any = None) -> list[tuple]:
+        """`page_in_launch` of several handles at one point of the compute stream, their copies
+        behind one wait for it (the first copy queued behind such a wait costs the host 65-100
+        us while the compute stream still runs, the next ones about 11-14: H200,
+        `benches/copy_enqueue_cost.py`): every tensor is allocated first, then the page-in
+        stream waits once and the copies follow, each under its buffer's rule (`SlotOrder`)
+        with its own event. Returns (tensor, event) per handle, in order."""
+        for p in ps:
+            if not isinstance(p, Paged):
+                raise ValueError(f"page_in: expected the handle page_out returned (a Paged), got {type(p).__name__}")
+            self.check_handle(p.slot, p.gen, "page_in")
+        self.flush_out()  # their copies out may still be deferred (`group_out`)
+        cuda = bool(ps) and ps[0].device.type == "cuda"
+        comp = page = None
+        if cuda:
             comp, page = alloc_stream if alloc_stream is not None else self.current_stream(), self.page_in_stream
-            if alloc_stream is None:  # allocated on the current stream: no switch
-                out = torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=p.device)
+        with self._switched(comp if alloc_stream is not None else None):  # allocated on the current stream: no switch
+            outs = [torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=p.device) for p in ps]
+        got = []
+        after = comp  # the one wait, queued with the first copy
+        for p, out in zip(ps, outs):
+            ev = None
+            if p.device.type == "cuda":
+                ev = self._queue_copy(page, after, out, self.view_of(p), self.slot_order, p.slot)
+                after = None
             else:
-                prev = self._on(comp)
-                try:
-                    out = torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=p.device)
-                finally:
-                    self._back(prev)
-            ev = self._queue_copy(page, comp, out, buf, self.slot_order, p.slot)
-        else:
-            out = torch.empty_strided(p.shape, p.stride, dtype=p.dtype).copy_(buf)
-        self.give(p.slot)
-        if p.requires_grad and out.is_leaf:
-            out.requires_grad_(True)
-        return out, ev
+                out.copy_(self.view_of(p))
+            self.give(p.slot)
+            if p.requires_grad and out.is_leaf:
+                out.requires_grad_(True)
+            got.append((out, ev))
+        return got
 
     def page_out_group(self, ts: Sequence[torch.Tensor], owner: Any = None, ordered: bool = False, stream: Any = None) -> list[Paged]:
         """`page_out` of a node's saved tensors into one buffer laid out by `group_plan` (the
