@@ -162,8 +162,8 @@ def test_a_page_in_releases_exactly_the_page_outs_queued_before_it():
             pass
 
     for k in range(4):
-        pool._retiring.append((Manager(k), f"ev{k}", f"owner{k}", k))
-    pool.page_outs = 4
+        pool._retiring.append((Manager(k), f"ev{k}", f"owner{k}", k, 1))
+    pool.page_outs = pool._held = 4
     pool.release_queued_before(2)
     assert calls == [("acquire", 0, "owner0"), ("finalize", 0), ("acquire", 1, "owner1"), ("finalize", 1)]
     assert [e[3] for e in pool._retiring] == [2, 3] and pool.released == 2
@@ -173,6 +173,40 @@ def test_a_page_in_releases_exactly_the_page_outs_queued_before_it():
     assert pool.mark() == 4
     pool.release_queued_before(pool.mark())
     assert not pool._retiring and pool.released == 4
+
+
+def test_a_group_held_as_one_is_released_once_all_of_it_is_due():
+    """A group of page-outs queued behind one wait is held by one manager (one wait of the
+    compute stream to release it): a plan's release point (`release_until`) releases it only
+    once every page-out in it is due, a page-in's mark only once it proves all of it done."""
+    pool = sl.HostPool([16], "cpu")
+    order = []
+
+    class Manager:
+        def __init__(self, k):
+            self.k = k
+
+        def acquire(self, owner):
+            order.append(self.k)
+
+        def finalize(self):
+            pass
+
+        def close(self):
+            pass
+
+    # page-out 0 alone, 1-3 as a group, 4 alone
+    for k, (first, count) in enumerate(((0, 1), (1, 3), (4, 1))):
+        pool._retiring.append((Manager(k), f"ev{k}", "owner", first, count))
+    pool.page_outs = pool._held = 5
+    pool.release_until(3)  # 0, 1 and 2 due: the group is not all due
+    assert order == [0] and pool.released == 1 and pool._held == 4
+    pool.release_queued_before(3)  # a page-in that proves 0-2 done: not all of the group
+    assert order == [0]
+    pool.release_queued_before(4)
+    assert order == [0, 1] and pool.released == 4 and pool._held == 1 and pool._spare == ["ev0", "ev1"]
+    pool.release_until(5)
+    assert order == [0, 1, 2] and not pool._retiring and pool._held == 0
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

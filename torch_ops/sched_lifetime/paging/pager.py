@@ -136,8 +136,10 @@ class Pager:
         compute stream (`HostPool.group_out`): on a step whose host runs ahead of the GPU the
         first copy behind such a wait costs the host 65-100 us, the next ones 11-14 (H200,
         `benches/copy_enqueue_cost.py`); the copies start when the group's last tensor is
-        made, not each when its own is. A page-in, a release point or the backward's first use
-        queues what waits. 1: each page-out queued at its save."""
+        made, not each when its own is, and the group's device storage is held and released
+        as one (one wait of the compute stream) once all of it is due. A page-in, a release
+        point or the backward's first use queues what waits. 1: each page-out queued at its
+        save. (Page-ins due at one point of the backward always go behind one wait.)"""
         _check_settings(
             budget, drain_distance, prefetch, slack, min_bytes, min_distance,
             {"timed": timed, "measure_waits": measure_waits, "two_way": two_way, "count_host": count_host}, group_out,

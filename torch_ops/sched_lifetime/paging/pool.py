@@ -77,7 +77,8 @@ class HostPool(HostSlots, Releases):
         #: compute stream makes the copy queued behind it cost the host 65-100 us while the
         #: compute stream still runs (the host ahead of the GPU), 11-14 us for the next copy
         #: behind the same wait (H200, `benches/copy_enqueue_cost.py`). `page_out` defers its
-        #: copy until this many wait (1: each queued at once, as before).
+        #: copy until this many wait (1: each queued at once); a group is held and released as
+        #: one (`Releases._hold`'s count).
         self.group_out = 1
         self._deferred: list[tuple] = []  # (slot, source tensor, handle), save order
         self._deferred_owner: Any = None  # the stream they were produced on
@@ -125,11 +126,15 @@ class HostPool(HostSlots, Releases):
             return
         page = self.page_stream
         after = comp  # the group's one wait, queued with its first copy
-        for slot, src, p in pend:
-            self._wrote[slot] = self.page_outs
+        done = None
+        for k, (slot, src, p) in enumerate(pend):
+            self._wrote[slot] = self.page_outs + k
+            if done is not None:
+                self._spare.append(done)  # only the group's last copy-done event is waited on
             done = self._queue_copy(page, after, self.view_of(p), src, self.slot_order, slot)
             after = None
-            self._hold([src], done, comp, page)
+        # Held and released as one: one lifetime manager, one wait of the compute stream.
+        self._hold([src for _, src, _ in pend], done, comp, page, count=len(pend))
 
     def page_in(self, p: Paged) -> torch.Tensor:
         """The tensor back on its device, allocated on the compute (consumer) stream; the
@@ -322,5 +327,5 @@ class HostPool(HostSlots, Releases):
             "page_in_waits": self._wait_marks if self.measure_waits else None,
         }
         self._wait_marks = []
-        self.peak_taken_bytes, self.peak_out_in_flight = self._taken_bytes, len(self._retiring)
+        self.peak_taken_bytes, self.peak_out_in_flight = self._taken_bytes, self._held
         return out

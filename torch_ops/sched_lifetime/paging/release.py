@@ -27,8 +27,10 @@ class Releases(PageStreams):
     def __init__(self, device: Any = "cpu", drain_distance: int = 16, two_way: bool = False) -> None:
         PageStreams.__init__(self, device, two_way)
         # Page-outs whose device storage is still held: (manager, copy-done event, owner stream,
-        # page-out number), in page-stream order.
-        self._retiring: list[tuple[LifetimeManager, Any, Any, int]] = []
+        # number of its first page-out, how many page-outs: a group queued behind one wait is
+        # held and released as one, `HostPool.flush_out`), in page-stream order.
+        self._retiring: list[tuple[LifetimeManager, Any, Any, int, int]] = []
+        self._held = 0  # page-outs whose device storage is held (the counts in `_retiring`)
         self.page_outs = 0  # page-outs queued so far (numbers them; `mark` reads it)
         self._wrote: dict[int, int] = {}  # host slot -> the number of the last page-out into it
         self.drain_distance = drain_distance
@@ -39,40 +41,43 @@ class Releases(PageStreams):
     def flush_out(self) -> None:
         """Queue deferred page-outs (`HostPool`; none here)."""
 
-    def _hold(self, ts: Sequence[torch.Tensor], done: Any, comp: Any, page: Any) -> None:
+    def _hold(self, ts: Sequence[torch.Tensor], done: Any, comp: Any, page: Any, count: int = 1) -> None:
         """A page-out queued (its copies end at `done` on `page`): a lifetime manager holds the
         device storage of `ts` (owner `comp`, each storage once: a node may save two views of
         one tensor) until its release. Then what the link has already copied is released (the
         compute stream's wait on a finished copy costs nothing), oldest first; only past
         `drain_distance` page-outs holding storage does the compute stream wait on one at once
-        (the copies fall behind the forward)."""
+        (the copies fall behind the forward). `count`: how many page-outs `ts` are (a group
+        behind one wait, released together by one wait of the compute stream)."""
         held = list(ts) if len(ts) == 1 else list({t.untyped_storage().data_ptr(): t for t in ts}.values())
         m = LifetimeManager("page_out")
         m.retire(held, page, "drop_reference", owner_stream=comp)  # bound and retired in one call
-        self._retiring.append((m, done, comp, self.page_outs))
-        self.page_outs += 1
-        self.peak_out_in_flight = max(self.peak_out_in_flight, len(self._retiring))
-        while len(self._retiring) > self.drain_distance:
+        self._retiring.append((m, done, comp, self.page_outs, count))
+        self.page_outs += count
+        self._held += count
+        self.peak_out_in_flight = max(self.peak_out_in_flight, self._held)
+        while self._held > self.drain_distance and self._retiring:
             self.forced_drains += 1
             self._drain_one()
         self.release_done()
 
     def _drain_one(self) -> None:
-        m, done, owner, _ = self._retiring.pop(0)  # the owner stream waits on the copy, then releases
+        m, done, owner, _, count = self._retiring.pop(0)  # the owner stream waits on the copy, then releases
         m.acquire(owner)
         m.finalize()
         m.close()
         self._spare.append(done)  # the acquire's wait on the copy is queued
-        self.released += 1
+        self.released += count
+        self._held -= count
 
     def release_until(self, n: int) -> None:
         """Release the oldest page-outs until `n` have been released in all (a calibrated
         plan's release points: there the copy is done by the measured timeline, so the compute
         stream's wait costs nothing). Deferred page-outs (`HostPool.group_out`) it reaches are
-        queued first."""
-        if self.released + len(self._retiring) < n:
+        queued first; a group held as one goes once all of it is due."""
+        if self.released + self._held < n:
             self.flush_out()
-        while self.released < n and self._retiring:
+        while self._retiring and self.released + self._retiring[0][4] <= n:
             self._drain_one()
 
     def release_done(self) -> None:
@@ -98,7 +103,7 @@ class Releases(PageStreams):
         """Release every page-out numbered below `mark` (a page-in's `mark`), once the compute
         stream has waited for that page-in: their copies are done by then, so the wait each
         release queues finds its copy done. No query, no host sync: capture-safe."""
-        while self._retiring and self._retiring[0][3] < mark:
+        while self._retiring and self._retiring[0][3] + self._retiring[0][4] <= mark:
             self._drain_one()
 
     def drain(self) -> None:
