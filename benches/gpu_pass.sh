@@ -65,14 +65,14 @@ s10a)
     # cost bench with its controls (a wait on a done event; a kernel launched right after the
     # compute stream waits on a running copy: a release); the paging cuda tests (grouped arms
     # included); the Qwen3-MoE A/B at budget 1.0 / slack 1.1, group 1 (paging) vs 4 (paging_b),
-    # compiled alongside, 3 rounds, and one profiled + traced step per arm after the last round:
+    # compiled alongside, 2 rounds, and one profiled + traced step per arm after the last round:
     # the compute stream's idle time split (benches/trace_stalls.py). Page-ins due at one point
     # go behind one wait in both paging arms.
     export PYTHONUNBUFFERED=1
     step copy_enqueue_cost 60 "$py" benches/copy_enqueue_cost.py --controls --json "$out/copy_enqueue_cost.json"
-    step paging_cuda 120 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_paging_pool.py tests/python/test_paging_pager.py \
+    step paging_cuda 100 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_paging_pool.py tests/python/test_paging_pager.py \
         tests/python/test_compile.py -k "paging or pool or pager or page"
-    step hf_qwen_rounds_g4 330 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --rounds 3 --determinism warn \
+    step hf_qwen_rounds_g4 280 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --rounds 2 --determinism warn \
         --set hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024 \
         --arms compiled,paging,paging_b --paging '{"paging_budget": 1.0, "paging_slack": 1.1}' --paging-b '{"paging_group_out": 4}' \
         --profile --trace "$out/traces" --out "$out/hf_qwen_rounds_g4.json"
