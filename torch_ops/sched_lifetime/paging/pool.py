@@ -111,9 +111,10 @@ class HostPool(HostSlots, Releases):
     def flush_out(self) -> None:
         """Queue the deferred page-outs' copies (`group_out`), in save order: on CUDA the page
         stream waits once for the work queued on their stream so far (which made them all), then
-        each copy follows under the buffer rule (`SlotOrder`) with its own copy-done event and
-        lifetime manager. Called by `page_out` when the group is full and by whatever needs the
-        copies queued: a page-in, a release point past them, `drain`."""
+        each copy follows under the buffer rule (`SlotOrder`); one lifetime manager holds the
+        group's device storage until its last copy is done (`_hold` with its count). Called by
+        `page_out` when the group is full and by whatever needs the copies queued: a page-in,
+        a release point past them, `drain`."""
         pend, self._deferred = self._deferred, []
         if not pend:
             return
