@@ -69,7 +69,6 @@ s10a)
     # the compute stream's idle time split (benches/trace_stalls.py). Page-ins due at one point
     # go behind one wait in both paging arms.
     export PYTHONUNBUFFERED=1
-    step copy_enqueue_cost 60 "$py" benches/copy_enqueue_cost.py --controls --json "$out/copy_enqueue_cost.json"
     step paging_cuda 100 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_paging_pool.py tests/python/test_paging_pager.py \
         tests/python/test_compile.py -k "paging or pool or pager or page"
     step hf_qwen_rounds_g4 280 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --rounds 2 --determinism warn \
@@ -78,6 +77,7 @@ s10a)
         --profile --trace "$out/traces" --out "$out/hf_qwen_rounds_g4.json"
     step stalls 60 "$py" benches/trace_stalls.py "$out"/traces/*.json
     rm -rf "$out/traces"
+    step copy_enqueue_cost 60 "$py" benches/copy_enqueue_cost.py --controls --json "$out/copy_enqueue_cost.json"
     ;;
 s10b)
     # Issue 27: s10a's A/B with group 8 and one profiled, traced step per arm (benches/trace_stalls.py).
