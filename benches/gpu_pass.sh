@@ -59,6 +59,13 @@ qwen_rounds() {  # qwen_rounds NAME PAGING_JSON [ARMS]: qwen_big's A/B with the 
         --set hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024 \
         --arms "${3:-compiled,paging}" --paging "$2" --out "$out/hf_qwen_rounds_$1.json"
 }
+qwen_ab() {  # qwen_ab NAME SECS ROUNDS ARMS PAGING_JSON [MORE ARGS]: qwen_big's config, the arms alternating over ROUNDS rounds
+    local name=$1 secs=$2 rounds=$3 arms=$4 paging=$5
+    shift 5
+    step "$name" "$secs" "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --rounds "$rounds" --determinism warn \
+        --set hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024 \
+        --arms "$arms" --paging "$paging" --out "$out/$name.json" "$@"
+}
 case "$mode" in
 s10a)
     # Issue 27: grouped page-outs (paging_group_out: copies queued behind one wait). The copy
@@ -71,10 +78,8 @@ s10a)
     export PYTHONUNBUFFERED=1
     step paging_cuda 100 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_paging_pool.py tests/python/test_paging_pager.py \
         tests/python/test_compile.py -k "paging or pool or pager or page"
-    step hf_qwen_rounds_g4 280 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --rounds 2 --determinism warn \
-        --set hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024 \
-        --arms compiled,paging,paging_b --paging '{"paging_budget": 1.0, "paging_slack": 1.1}' --paging-b '{"paging_group_out": 4}' \
-        --profile --trace "$out/traces" --out "$out/hf_qwen_rounds_g4.json"
+    qwen_ab hf_qwen_rounds_g4 280 2 compiled,paging,paging_b '{"paging_budget": 1.0, "paging_slack": 1.1}' \
+        --paging-b '{"paging_group_out": 4}' --profile --trace "$out/traces"
     step stalls 60 "$py" benches/trace_stalls.py "$out"/traces/*.json
     rm -rf "$out/traces"
     step copy_enqueue_cost 60 "$py" benches/copy_enqueue_cost.py --controls --json "$out/copy_enqueue_cost.json"
@@ -82,10 +87,8 @@ s10a)
 s10b)
     # Issue 27: s10a's A/B with group 8 and one profiled, traced step per arm (benches/trace_stalls.py).
     export PYTHONUNBUFFERED=1
-    step hf_qwen_g8_trace 200 "$py" benches/hf_paging_ab.py --model qwen3_moe --seq 8192 --steps 4 --rounds 2 --determinism warn \
-        --set hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024 \
-        --arms compiled,paging,paging_b --paging '{"paging_budget": 1.0, "paging_slack": 1.1}' --paging-b '{"paging_group_out": 8}' \
-        --profile --trace "$out/traces" --out "$out/hf_qwen_g8_trace.json"
+    qwen_ab hf_qwen_g8_trace 200 2 compiled,paging,paging_b '{"paging_budget": 1.0, "paging_slack": 1.1}' \
+        --paging-b '{"paging_group_out": 8}' --profile --trace "$out/traces"
     step stalls 90 "$py" benches/trace_stalls.py "$out"/traces/*.json
     rm -rf "$out/traces"
     ;;

@@ -24,6 +24,8 @@ def test_host_pool_freelist_is_fifo_per_size_and_never_allocates_in_a_step():
         pool.give(a)
     with pytest.raises(ValueError, match="positive byte counts"):
         sl.HostPool([0])
+    with pytest.raises(ValueError, match="group_out must be an int >= 1"):
+        sl.HostPool([64], group_out=0)
     # page_out/page_in round-trip through a buffer, and the buffer is free again after page_in
     pool = sl.HostPool([4 * 6])
     x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
@@ -141,28 +143,30 @@ def test_one_page_stream_orders_buffer_reuse_by_itself(copy_calls):
     assert bad == 0 and waits == 0  # one stream: its order, no event wait
 
 
+class _Manager:
+    """A lifetime manager stand-in for the release tests: records its acquire and finalize."""
+
+    def __init__(self, k, calls):
+        self.k, self.calls = k, calls
+
+    def acquire(self, owner):
+        self.calls.append(("acquire", self.k, owner))
+
+    def finalize(self):
+        self.calls.append(("finalize", self.k))
+
+    def close(self):
+        pass
+
+
 def test_a_page_in_releases_exactly_the_page_outs_queued_before_it():
     """`release_queued_before(mark)`: the page-outs numbered below a page-in's mark ran before
     it on the page stream, so they (and no later one) give their device storage back, oldest
     first, each by its owner's acquire and finalize (no event query: capture-safe)."""
     pool = sl.HostPool([16], "cpu")
     calls = []
-
-    class Manager:
-        def __init__(self, k):
-            self.k = k
-
-        def acquire(self, owner):
-            calls.append(("acquire", self.k, owner))
-
-        def finalize(self):
-            calls.append(("finalize", self.k))
-
-        def close(self):
-            pass
-
     for k in range(4):
-        pool._retiring.append((Manager(k), f"ev{k}", f"owner{k}", k, 1))
+        pool._retiring.append((_Manager(k, calls), f"ev{k}", f"owner{k}", k, 1))
     pool.page_outs = pool._held = 4
     pool.release_queued_before(2)
     assert calls == [("acquire", 0, "owner0"), ("finalize", 0), ("acquire", 1, "owner1"), ("finalize", 1)]
@@ -180,33 +184,23 @@ def test_a_group_held_as_one_is_released_once_all_of_it_is_due():
     compute stream to release it): a plan's release point (`release_until`) releases it only
     once every page-out in it is due, a page-in's mark only once it proves all of it done."""
     pool = sl.HostPool([16], "cpu")
-    order = []
-
-    class Manager:
-        def __init__(self, k):
-            self.k = k
-
-        def acquire(self, owner):
-            order.append(self.k)
-
-        def finalize(self):
-            pass
-
-        def close(self):
-            pass
-
+    calls = []
     # page-out 0 alone, 1-3 as a group, 4 alone
     for k, (first, count) in enumerate(((0, 1), (1, 3), (4, 1))):
-        pool._retiring.append((Manager(k), f"ev{k}", "owner", first, count))
+        pool._retiring.append((_Manager(k, calls), f"ev{k}", "owner", first, count))
+
+    def order():  # the groups released, in order
+        return [c[1] for c in calls if c[0] == "acquire"]
+
     pool.page_outs = pool._held = 5
     pool.release_until(3)  # 0, 1 and 2 due: the group is not all due
-    assert order == [0] and pool.released == 1 and pool._held == 4
+    assert order() == [0] and pool.released == 1 and pool._held == 4
     pool.release_queued_before(3)  # a page-in that proves 0-2 done: not all of the group
-    assert order == [0]
+    assert order() == [0]
     pool.release_queued_before(4)
-    assert order == [0, 1] and pool.released == 4 and pool._held == 1 and pool._spare == ["ev0", "ev1"]
+    assert order() == [0, 1] and pool.released == 4 and pool._held == 1 and pool._spare == ["ev0", "ev1"]
     pool.release_until(5)
-    assert order == [0, 1, 2] and not pool._retiring and pool._held == 0
+    assert order() == [0, 1, 2] and not pool._retiring and pool._held == 0
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
@@ -216,8 +210,7 @@ def test_grouped_page_outs_wait_for_a_full_group_or_whatever_needs_them(device):
     `drain`; a step cut short drops them unqueued and gets every buffer back. Until queued a
     copy has not run (on the CPU too: its buffer is still empty). Page-ins due at one point go
     behind one wait too (`page_in_launch_many`)."""
-    pool = sl.HostPool([16] * 6, device)
-    pool.group_out = 3
+    pool = sl.HostPool([16] * 6, device, group_out=3)
     for b in pool._bufs:  # host memory comes uninitialised: zeros tell "not copied yet"
         b.zero_()
     xs = [torch.full((4,), float(k + 1), device=device) for k in range(6)]

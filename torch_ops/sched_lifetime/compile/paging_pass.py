@@ -295,9 +295,7 @@ class GraphPager:
                     self.runs.append(_Run(pool=self._new_pool()))
 
     def _new_pool(self) -> HostPool:
-        pool = HostPool(list(self._sizes), device=self._device, two_way=self.two_way)
-        pool.group_out = self.group_out
-        return pool
+        return HostPool(list(self._sizes), device=self._device, two_way=self.two_way, group_out=self.group_out)
 
     # -- runs ------------------------------------------------------------------------------
 

@@ -44,7 +44,7 @@ import torch
 from .calibrate import Calibration
 from .paged import Paged, SavedVersion, pageable
 from .plan import Budget, explain_plan, page_plan
-from .pool import HostPool, wait_us
+from .pool import HostPool, check_group_out, wait_us
 
 
 def _check_settings(
@@ -68,12 +68,6 @@ def _check_settings(
     if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not slack >= 1:
         raise ValueError(f"slack must be a number >= 1, got {slack!r}")
     check_group_out(group_out)
-
-
-def check_group_out(group_out: Any, name: str = "group_out") -> None:
-    """`group_out` (`Pager`, `HostPool.group_out`; compile option `paging_group_out`): an int >= 1."""
-    if isinstance(group_out, bool) or not isinstance(group_out, int) or group_out < 1:
-        raise ValueError(f"{name} must be an int >= 1 (page-outs queued behind one wait; 1: each at once), got {group_out!r}")
 
 
 
@@ -226,8 +220,7 @@ class Pager:
         self._unpacks += 1
         pool = self.pool
         if pool is not None:
-            if pool._deferred:  # the backward started: the forward's last page-outs go now
-                pool.flush_out()
+            pool.flush_out()  # the backward started: the forward's last page-outs go now (if any wait)
             pool.release_done()
         # Prefetch: page-ins of the tensors read within `prefetch` unpacks from now are queued
         # now, so the copy runs under the backward's compute; the wait stays at the use.
@@ -343,8 +336,7 @@ class Pager:
             sizes, dev = cal.host_buffers(page)
             # A timed plan places every release; the count-based drain is only a backstop.
             drain = len(page) if timing is not None else self.drain_distance
-            self.pool = HostPool(sizes, dev, drain, two_way=self.two_way)
-            self.pool.group_out = self.group_out
+            self.pool = HostPool(sizes, dev, drain, two_way=self.two_way, group_out=self.group_out)
             self.pool.measure_waits = self.measure_waits and dev.type == "cuda"
             self.pool.take_figures()  # figures start with the first paged step
             self._stats["host_bytes"] = self.pool.bytes

@@ -25,6 +25,12 @@ from .slots import HostSlots
 from .streams import record, wait
 
 
+def check_group_out(group_out: Any) -> None:
+    """`group_out` (`HostPool`, `Pager`; compile option `paging_group_out`): an int >= 1."""
+    if isinstance(group_out, bool) or not isinstance(group_out, int) or group_out < 1:
+        raise ValueError(f"group_out must be an int >= 1 (page-outs queued behind one wait; 1: each at once), got {group_out!r}")
+
+
 def wait_us(marks: list[tuple]) -> float:
     """Compute-stream time (us) between each (before, after) event pair of `take_figures`'
     `page_in_waits`; synchronizes on the last one."""
@@ -60,9 +66,10 @@ class HostPool(HostSlots, Releases):
         (True, 0)
     """
 
-    def __init__(self, sizes: list[int], device: Any = "cpu", drain_distance: int = 16, two_way: bool = False) -> None:
+    def __init__(self, sizes: list[int], device: Any = "cpu", drain_distance: int = 16, two_way: bool = False, group_out: int = 1) -> None:
         if drain_distance < 0:
             raise ValueError(f"drain_distance must be >= 0, got {drain_distance}")
+        check_group_out(group_out)
         device = torch.device(device)
         HostSlots.__init__(self, sizes, pin=device.type == "cuda")
         Releases.__init__(self, device, drain_distance, two_way)
@@ -79,7 +86,7 @@ class HostPool(HostSlots, Releases):
         #: behind the same wait (H200, `benches/copy_enqueue_cost.py`). `page_out` defers its
         #: copy until this many wait (1: each queued at once); a group is held and released as
         #: one (`Releases._hold`'s count).
-        self.group_out = 1
+        self.group_out = group_out
         self._deferred: list[tuple] = []  # (slot, source tensor, handle), save order
         self._deferred_owner: Any = None  # the stream they were produced on
 
@@ -175,7 +182,7 @@ class HostPool(HostSlots, Releases):
         after = comp  # the one wait, queued with the first copy
         for p, out in zip(ps, outs):
             ev = None
-            if p.device.type == "cuda":
+            if cuda:
                 ev = self._queue_copy(page, after, out, self.view_of(p), self.slot_order, p.slot)
                 after = None
             else:
