@@ -17,6 +17,7 @@ import sched_lifetime as sl
 from sched_lifetime.calibrate import Calibration, format_costs, with_costs
 from sched_lifetime.models import CONFIGS, MoEModel
 
+import _spawned  # noqa: E402
 from _compile_parity import assert_matches_eager  # noqa: E402
 
 
@@ -229,6 +230,7 @@ def _two_rank_worker(rank: int, port: int, out: str) -> None:
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "torch_ops"))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    _spawned.start()
     dist.init_process_group("gloo", rank=rank, world_size=2)
     import sched_lifetime as sl
     from sched_lifetime import ep
@@ -264,7 +266,7 @@ def _two_rank_worker(rank: int, port: int, out: str) -> None:
     }
     with open(f"{out}.{rank}", "w") as f:
         json.dump(res, f)
-    dist.destroy_process_group()
+    _spawned.leave()
 
 
 def test_two_gloo_ranks_with_different_local_timings_agree_on_one_order(tmp_path):

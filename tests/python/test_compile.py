@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 import sched_lifetime as sl  # noqa: F401  (registers the backend)
 from sched_lifetime import compile as slc
 
+import _spawned  # noqa: E402
 from _compile_parity import STEPS, assert_matches_eager, same as _same, steps as _steps  # noqa: E402
 
 
@@ -664,6 +665,7 @@ def _spawn_two(worker, tmp_path, *args) -> list:
 
 def _join(rank: int, port: int, device: str = "cpu") -> None:
     """Join the 2-rank group (gloo on CPU, NCCL on this rank's GPU), deterministic kernels."""
+    _spawned.start()
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -719,7 +721,9 @@ def _moe_worker(rank: int, port: int, out: str, device: str = "cpu") -> None:
         orders = [None, None]
         dist.all_gather_object(orders, [h["order"] for h in graphs] + [order])
         torch.save({"ok": ok, "moved": moved, "same_order": orders[0] == orders[1], "cross": (cross, len(waits))}, os.path.join(out, f"rank{rank}.pt"))
-    finally:
+        _spawned.leave()
+    finally:  # a rank that raised: its traceback goes to the test
+
         dist.destroy_process_group()
 
 
@@ -760,7 +764,9 @@ def _moe_capture_worker(rank: int, port: int, out: str) -> None:
         captured = [bool(h["module"].sched_lifetime.get("cudagraphs")) for h in hist]
         cudagraph_trees.reset_cudagraph_trees()
         torch.save({"same": _same(got[None], got["sched_lifetime"]), "comm": comm, "captured": captured}, os.path.join(out, f"rank{rank}.pt"))
-    finally:
+        _spawned.leave()
+    finally:  # a rank that raised: its traceback goes to the test
+
         dist.destroy_process_group()
 
 
@@ -903,7 +909,9 @@ def _graph_step_worker(rank: int, port: int, out: str) -> None:
             launches.append(sum(n["kind"] == "comm_launch" for n in nodes))
             sources.append(sorted({n["source"] for n in nodes}))
         torch.save({"ok": ok, "control": [control.exact, control.within], "launches": launches, "sources": sources}, os.path.join(out, f"rank{rank}.pt"))
-    finally:
+        _spawned.leave()
+    finally:  # a rank that raised: its traceback goes to the test
+
         dist.destroy_process_group()
 
 

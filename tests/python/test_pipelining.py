@@ -20,6 +20,8 @@ from sched_lifetime.models.moe import CONFIGS, MoEModel, MoEStage, stage_io, wit
 from sched_lifetime.nodes import NodeDef
 from sched_lifetime.pipelining import GraphStage, NodeStage, describe, enable_overlap, overlapped
 
+import _spawned  # noqa: E402
+
 N_MB = 4
 STEPS = 3
 
@@ -118,6 +120,7 @@ def _run_arm(kind: str, cfg, stage_ids, n_stages: int, handler: bool, steps: int
 def _worker(rank: int, port: int, out: str, kind: str) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     world = 4 if kind == "dualpipev_ep2" else 2
+    _spawned.start()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.use_deterministic_algorithms(True)
     _no_self_p2p()
@@ -132,7 +135,7 @@ def _worker(rank: int, port: int, out: str, kind: str) -> None:
             ref = _run_arm(kind, cfg, [pr, 3 - pr], 4, False, STEPS, pp, ep)
             ours = _run_arm(kind, cfg, [pr, 3 - pr], 4, True, STEPS, pp, ep)
             torch.save({"ref": ref, "ours": ours}, os.path.join(out, f"rank{rank}.pt"))
-            return
+            _spawned.leave()
         if kind == "1f1b":
             n_stages, ids = 2, [rank]
         elif kind.startswith("dualpipev"):
@@ -153,7 +156,8 @@ def _worker(rank: int, port: int, out: str, kind: str) -> None:
         ref = _run_arm(kind, cfg, ids, n_stages, False, STEPS)
         ours = _run_arm(kind, cfg, ids, n_stages, True, STEPS, rank_group=singles[rank] if singles else None)
         torch.save({"ref": ref, "ours": ours}, os.path.join(out, f"rank{rank}.pt"))
-    finally:
+        _spawned.leave()
+    finally:  # a rank that raised: its traceback goes to the test
         dist.destroy_process_group()
 
 

@@ -28,6 +28,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.fx as fx  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+import _spawned  # noqa: E402
+
 STEPS = 2
 MODELS = ("deepseek_v3", "qwen3")
 BATCH, SEQ = 2, 32
@@ -146,6 +148,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "torch_ops"))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    _spawned.start()
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
     import torchtitan.distributed.parallel_dims as pdm
 
@@ -162,6 +165,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     finally:
         with open(f"{out}.{rank}", "w") as f:  # written on failure too: the test prints it
             json.dump(res, f)
+        if "error" not in res:
+            _spawned.leave()
         dist.destroy_process_group()
 
 
@@ -199,6 +204,7 @@ def _paging_worker(rank: int, port: int, out: str) -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "torch_ops"))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    _spawned.start()
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
     import torchtitan.distributed.parallel_dims as pdm
 
@@ -225,6 +231,8 @@ def _paging_worker(rank: int, port: int, out: str) -> None:
     finally:
         with open(f"{out}.{rank}", "w") as f:
             json.dump(res, f)
+        if "error" not in res:
+            _spawned.leave()
         dist.destroy_process_group()
 
 

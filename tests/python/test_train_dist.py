@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import _spawned
+
 
 def _port() -> int:
     with socket.socket() as s:
@@ -26,6 +28,7 @@ def _init(rank: int, port: int) -> None:
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "torch_ops"))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    _spawned.start()
     dist.init_process_group("gloo", rank=rank, world_size=2)
 
 
@@ -95,10 +98,7 @@ def _parity_worker(rank: int, port: int, out: str, config: str, capacity: float)
     res["expert_shard"] = arms["ours"].model.expert_parameters()[0].flatten()[:4].tolist()
     with open(f"{out}.{rank}", "w") as f:
         json.dump(res, f)
-    # Both ranks leave together: rank 0 aborted at exit now and then in CI ("terminate called
-    # without an active exception") when it tore its groups down after rank 1 had gone.
-    dist.barrier()
-    dist.destroy_process_group()
+    _spawned.leave()
 
 
 def _negative_controls(rank, arms, ref, plain, _parity, same_grads, compare, all_ranks) -> dict:
@@ -187,7 +187,7 @@ def _digest_worker(rank: int, port: int, out: str) -> None:
         msg = str(e)
     with open(f"{out}.{rank}", "w") as f:
         json.dump({"msg": msg, "seconds": time.monotonic() - start}, f)
-    dist.destroy_process_group()
+    _spawned.leave()
 
 
 def test_a_digest_mismatch_raises_on_both_ranks_naming_the_rank(tmp_path):
