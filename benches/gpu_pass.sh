@@ -30,8 +30,8 @@
 #                                       # one vs two page streams at 65536 tokens (issue 32)
 #   bash benches/gpu_pass.sh calib2 OUT # nvidia-h200-x2: the main job over NCCL, ours vs calibrated
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|final OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|final OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|final OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|final OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -94,6 +94,13 @@ s10c)
         --paging-b '{"paging_group_out": 4}' --profile --trace "$out/traces"
     step stalls 40 "$py" benches/trace_stalls.py "$out"/traces/*.json
     rm -rf "$out/traces"
+    ;;
+s10d)
+    # Issue 27, the least that answers it: the Qwen3-MoE A/B, group 1 (paging) vs 4 (paging_b),
+    # compiled alongside, 2 rounds, no traces.
+    export PYTHONUNBUFFERED=1
+    qwen_ab hf_qwen_rounds_g4 250 2 compiled,paging,paging_b '{"paging_budget": 1.0, "paging_slack": 1.1}' \
+        --paging-b '{"paging_group_out": 4}'
     ;;
 s10b)
     # Issue 27: s10a's A/B with group 8 and one profiled, traced step per arm (benches/trace_stalls.py).
