@@ -37,6 +37,10 @@ def no_spawn(monkeypatch):
         (["--page-budget", "1.5"], "--page-budget is a fraction of the saved activations, in [0, 1]; got 1.5"),
         (["--page-prefetch", "-2"], "--page-prefetch must be at least 0, got -2"),
         (["--costs", "/nonexistent/durations.json"], "--costs '/nonexistent/durations.json': no such file"),
+        (["--page-nodes", "L1.experts,L9.experts"], "--page-nodes 'L1.experts,L9.experts': ['L9.experts'] are not compute nodes of config 'tiny' with a backward; valid: embed,L0.attn,L0.shared,L0.experts,L0.post,L1.attn,L1.shared,L1.experts,L1.post,head"),
+        (["--page-nodes", "L1.experts,"], "--page-nodes 'L1.experts,': [''] are not compute nodes"),
+        (["--layers", "3", "--page-nodes", "L3.attn"], "['L3.attn'] are not compute nodes of config 'tiny' with a backward; valid: embed,L0.attn,L0.shared,L0.experts,L0.post,L1.attn,L1.shared,L1.experts,L1.post,L2.attn"),
+        (["--config", "tiny_dense", "--page-nodes", "L0.experts"], "['L0.experts'] are not compute nodes of config 'tiny_dense' with a backward; valid: embed,L0.attn,L0.mlp,L1.attn"),
     ],
 )
 def test_train_options_are_checked_before_any_rank_starts(argv, message, no_spawn, capsys):

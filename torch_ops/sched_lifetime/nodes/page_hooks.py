@@ -162,6 +162,13 @@ class PageHooks:
         return page_in
 
 
+def pageable_nodes(chunk: Any) -> list[str]:
+    """The nodes `enable_paging(nodes=...)` accepts, in forward order: compute nodes that have a
+    backward node (something reads what they save)."""
+    has_backward = {t["name"].split(".", 1)[1].removesuffix(".dw") for t in chunk._backward_table if t["kind"] == "compute"}
+    return [n.name for n in chunk.nodes if n.kind == "compute" and n.name in has_backward]
+
+
 def enable_paging(
     chunk: Chunk,
     example: dict[str, Any],
@@ -191,9 +198,7 @@ def enable_paging(
     chunk.page_release = release
     chunk._paged = set()
     chunk._rebuild()
-    # Eligible: compute nodes that have a backward node (something reads what they save).
-    has_backward = {t["name"].split(".", 1)[1].removesuffix(".dw") for t in chunk._backward_table if t["kind"] == "compute"}
-    compute = [n.name for n in chunk.nodes if n.kind == "compute" and n.name in has_backward]
+    compute = pageable_nodes(chunk)
     if nodes is not None:
         unknown = sorted(set(nodes) - set(compute))
         if unknown:

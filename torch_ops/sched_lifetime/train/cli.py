@@ -122,6 +122,13 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--calibrate-smoothing is the new times' weight, in (0, 1]; got {args.calibrate_smoothing}")
     if not 0 <= args.page_budget <= 1:
         p.error(f"--page-budget is a fraction of the saved activations, in [0, 1]; got {args.page_budget}")
+    if args.page_nodes:
+        names = args.page_nodes.split(",")
+        valid = pageable_nodes_of(args)
+        unknown = [x for x in names if x not in valid]
+        if unknown:
+            p.error(f"--page-nodes {args.page_nodes!r}: {unknown} are not compute nodes of config {args.config!r} "
+                    f"with a backward; valid: {','.join(valid)}")
     if args.costs:
         if not os.path.isfile(args.costs):
             p.error(f"--costs {args.costs!r}: no such file")
@@ -137,6 +144,23 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             os.makedirs(args.out, exist_ok=True)
         except OSError as e:
             p.error(f"--out {args.out!r}: cannot make that directory ({e.strerror})")
+
+
+def pageable_nodes_of(args: argparse.Namespace) -> list[str]:
+    """The nodes `--page-nodes` may name for `--config` (and `--layers`): the model built on the
+    meta device (no memory, no ranks), its chunk asked (`nodes.page_hooks.pageable_nodes`)."""
+    from dataclasses import replace
+
+    import torch
+
+    from ..models import CONFIGS, MoEModel
+    from ..nodes.page_hooks import pageable_nodes
+
+    cfg = CONFIGS[args.config]
+    if getattr(args, "layers", 0):
+        cfg = replace(cfg, layers=args.layers)
+    with torch.device("meta"):
+        return pageable_nodes(MoEModel(cfg, device="meta").chunk())
 
 
 def check_world(p: argparse.ArgumentParser, args: argparse.Namespace, use_cuda: bool) -> None:
