@@ -180,6 +180,18 @@ def check_world(p: argparse.ArgumentParser, args: argparse.Namespace, use_cuda: 
         p.error(f"--world {ranks}: config {args.config!r}'s {experts} experts do not shard over {ranks} EP ranks; use one of {divisors}")
 
 
+def spawned_worker(rank: int, world: int, args: argparse.Namespace, port: Optional[int]) -> None:
+    """`worker` in a rank this command spawned. Once it has returned (its table printed, its
+    group torn down) the process ends at once, without finalizing the interpreter: a spawned
+    gloo rank that finalized normally aborted now and then beside torch's gloo threads
+    ("terminate called without an active exception", seen in CI), failing a run whose work was
+    done. A rank that raises keeps its traceback (mp.spawn reports it)."""
+    worker(rank, world, args, port)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Parse, check the options and the arms, set the environment, and run every rank."""
     p = parser()
@@ -216,5 +228,5 @@ def main(argv: Optional[list[str]] = None) -> int:
     import torch.multiprocessing as mp
 
     say(args, f"starting {world} {'NCCL' if use_cuda else 'gloo'} ranks (each imports torch, then builds the arms: several seconds)")
-    mp.spawn(worker, args=(world, args, _free_port()), nprocs=world, join=True)
+    mp.spawn(spawned_worker, args=(world, args, _free_port()), nprocs=world, join=True)
     return 0
