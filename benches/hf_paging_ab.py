@@ -357,7 +357,10 @@ def main() -> None:
                 rows[arm]["fwd_host_ms"].append(host_clock["fwd"])
                 rows[arm]["bwd_host_ms"].append(host_clock["bwd"])
                 rows[arm].setdefault("hooks", []).append(dict(hook_clock))
-        rows[arm]["round_ms"].append(statistics.median(rows[arm]["ms"][-a.steps:]))
+        timed = a.steps  # after 2 warm-up steps
+        rows[arm]["round_ms"].append(statistics.median(rows[arm]["ms"][-timed:]))
+        # One line per arm and round as it ends: a run cut short still says what it measured.
+        print(f"round {rnd} {arm}: {rows[arm]['round_ms'][-1]:.1f} ms, peak {max(rows[arm]['peak'][-timed:]) / 2**20:.0f} MiB", flush=True)
         if a.profile and dev.type == "cuda" and last:
             trace = os.path.join(a.trace, f"{a.model}_{arm}.json") if a.trace else ""
             rows[arm]["profile"] = profiled(lambda: one_step(arm, run, batches[-1].to(dev)), model, trace)
