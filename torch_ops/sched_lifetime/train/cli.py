@@ -151,8 +151,6 @@ def pageable_nodes_of(args: argparse.Namespace) -> list[str]:
     meta device (no memory, no ranks), its chunk asked (`nodes.page_hooks.pageable_nodes`)."""
     from dataclasses import replace
 
-    import torch
-
     from ..models import CONFIGS, MoEModel
     from ..nodes.page_hooks import pageable_nodes
 
