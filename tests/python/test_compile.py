@@ -723,7 +723,6 @@ def _moe_worker(rank: int, port: int, out: str, device: str = "cpu") -> None:
         torch.save({"ok": ok, "moved": moved, "same_order": orders[0] == orders[1], "cross": (cross, len(waits))}, os.path.join(out, f"rank{rank}.pt"))
         _spawned.leave()
     finally:  # a rank that raised: its traceback goes to the test
-
         dist.destroy_process_group()
 
 
@@ -766,7 +765,6 @@ def _moe_capture_worker(rank: int, port: int, out: str) -> None:
         torch.save({"same": _same(got[None], got["sched_lifetime"]), "comm": comm, "captured": captured}, os.path.join(out, f"rank{rank}.pt"))
         _spawned.leave()
     finally:  # a rank that raised: its traceback goes to the test
-
         dist.destroy_process_group()
 
 
@@ -911,7 +909,6 @@ def _graph_step_worker(rank: int, port: int, out: str) -> None:
         torch.save({"ok": ok, "control": [control.exact, control.within], "launches": launches, "sources": sources}, os.path.join(out, f"rank{rank}.pt"))
         _spawned.leave()
     finally:  # a rank that raised: its traceback goes to the test
-
         dist.destroy_process_group()
 
 
