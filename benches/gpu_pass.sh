@@ -66,41 +66,37 @@ qwen_ab() {  # qwen_ab NAME SECS ROUNDS ARMS PAGING_JSON [MORE ARGS]: qwen_big's
         --set hidden_size=2048,num_attention_heads=32,num_key_value_heads=8,num_experts=16,moe_intermediate_size=1024 \
         --arms "$arms" --paging "$paging" --out "$out/$name.json" "$@"
 }
+qwen_group4() {  # qwen_group4 SECS [MORE ARGS]: qwen_ab over 2 rounds at budget 1.0 / slack 1.1, group 1 (paging) vs 4 (paging_b)
+    local secs=$1
+    shift
+    qwen_ab hf_qwen_rounds_g4 "$secs" 2 compiled,paging,paging_b '{"paging_budget": 1.0, "paging_slack": 1.1}' \
+        --paging-b '{"paging_group_out": 4}' "$@"
+}
 case "$mode" in
-s10a)
-    # Issue 27: grouped page-outs (paging_group_out: copies queued behind one wait). The copy
+s10a|s10c)
+    # Issue 27: grouped page-outs (paging_group_out: copies queued behind one wait). The paging
+    # cuda tests (grouped arms included); the Qwen3-MoE A/B at budget 1.0 / slack 1.1, group 1
+    # (paging) vs 4 (paging_b), compiled alongside, 2 rounds, and one profiled + traced step per
+    # arm after the last round: the compute stream's idle time split (benches/trace_stalls.py).
+    # Page-ins due at one point go behind one wait in both paging arms. s10a then runs the copy
     # cost bench with its controls (a wait on a done event; a kernel launched right after the
-    # compute stream waits on a running copy: a release); the paging cuda tests (grouped arms
-    # included); the Qwen3-MoE A/B at budget 1.0 / slack 1.1, group 1 (paging) vs 4 (paging_b),
-    # compiled alongside, 2 rounds, and one profiled + traced step per arm after the last round:
-    # the compute stream's idle time split (benches/trace_stalls.py). Page-ins due at one point
-    # go behind one wait in both paging arms.
+    # compute stream waits on a running copy: a release); s10c, trimmed to 690 s of device time
+    # left, does not and gives the A/B less time.
     export PYTHONUNBUFFERED=1
     step paging_cuda 100 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_paging_pool.py tests/python/test_paging_pager.py \
         tests/python/test_compile.py -k "paging or pool or pager or page"
-    qwen_ab hf_qwen_rounds_g4 280 2 compiled,paging,paging_b '{"paging_budget": 1.0, "paging_slack": 1.1}' \
-        --paging-b '{"paging_group_out": 4}' --profile --trace "$out/traces"
-    step stalls 60 "$py" benches/trace_stalls.py "$out"/traces/*.json
+    if [ "$mode" = s10a ]; then ab_secs=280 stall_secs=60; else ab_secs=260 stall_secs=40; fi
+    qwen_group4 "$ab_secs" --profile --trace "$out/traces"
+    step stalls "$stall_secs" "$py" benches/trace_stalls.py "$out"/traces/*.json
     rm -rf "$out/traces"
-    step copy_enqueue_cost 60 "$py" benches/copy_enqueue_cost.py --controls --json "$out/copy_enqueue_cost.json"
-    ;;
-s10c)
-    # Issue 27, s10a trimmed to the device time left (690 s): the paging cuda tests and the
-    # Qwen3-MoE A/B (group 1 vs 4) with one traced step per arm; no copy cost controls.
-    export PYTHONUNBUFFERED=1
-    step paging_cuda 100 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_paging_pool.py tests/python/test_paging_pager.py \
-        tests/python/test_compile.py -k "paging or pool or pager or page"
-    qwen_ab hf_qwen_rounds_g4 260 2 compiled,paging,paging_b '{"paging_budget": 1.0, "paging_slack": 1.1}' \
-        --paging-b '{"paging_group_out": 4}' --profile --trace "$out/traces"
-    step stalls 40 "$py" benches/trace_stalls.py "$out"/traces/*.json
-    rm -rf "$out/traces"
+    if [ "$mode" = s10a ]; then
+        step copy_enqueue_cost 60 "$py" benches/copy_enqueue_cost.py --controls --json "$out/copy_enqueue_cost.json"
+    fi
     ;;
 s10d)
-    # Issue 27, the least that answers it: the Qwen3-MoE A/B, group 1 (paging) vs 4 (paging_b),
-    # compiled alongside, 2 rounds, no traces.
+    # Issue 27, the least that answers it: s10a's A/B alone, no traces.
     export PYTHONUNBUFFERED=1
-    qwen_ab hf_qwen_rounds_g4 250 2 compiled,paging,paging_b '{"paging_budget": 1.0, "paging_slack": 1.1}' \
-        --paging-b '{"paging_group_out": 4}'
+    qwen_group4 250
     ;;
 s10b)
     # Issue 27: s10a's A/B with group 8 and one profiled, traced step per arm (benches/trace_stalls.py).

@@ -156,7 +156,7 @@ MORE = {
 #: beside an MoE one where the family has them). Qwen3-Next is not here: its backward fails under
 #: aot_eager itself in torch 2.11 ("view size is not compatible with input tensor's size and
 #: stride", in AOTAutograd's compiled backward), so under our backend too, with the same error.
-_TWO = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+_TWO = {**{k: v for k, v in COMMON.items() if k != "vocab_size"}, "num_hidden_layers": 2}  # the test adds vocab_size
 MORE.update({
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(_TWO, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                  n_shared_experts=1, first_k_dense_replace=1, head_dim=8, n_group=1, topk_group=1), None),

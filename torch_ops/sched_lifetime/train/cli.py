@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from .arms import arms_help, check_arms, default_arms
-from .loop import say, worker
+from .loop import config_of, say, worker
 
 
 def _free_port() -> int:
@@ -149,16 +149,11 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 def pageable_nodes_of(args: argparse.Namespace) -> list[str]:
     """The nodes `--page-nodes` may name for `--config` (and `--layers`): the model built on the
     meta device (no memory, no ranks), its chunk asked (`nodes.page_hooks.pageable_nodes`)."""
-    from dataclasses import replace
-
-    from ..models import CONFIGS, MoEModel
+    from ..models import MoEModel
     from ..nodes.page_hooks import pageable_nodes
 
-    cfg = CONFIGS[args.config]
-    if getattr(args, "layers", 0):
-        cfg = replace(cfg, layers=args.layers)
     with torch.device("meta"):
-        return pageable_nodes(MoEModel(cfg, device="meta").chunk())
+        return pageable_nodes(MoEModel(config_of(args), device="meta").chunk())
 
 
 def check_world(p: argparse.ArgumentParser, args: argparse.Namespace, use_cuda: bool) -> None:

@@ -69,15 +69,20 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: Optional[int])
             dist.destroy_process_group()
 
 
+def config_of(args: argparse.Namespace) -> Any:
+    """The model config the job runs: `--config`, with `--layers` when given."""
+    from ..models import CONFIGS
+
+    cfg = CONFIGS[args.config]
+    return replace(cfg, layers=args.layers) if getattr(args, "layers", 0) else cfg
+
+
 def run(args: argparse.Namespace, use_cuda: bool) -> dict:
     """Every arm of `args.arms` on this rank, side by side; rank 0 gets {"table", "json"}."""
     from .. import ep as ep_mod
-    from ..models import CONFIGS
 
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    cfg = CONFIGS[args.config]
-    if args.layers:
-        cfg = replace(cfg, layers=args.layers)
+    cfg = config_of(args)
     spec = _link_spec(args)
     if spec is not None:  # one process emulating EP=K over host memory (`ep_link`)
         group = None
