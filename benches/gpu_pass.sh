@@ -30,8 +30,8 @@
 #                                       # one vs two page streams at 65536 tokens (issue 32)
 #   bash benches/gpu_pass.sh calib2 OUT # nvidia-h200-x2: the main job over NCCL, ours vs calibrated
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|final OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|final OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s11a|final OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s11a|final OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -73,6 +73,23 @@ qwen_group4() {  # qwen_group4 SECS [MORE ARGS]: qwen_ab over 2 rounds at budget
         --paging-b '{"paging_group_out": 4}' "$@"
 }
 case "$mode" in
+s11a)
+    # Issue 27: where the paged step's extra GPU time goes, and the pitched page copy (a saved
+    # slice with gaps, the experts' gate and up halves, moved by the copy engine alone: no gather
+    # or scatter kernel, no device temporary). The paging cuda tests (pitched ones included);
+    # the Qwen3-MoE A/B at budget 1.0 / slack 1.1, compiled, paging (pitched copies, the
+    # default), paging_gather (torch's copy_: the default before), 3 rounds, one profiled and
+    # traced step per arm after the last: the compute stream's idle time split, and each paged
+    # trace's kernels against the compiled one's (benches/trace_stalls.py --kernels-vs).
+    export PYTHONUNBUFFERED=1
+    step paging_cuda 120 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_paging_pitched.py tests/python/test_paging_pool.py \
+        tests/python/test_paging_pager.py tests/python/test_paging_groups.py tests/python/test_compile.py -k "paging or pool or pager or page or pitched or group"
+    qwen_ab hf_qwen_rounds_s11 300 3 compiled,paging,paging_gather '{"paging_budget": 1.0, "paging_slack": 1.1}' --profile --trace "$out/traces"
+    step stalls 60 "$py" benches/trace_stalls.py "$out"/traces/*.json
+    step kernels 60 "$py" benches/trace_stalls.py --kernels-vs "$out/traces/qwen3_moe_compiled.json" "$out/traces/qwen3_moe_paging.json" \
+        "$out/traces/qwen3_moe_paging_gather.json"
+    rm -rf "$out/traces"
+    ;;
 s10a|s10c)
     # Issue 27: grouped page-outs (paging_group_out: copies queued behind one wait). The paging
     # cuda tests (grouped arms included); the Qwen3-MoE A/B at budget 1.0 / slack 1.1, group 1

@@ -14,6 +14,10 @@ step, no optimizer step, so every arm computes the same gradients):
     paging_pycopy  the same, each page copy's CUDA calls made one by one from Python
                  (`PageStreams.native_copy = False`); the paging arm queues each copy with one
                  native call (the library's default)
+    paging_gather  the same, a saved tensor with gaps (the halves of the experts' fused gate/up
+                 projection) copied by torch's copy_, a gather (scatter) kernel and a device
+                 temporary per copy (`PageStreams.pitched_copy = False`); the paging arm moves
+                 it with one pitched copy on the copy engine (`paging/pitched.py`, the default)
     paging_b     the paging arm with `--paging-b` options over its own: two paging settings
                  A/B in one run (e.g. `--paging-b '{"paging_group_out": 4}'`)
     compiled_dma   compiled, with copies between device and pinned host memory queued on a side
@@ -84,9 +88,9 @@ TINY_EXTRA = {
                         n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16,
                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
 }
-ARMS = ("eager", "eager_again", "save_on_cpu", "aot_eager", "compiled", "cudagraphs", "paging", "paging_pycopy", "paging_b", "compiled_dma")
+ARMS = ("eager", "eager_again", "save_on_cpu", "aot_eager", "compiled", "cudagraphs", "paging", "paging_pycopy", "paging_gather", "paging_b", "compiled_dma")
 REFERENCE = {"eager": "eager", "eager_again": "eager", "save_on_cpu": "eager", "aot_eager": "aot_eager", "compiled": "aot_eager", "cudagraphs": "aot_eager",
-             "paging": "aot_eager", "paging_pycopy": "aot_eager", "paging_b": "aot_eager", "compiled_dma": "aot_eager"}
+             "paging": "aot_eager", "paging_pycopy": "aot_eager", "paging_gather": "aot_eager", "paging_b": "aot_eager", "compiled_dma": "aot_eager"}
 
 
 
@@ -310,9 +314,10 @@ def main() -> None:
         elif arm == "aot_eager":
             run = torch.compile(model, backend="aot_eager")
         else:
-            opts = paging_opts if arm in ("paging", "paging_pycopy") else {**paging_opts, **json.loads(a.paging_b or "{}")} if arm == "paging_b" else {} if arm == "compiled_dma" else {"cudagraphs": True} if arm == "cudagraphs" else {}
+            opts = paging_opts if arm in ("paging", "paging_pycopy", "paging_gather") else {**paging_opts, **json.loads(a.paging_b or "{}")} if arm == "paging_b" else {} if arm == "compiled_dma" else {"cudagraphs": True} if arm == "cudagraphs" else {}
             run = torch.compile(model, backend="sched_lifetime", options=opts)
         PageStreams.native_copy = arm != "paging_pycopy"
+        PageStreams.pitched_copy = arm != "paging_gather"
         for step, ids in enumerate(batches):
             ids = ids.to(dev)
             for p in model.parameters():
@@ -389,7 +394,7 @@ def main() -> None:
           + (f", {a.rounds} rounds of the arms (medians over all rounds' steps)" if a.rounds > 1 else ""))
     print(f"{'arm':<14}{'step ms':>9}{'vs ref':>9}{'peak MiB':>10}{'saved':>8}  {'against':<10}{'parity':>7}")
     measured_against = {"eager": "eager", "eager_again": "eager", "save_on_cpu": "eager", "aot_eager": "aot_eager", "compiled": "aot_eager",
-                        "cudagraphs": "compiled", "paging": "compiled", "paging_pycopy": "compiled", "paging_b": "compiled", "compiled_dma": "compiled"}
+                        "cudagraphs": "compiled", "paging": "compiled", "paging_pycopy": "compiled", "paging_gather": "compiled", "paging_b": "compiled", "compiled_dma": "compiled"}
     for arm in arms:
         r = rows[arm]
         # A captured arm's memory is its graph pool, allocated at capture and held: the peak

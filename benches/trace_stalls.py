@@ -13,6 +13,11 @@ is split by when the next kernel was launched (its runtime call, matched by corr
 and the host's side: the CUDA runtime calls and the operators (inclusive times) that took the
 most time.
 
+`--kernels-vs REF`: where the compute stream's busy time grew against a reference trace (an
+unpaged step): per kernel name the count and time in both, the largest differences first, and
+the extra time of kernels seen in REF (each against its name's median there) split by whether a
+copy ran under at least half of the kernel (the copies' memory traffic slowing it) or not.
+
 `--host-speed REF`: how fast the host thread ran over the step, against a reference trace (an
 unpaged step): each operator's self time (its time minus the operators and runtime calls it
 made) divided by the median self time of the same operator in REF, the median of those ratios
@@ -22,6 +27,7 @@ above 1 in the starred bins only.
 
     python benches/trace_stalls.py TRACE.json [TRACE2.json ...]
     python benches/trace_stalls.py --host-speed REF.json TRACE.json [...]
+    python benches/trace_stalls.py --kernels-vs REF.json TRACE.json [...]
 """
 
 from __future__ import annotations
@@ -96,6 +102,50 @@ def analyse(events: list) -> dict:
             "our_ops": [(k, v / 1e3, counts[k]) for k, v in ops.most_common() if "sched_lifetime" in k]}
 
 
+def compute_kernels(events: list) -> list:
+    """The kernels of the stream that ran the most, in time order."""
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    streams = collections.Counter(e["args"].get("stream") for e in kernels)
+    if not streams:
+        return []
+    compute = streams.most_common(1)[0][0]
+    return sorted((e for e in kernels if e["args"].get("stream") == compute), key=lambda e: e["ts"])
+
+
+def kernels_vs(ref: list, events: list, width: int = 90) -> dict:
+    """The compute stream's kernels of `events` against `ref`'s (see the module docstring)."""
+    rk, ks = compute_kernels(ref), compute_kernels(events)
+    by_ref, by = collections.defaultdict(list), collections.defaultdict(list)
+    for e in rk:
+        by_ref[e["name"][:width]].append(e["dur"])
+    for e in ks:
+        by[e["name"][:width]].append(e["dur"])
+    rows = [(n, len(by_ref.get(n, ())), sum(by_ref.get(n, ())) / 1e3, len(by.get(n, ())), sum(by.get(n, ())) / 1e3)
+            for n in set(by_ref) | set(by)]
+    rows.sort(key=lambda r: -abs(r[4] - r[2]))
+    copies = union([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e.get("cat") == "gpu_memcpy"])
+    med = {n: statistics.median(v) for n, v in by_ref.items()}
+    under = free = new = 0.0
+    n_under = n_free = 0
+    for e in ks:
+        n = e["name"][:width]
+        if n not in med:
+            new += e["dur"]
+            continue
+        a, b = e["ts"], e["ts"] + e["dur"]
+        cov = sum(max(0.0, min(b, c1) - max(a, c0)) for c0, c1 in copies if c0 < b and c1 > a)
+        if e["dur"] > 0 and cov >= 0.5 * e["dur"]:
+            under += e["dur"] - med[n]
+            n_under += 1
+        else:
+            free += e["dur"] - med[n]
+            n_free += 1
+    return {"busy_ref_ms": sum(e["dur"] for e in rk) / 1e3, "busy_ms": sum(e["dur"] for e in ks) / 1e3,
+            "kernels_ref": len(rk), "kernels": len(ks), "rows": rows[:12],
+            "extra_under_copy_ms": under / 1e3, "kernels_under_copy": n_under,
+            "extra_no_copy_ms": free / 1e3, "kernels_no_copy": n_free, "new_names_ms": new / 1e3}
+
+
 def self_times(events: list) -> tuple[list, float, list]:
     """(start us from the first operator, name, self time us) of every operator on the host, the
     forward's end (the first backward event, same origin) and the device -> host copies'
@@ -147,6 +197,7 @@ def host_speed(ref: list, events: list, bin_us: float = 10_000) -> tuple[list, f
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("traces", nargs="+")
+    ap.add_argument("--kernels-vs", metavar="REF", help="each trace's compute-stream kernels against REF's")
     ap.add_argument("--host-speed", metavar="REF", help="per 10 ms of each trace, its operators' self times against REF's")
     a = ap.parse_args()
     if a.host_speed:
@@ -155,6 +206,17 @@ def main() -> None:
             bins, fwd_end = host_speed(ref, load(path))
             print(f"{path.rsplit('/', 1)[-1]}: forward ends at {fwd_end:.0f} ms; per 10 ms, operators' self time / REF's (* = D2H copy > half):")
             print("    " + " ".join(f"{t:.0f}:{'-' if r is None else f'{r:.2f}'}{'*' if c > 0.5 else ''}" for t, r, c in bins))
+        return
+    if a.kernels_vs:
+        ref = load(a.kernels_vs)
+        for path in a.traces:
+            r = kernels_vs(ref, load(path))
+            print(f"{path.rsplit('/', 1)[-1]}: busy {r['busy_ms']:.1f} ms in {r['kernels']} kernels, REF {r['busy_ref_ms']:.1f} ms in {r['kernels_ref']}; "
+                  f"against REF's median per name: {r['extra_under_copy_ms']:+.2f} ms in {r['kernels_under_copy']} kernels under a copy, "
+                  f"{r['extra_no_copy_ms']:+.2f} ms in {r['kernels_no_copy']} not; kernels REF lacks {r['new_names_ms']:.2f} ms")
+            print(f"    {'REF n':>6} {'REF ms':>8} {'n':>6} {'ms':>8}  kernel")
+            for n, rn, rms, kn, kms in r["rows"]:
+                print(f"    {rn:>6} {rms:>8.2f} {kn:>6} {kms:>8.2f}  {n}")
         return
     print(f"{'trace':<40}{'span ms':>9}{'busy':>8}{'idle':>8}{'host late':>10}{'stalled':>9}{'under copy':>11}{'copies':>8}")
     for path in a.traces:

@@ -78,3 +78,26 @@ def test_host_speed_compares_self_times_per_bin_and_marks_the_copies():
     assert bins[0] == (0.0, pytest.approx(2.0), pytest.approx(0.8))
     assert bins[1][0] == 10.0 and bins[1][1] == pytest.approx(1.0) and bins[1][2] == 0.0  # 25 - 15 = 10 us: not slower
     assert trace_stalls.host_speed(ref[:10], slow)[0][0][1] is None  # seen < 20 times in REF: no ratio
+
+
+def test_kernels_vs_splits_extra_busy_time_by_copies_and_names_new_kernels():
+    """`--kernels-vs`: each kernel against its name's median in REF; under a copy when a copy ran
+    under half of it or more; kernels whose name REF lacks counted apart."""
+    ref = [kernel(i * 100, 10, i, name="fill") for i in range(3)] + [kernel(400, 20, 9, name="gemm")]
+    events = [
+        kernel(0, 14, 1, name="fill"),  # under the copy (0..10 of 14 us): +4
+        kernel(100, 10, 2, name="fill"),  # no copy: +0
+        kernel(200, 13, 3, name="fill"),  # copy covers 2 of 13 us: not under, +3
+        kernel(400, 20, 4, name="gemm"),
+        kernel(500, 5, 5, name="copy_strided"),  # REF lacks it
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 0, "dur": 10, "args": {}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 211, "dur": 2, "args": {}},
+    ]
+    r = trace_stalls.kernels_vs(ref, events)
+    assert r["kernels_ref"] == 4 and r["kernels"] == 5
+    assert r["busy_ref_ms"] == pytest.approx(0.050) and r["busy_ms"] == pytest.approx(0.062)
+    assert r["extra_under_copy_ms"] == pytest.approx(0.004) and r["kernels_under_copy"] == 1
+    assert r["extra_no_copy_ms"] == pytest.approx(0.003) and r["kernels_no_copy"] == 3
+    assert r["new_names_ms"] == pytest.approx(0.005)
+    assert r["rows"][0] == ("fill", 3, pytest.approx(0.030), 3, pytest.approx(0.037))  # the largest difference first
+    assert ("copy_strided", 0, 0.0, 1, pytest.approx(0.005)) in r["rows"]

@@ -2,12 +2,13 @@
 
 A node often saves several views of one storage (the same tensor twice; q, k and v of one
 projection). `group_plan` lays them out so each storage moves once and the page-in rebuilds
-them as views of one block; the layout helpers (`_dense`, `_contiguous`, `_extent`) say how
+them as views of one block; the layout helpers (`_dense`, `_contiguous`, `compact`, `_extent`) say how
 a tensor's bytes sit in its storage.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -40,6 +41,20 @@ def _contiguous(shape: tuple) -> tuple:
     return tuple(reversed(out))
 
 
+@functools.lru_cache(maxsize=4096)
+def compact(shape: tuple, stride: tuple) -> tuple:
+    """Dense strides for `shape` in the dimension order of `stride` (innermost = smallest
+    stride; ties and size-1 dimensions in their place from the right): the layout a tensor with
+    gaps has on the host, its gaps removed."""
+    order = sorted(range(len(shape)), key=lambda d: (stride[d], -d))
+    out = [0] * len(shape)
+    step = 1
+    for d in order:
+        out[d] = step
+        step *= max(shape[d], 1)
+    return tuple(out)
+
+
 def _extent(t: torch.Tensor) -> int:
     """Bytes from `t`'s first element to just past its last (0 when empty)."""
     if t.numel() == 0:
@@ -65,7 +80,7 @@ def group_plan(ts: Sequence[torch.Tensor]) -> GroupPlan:
     span are copied once when they hold no more than the distinct views do (the same tensor
     saved twice, or q, k and v of one projection, move once, and the page-in rebuilds them as
     views of one storage: they alias as before, strides and all); otherwise each distinct view
-    on its own (one with gaps packed contiguous). Segments are `GROUP_ALIGN`-aligned. Depends
+    on its own (one with gaps packed dense: `compact`). Segments are `GROUP_ALIGN`-aligned. Depends
     only on the tensors' storages, offsets, shapes, strides and dtypes: the same every step of
     a fixed-shape model, so calibration sizes the pool with it."""
     by_storage: dict[int, list[int]] = {}

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .groups import _contiguous, group_plan
+from .groups import compact, group_plan
 from .paged import Paged, _check_restorable
 from .release import Releases
 from .slot_order import SlotOrder
@@ -283,7 +283,7 @@ class HostPool(HostSlots, Releases):
                 self.slot_order.after(slot, page)  # the scatters below read the device block only
             for o, p in zip(outs, ps):
                 if p.packed:
-                    o.copy_(on_block(p, _contiguous(p.shape)))
+                    o.copy_(on_block(p, compact(p.shape, p.stride)))  # as `view` laid it out
         if cuda:
             ev = self._event()
             record(ev, page)

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .groups import _dense
+from .groups import _dense, compact
 from .paged import Paged
 
 
@@ -74,14 +74,16 @@ class HostSlots:
         self._free[self._bufs[slot].numel()].append(slot)
 
     def view(self, slot: int, shape: tuple, dtype: torch.dtype, stride: Optional[tuple] = None, offset: int = 0) -> torch.Tensor:
-        """Buffer `slot` seen as a tensor of `shape` and `dtype`, contiguous or with `stride`
+        """Buffer `slot` seen as a tensor of `shape` and `dtype`: contiguous, or with `stride`
         when that layout is dense (then a page copy is one block, with no gather kernel and no
-        device temporary); made once per key: a step pages the same shapes every time."""
+        device temporary), or, a layout with gaps, in `stride`'s dimension order with the gaps
+        removed (`pitched.compact`: a slice's rows back to back, which a pitched copy moves
+        with no kernel either); made once per key: a step pages the same shapes every time."""
         key = (slot, tuple(shape), dtype, stride, offset)
         v = self._views.get(key)
         if v is None:
             if stride is not None and not _dense(shape, stride):
-                stride = None
+                stride = compact(tuple(shape), tuple(stride))
             flat = self._bufs[slot][offset : offset + math.prod(shape) * dtype.itemsize].view(dtype)
             v = self._views[key] = flat.view(shape) if stride is None else flat.as_strided(shape, stride)
         return v

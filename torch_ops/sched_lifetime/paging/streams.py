@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import torch
 
 from .._ops import direct
+from . import pitched
 from ..executor import TWO_WAY_CAPTURE, SideStreams
 
 
@@ -106,6 +107,10 @@ class PageStreams:
     #: benches/gpu_pass.sh s9a OUT`) the poison tests passed both ways and a page-out + page-in
     #: took 37.9 us of host against 44.6 (`benches/page_host_parts.py`).
     native_copy = True
+    #: A tensor with one level of gaps (a slice of a wider one) copied by the copy engine alone
+    #: (`pitched.py`: one `cudaMemcpy2DAsync`, no gather or scatter kernel, no device temporary);
+    #: False: torch's copy_ (the A/B's other arm).
+    pitched_copy = True
 
     def _queue_copy(self, page: Any, comp: Any, dst: torch.Tensor, src: torch.Tensor, order: Any, slot: int) -> Any:
         """`dst.copy_(src)` queued on `page` after the work queued on `comp` so far (None: the
@@ -116,6 +121,15 @@ class PageStreams:
         which the calls from Python make); the same CUDA calls either way."""
         done = self._event()
         w = order.wait_for(slot, page)  # the slot rule, asked once for either way of queueing
+        two_d = None if dst.is_contiguous() and src.is_contiguous() or not self.pitched_copy else pitched.plan(dst, src)
+        if two_d is not None:
+            if comp is not None:
+                self._after(page, comp)
+            order.queue_wait(w, page)
+            pitched.queue(two_d, page)
+            record(done, page)
+            order.after(slot, page)
+            return done
         mark = self._mark
         if self.native_copy and _page_copy is not None and (mark is not None or comp is None):
             h_mark, h_done, h_slot = 0 if comp is None else mark.cuda_event, done.cuda_event, order.event(slot).cuda_event

@@ -1,0 +1,166 @@
+"""The pitched page copy (`paging/pitched.py`, `groups.compact`): a saved tensor with one level of
+gaps (a slice of a wider one: the halves of a fused gate/up projection) laid out on the host with
+its gaps removed and moved by one `cudaMemcpy2DAsync`, with no gather or scatter kernel."""
+
+import pytest
+import torch
+
+import sched_lifetime as sl
+from sched_lifetime.paging import pitched, streams
+from sched_lifetime.paging.groups import compact
+
+
+def layout(t):
+    return tuple(t.shape), t.stride(), t.element_size()
+
+
+def test_pitch_of_names_rows_of_a_dense_block_at_a_constant_pitch_and_nothing_else():
+    gate_up = torch.empty(64, 2 * 256, dtype=torch.bfloat16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert pitched.pitch_of(*layout(gate)) == (512, 64, 1024) == pitched.pitch_of(*layout(up))
+    three = torch.empty(2, 8, 3 * 128)[..., 128:256]  # (batch, tokens, 3n)[..., n:2n]: batch x tokens rows
+    assert pitched.pitch_of(*layout(three)) == (512, 16, 3 * 512)
+    assert pitched.pitch_of(*layout(torch.empty(4, 1, 2 * 128)[..., :128])) == (512, 4, 1024)  # size-1 dims do not count
+    assert pitched.pitch_of(*layout(torch.empty(64, 256))) is None  # dense
+    assert pitched.pitch_of(*layout(torch.empty(256, 64).t())) is None  # dense, transposed
+    assert pitched.pitch_of(*layout(torch.empty(8, 2 * 256)[::2, :256])) == (1024, 4, 4096)  # every other row: one pitch
+    assert pitched.pitch_of(*layout(torch.empty(4, 8, 2 * 256)[::2, :, :256])) is None  # a second level of gaps
+    assert pitched.pitch_of(*layout(torch.empty(64, 2 * 64)[:, :64])) is None  # 256-byte rows: torch's copy
+    assert pitched.pitch_of(*layout(torch.empty(64, 512)[:, ::2])) is None  # no dense rows at all
+    assert pitched.pitch_of(*layout(torch.empty(0, 2 * 256)[:, :256])) is None  # empty
+    assert pitched.pitch_of(*layout(torch.ones(3, 1).expand(3, 512))) is None  # elements share memory
+
+
+def test_compact_keeps_the_dimension_order_and_drops_the_gaps():
+    x = torch.empty(4, 6)[:, 3:]
+    assert compact(tuple(x.shape), x.stride()) == (3, 1)
+    t = torch.empty(6, 4).t()[:, :2]  # shape (4, 2), strides (1, 4): a slice of a transposed tensor
+    assert compact(tuple(t.shape), t.stride()) == (1, 4)
+    d = torch.empty(3, 5).t()
+    assert compact(tuple(d.shape), d.stride()) == d.stride()  # a dense layout is its own
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.arange(64 * 512, dtype=torch.float32).reshape(64, 512).chunk(2, dim=-1)[1],
+    lambda: torch.arange(6 * 40, dtype=torch.float32).reshape(6, 40).t()[:, 1:4],  # gaps, transposed
+    lambda: torch.arange(4 * 8 * 512, dtype=torch.float32).reshape(4, 8, 512)[::2, :, :256],  # two levels of gaps
+])
+def test_a_tensor_with_gaps_sits_dense_on_the_host_and_comes_back_with_its_strides(make):
+    """`HostPool`: the host view of a tensor with gaps is dense in its dimension order
+    (`compact`), and page_out / page_in, alone and in a group, give it back equal, strides
+    kept."""
+    t = make()
+    n = t.numel() * t.element_size()
+    pool = sl.HostPool([n])
+    p = pool.page_out(t)
+    host = pool.view_of(p)
+    assert host.stride() == compact(tuple(t.shape), t.stride()) and torch.equal(host, t)
+    back = pool.page_in(p)
+    assert torch.equal(back, t) and back.stride() == t.stride()
+    plan = sl.paging.group_plan([t, torch.randn(5)])
+    gpool = sl.HostPool([plan.nbytes])
+    gback, _ = gpool.page_in_group(gpool.page_out_group([t, torch.randn(5)]))
+    assert torch.equal(gback[0], t) and gback[0].stride() == t.stride()
+
+
+def test_plan_takes_only_a_device_tensor_with_gaps_and_its_compact_pinned_host_side():
+    """On the CPU (no device tensor) there is nothing to plan: torch's copy applies."""
+    t = torch.empty(64, 512).chunk(2, dim=-1)[0]
+    host = torch.empty_strided(tuple(t.shape), compact(tuple(t.shape), t.stride()))
+    assert pitched.plan(host, t) is None and pitched.plan(t, host) is None
+
+
+def test_queue_copy_sends_a_pitched_copy_with_the_waits_and_records_around_it(monkeypatch):
+    """`PageStreams._queue_copy` (CPU, stand-ins): a copy `pitched.plan` takes is queued as one
+    pitched copy after the compute stream's work and the slot rule's wait, with the done and
+    slot events recorded behind it; `pitched_copy = False` sends it to torch's copy."""
+    log = []
+
+    class Ev:
+        def __init__(self, h):
+            self.cuda_event = h
+
+        def record(self, stream):
+            log.append(("record", self.cuda_event, stream.name))
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_event(self, ev):
+            log.append(("wait", ev.cuda_event, self.name))
+
+    monkeypatch.setattr(pitched, "plan", lambda dst, src: ("args",))
+    monkeypatch.setattr(pitched, "queue", lambda args, stream: log.append(("pitched", args, stream.name)))
+    monkeypatch.setattr(streams, "record", lambda ev, stream: log.append(("record", ev.cuda_event, stream.name)))
+    monkeypatch.setattr(streams, "_page_copy", lambda *a: log.append(("page_copy",)))
+    ps = streams.PageStreams("cpu")
+    monkeypatch.setattr(ps, "_after", lambda page, comp: log.append(("after", page.name, comp.name)))
+    monkeypatch.setattr(ps, "_on", lambda page: log.append(("on", page.name)))
+    monkeypatch.setattr(ps, "_back", lambda prev: log.append(("back",)))
+    handles = iter([11, 12, 13])
+    order = sl.paging.SlotOrder(2, event=lambda: Ev(next(handles)), capturing=lambda: False)
+    out, inn, comp = Stream("out"), Stream("in"), Stream("comp")
+    dst, src = torch.zeros(4, 8)[:, :4], torch.zeros(4, 4)  # not contiguous: a candidate
+    ps._spare = [Ev(21)]
+    ps._queue_copy(out, comp, dst, src, order, 0)
+    assert log[:3] == [("after", "out", "comp"), ("pitched", ("args",), "out"), ("record", 21, "out")], log
+    log.clear()
+    ps._spare = [Ev(22)]
+    ps._queue_copy(inn, comp, dst, src, order, 0)  # slot 0's last copy ran on `out`: its wait first
+    assert [x[0] for x in log][:4] == ["after", "wait", "pitched", "record"] and log[1][2] == "in", log
+    log.clear()
+    monkeypatch.setattr(streams.PageStreams, "pitched_copy", False)
+    ps._spare = [Ev(23)]
+    ps._mark = Ev(1)
+    ps._queue_copy(out, comp, dst, src, order, 1)
+    assert ("pitched", ("args",), "out") not in log and log[0] == ("page_copy",), log
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("two_way", [False, True])
+def test_pitched_page_copies_are_bit_exact_leave_the_gaps_and_run_no_kernel(two_way):
+    """On the GPU: the halves of a fused projection paged out and in through a `HostPool` go by
+    pitched copies (counted), come back bit-exact with their strides, and the page streams run
+    no kernel for them (profiled); torch's copy (`pitched_copy = False`), the control, runs
+    gather and scatter kernels."""
+    assert pitched.available()
+    gate_up = torch.randn(4096, 2 * 1024, device="cuda").to(torch.bfloat16)
+    halves = gate_up.chunk(2, dim=-1)
+    want = [h.clone() for h in halves]
+    calls = []
+    real = pitched.queue
+
+    def counted(args, stream):
+        calls.append(args)
+        real(args, stream)
+
+    def run(use):
+        streams.PageStreams.pitched_copy = use
+        try:
+            pool = sl.HostPool([h.numel() * h.element_size() for h in halves], "cuda", two_way=two_way)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                ps = [pool.page_out(h) for h in halves]
+                outs = []
+                for p in ps:
+                    out, ev = pool.page_in_launch(p)
+                    pool.page_wait(ev)
+                    outs.append(out)
+                torch.cuda.synchronize()
+            pool.drain()
+        finally:
+            streams.PageStreams.pitched_copy = True
+        kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "emcpy" not in e.name and "emset" not in e.name]
+        return outs, kernels
+
+    pitched.queue = counted
+    try:
+        outs, kernels = run(True)
+    finally:
+        pitched.queue = real
+    assert len(calls) == 4  # two page-outs, two page-ins
+    for o, h, w in zip(outs, halves, want):
+        assert o.stride() == h.stride() and torch.equal(o, w)
+    assert kernels == [], kernels
+    outs, kernels = run(False)
+    assert all(torch.equal(o, w) for o, w in zip(outs, want)) and len(kernels) >= 4, kernels  # the control gathers and scatters
