@@ -30,8 +30,8 @@
 #                                       # one vs two page streams at 65536 tokens (issue 32)
 #   bash benches/gpu_pass.sh calib2 OUT # nvidia-h200-x2: the main job over NCCL, ours vs calibrated
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s11a|final OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s11a|final OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s11a|s11b|final OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s11a|s11b|final OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -85,6 +85,18 @@ s11a)
     step paging_cuda 120 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_paging_pitched.py tests/python/test_paging_pool.py \
         tests/python/test_paging_pager.py tests/python/test_paging_groups.py tests/python/test_compile.py -k "paging or pool or pager or page or pitched or group"
     qwen_ab hf_qwen_rounds_s11 300 3 compiled,paging,paging_gather '{"paging_budget": 1.0, "paging_slack": 1.1}' --profile --trace "$out/traces"
+    step stalls 60 "$py" benches/trace_stalls.py "$out"/traces/*.json
+    step kernels 60 "$py" benches/trace_stalls.py --kernels-vs "$out/traces/qwen3_moe_compiled.json" "$out/traces/qwen3_moe_paging.json" \
+        "$out/traces/qwen3_moe_paging_gather.json"
+    rm -rf "$out/traces"
+    ;;
+s11b)
+    # Issue 27: s11a's A/B again after page-ins stopped allocating filled tensors under
+    # deterministic algorithms (`paging.pool.unfilled`: s11a's kernels.log showed a fill kernel
+    # per page-in on the compute stream), with the pool's cuda tests first.
+    export PYTHONUNBUFFERED=1
+    step paging_cuda 60 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_paging_pitched.py tests/python/test_paging_pool.py
+    qwen_ab hf_qwen_rounds_s11b 300 3 compiled,paging,paging_gather '{"paging_budget": 1.0, "paging_slack": 1.1}' --profile --trace "$out/traces"
     step stalls 60 "$py" benches/trace_stalls.py "$out"/traces/*.json
     step kernels 60 "$py" benches/trace_stalls.py --kernels-vs "$out/traces/qwen3_moe_compiled.json" "$out/traces/qwen3_moe_paging.json" \
         "$out/traces/qwen3_moe_paging_gather.json"

@@ -14,9 +14,10 @@ and the host's side: the CUDA runtime calls and the operators (inclusive times) 
 most time.
 
 `--kernels-vs REF`: where the compute stream's busy time grew against a reference trace (an
-unpaged step): per kernel name the count and time in both, the largest differences first, and
-the extra time of kernels seen in REF (each against its name's median there) split by whether a
-copy ran under at least half of the kernel (the copies' memory traffic slowing it) or not.
+unpaged step): per kernel name the count and time in both, the largest differences first; the
+time kernels of a name run as often as in REF took more than their same occurrence there, split
+by whether a copy ran under at least half of the kernel (the copies' memory traffic slowing it)
+or not; and the time added by names run more (or less) often than in REF.
 
 `--host-speed REF`: how fast the host thread ran over the step, against a reference trace (an
 unpaged step): each operator's self time (its time minus the operators and runtime calls it
@@ -115,7 +116,8 @@ def compute_kernels(events: list) -> list:
 def kernels_vs(ref: list, events: list, width: int = 90) -> dict:
     """The compute stream's kernels of `events` against `ref`'s (see the module docstring)."""
     rk, ks = compute_kernels(ref), compute_kernels(events)
-    by_ref, by = collections.defaultdict(list), collections.defaultdict(list)
+    by_ref: dict = collections.defaultdict(list)
+    by: dict = collections.defaultdict(list)
     for e in rk:
         by_ref[e["name"][:width]].append(e["dur"])
     for e in ks:
@@ -124,26 +126,30 @@ def kernels_vs(ref: list, events: list, width: int = 90) -> dict:
             for n in set(by_ref) | set(by)]
     rows.sort(key=lambda r: -abs(r[4] - r[2]))
     copies = union([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e.get("cat") == "gpu_memcpy"])
-    med = {n: statistics.median(v) for n, v in by_ref.items()}
-    under = free = new = 0.0
+    nth: dict = collections.Counter()
+    under = free = changed = 0.0
     n_under = n_free = 0
     for e in ks:
         n = e["name"][:width]
-        if n not in med:
-            new += e["dur"]
+        ref_durs = by_ref.get(n, ())
+        if len(ref_durs) != len(by[n]):  # run a different number of times: counted apart
+            changed += e["dur"]
             continue
+        extra = e["dur"] - ref_durs[nth[n]]  # the same name's same occurrence in REF
+        nth[n] += 1
         a, b = e["ts"], e["ts"] + e["dur"]
         cov = sum(max(0.0, min(b, c1) - max(a, c0)) for c0, c1 in copies if c0 < b and c1 > a)
         if e["dur"] > 0 and cov >= 0.5 * e["dur"]:
-            under += e["dur"] - med[n]
+            under += extra
             n_under += 1
         else:
-            free += e["dur"] - med[n]
+            free += extra
             n_free += 1
+    changed -= sum(sum(v) for n, v in by_ref.items() if len(v) != len(by.get(n, ())))
     return {"busy_ref_ms": sum(e["dur"] for e in rk) / 1e3, "busy_ms": sum(e["dur"] for e in ks) / 1e3,
             "kernels_ref": len(rk), "kernels": len(ks), "rows": rows[:12],
             "extra_under_copy_ms": under / 1e3, "kernels_under_copy": n_under,
-            "extra_no_copy_ms": free / 1e3, "kernels_no_copy": n_free, "new_names_ms": new / 1e3}
+            "extra_no_copy_ms": free / 1e3, "kernels_no_copy": n_free, "count_changed_ms": changed / 1e3}
 
 
 def self_times(events: list) -> tuple[list, float, list]:
@@ -212,8 +218,8 @@ def main() -> None:
         for path in a.traces:
             r = kernels_vs(ref, load(path))
             print(f"{path.rsplit('/', 1)[-1]}: busy {r['busy_ms']:.1f} ms in {r['kernels']} kernels, REF {r['busy_ref_ms']:.1f} ms in {r['kernels_ref']}; "
-                  f"against REF's median per name: {r['extra_under_copy_ms']:+.2f} ms in {r['kernels_under_copy']} kernels under a copy, "
-                  f"{r['extra_no_copy_ms']:+.2f} ms in {r['kernels_no_copy']} not; kernels REF lacks {r['new_names_ms']:.2f} ms")
+                  f"against the same kernel in REF: {r['extra_under_copy_ms']:+.2f} ms in {r['kernels_under_copy']} kernels under a copy, "
+                  f"{r['extra_no_copy_ms']:+.2f} ms in {r['kernels_no_copy']} not; kernels run more or less often than in REF {r['count_changed_ms']:+.2f} ms")
             print(f"    {'REF n':>6} {'REF ms':>8} {'n':>6} {'ms':>8}  kernel")
             for n, rn, rms, kn, kms in r["rows"]:
                 print(f"    {rn:>6} {rms:>8.2f} {kn:>6} {kms:>8.2f}  {n}")

@@ -391,3 +391,41 @@ def test_a_handle_paged_in_twice_is_refused_even_after_its_buffer_was_taken_agai
     assert torch.equal(back[1], torch.full((512,), 2.0))
     with pytest.raises(RuntimeError, match="page_in_group: a stale handle"):
         pool.page_in_group(g)
+
+
+def test_a_page_in_under_deterministic_algorithms_allocates_without_a_fill_and_leaves_the_setting():
+    """Under `torch.use_deterministic_algorithms(True)` torch fills each new tensor (a kernel per
+    page-in on the compute stream); a page-in's tensor is written whole by its copy, so the
+    pool allocates it unfilled (`pool.unfilled`), alone and in a group, and the setting is as
+    it was after. The control: a plain allocation in the same mode fills."""
+    from sched_lifetime.paging.pool import unfilled
+
+    def fills(fn):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = fn()
+        return out, sum(e.name == "aten::fill_" for e in prof.events())
+
+    x = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert fills(lambda: torch.empty(8))[1] == 1  # the control: torch fills here
+        pool = sl.HostPool([4 * 24, 4 * 12])
+        back, n = fills(lambda: pool.page_in(pool.page_out(x)))
+        assert n == 0 and torch.equal(back, x)
+        half = x[:, 3:]
+        back, n = fills(lambda: pool.page_in(pool.page_out(half)))
+        assert n == 0 and torch.equal(back, half) and back.stride() == half.stride()
+        ts = [x, half]
+        gpool = sl.HostPool([sl.paging.group_plan(ts).nbytes])
+        handles = gpool.page_out_group(ts)
+        (got, _), n = fills(lambda: gpool.page_in_group(handles))
+        assert n == 0 and all(torch.equal(g, t) for g, t in zip(got, ts))
+        assert torch.utils.deterministic.fill_uninitialized_memory
+        with pytest.raises(KeyError):
+            with unfilled():
+                assert not torch.utils.deterministic.fill_uninitialized_memory
+                raise KeyError("inside")
+        assert torch.utils.deterministic.fill_uninitialized_memory  # restored on the way out of an error too
+    finally:
+        torch.use_deterministic_algorithms(was)

@@ -81,9 +81,10 @@ def test_host_speed_compares_self_times_per_bin_and_marks_the_copies():
 
 
 def test_kernels_vs_splits_extra_busy_time_by_copies_and_names_new_kernels():
-    """`--kernels-vs`: each kernel against its name's median in REF; under a copy when a copy ran
-    under half of it or more; kernels whose name REF lacks counted apart."""
-    ref = [kernel(i * 100, 10, i, name="fill") for i in range(3)] + [kernel(400, 20, 9, name="gemm")]
+    """`--kernels-vs`: each kernel against the same name's same occurrence in REF; under a copy
+    when a copy ran under half of it or more; names run more or less often than in REF counted
+    apart (their time less REF's)."""
+    ref = [kernel(i * 100, 10, i, name="fill") for i in range(3)] + [kernel(400, 20, 9, name="gemm"), kernel(450, 6, 10, name="gone")]
     events = [
         kernel(0, 14, 1, name="fill"),  # under the copy (0..10 of 14 us): +4
         kernel(100, 10, 2, name="fill"),  # no copy: +0
@@ -94,10 +95,10 @@ def test_kernels_vs_splits_extra_busy_time_by_copies_and_names_new_kernels():
         {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 211, "dur": 2, "args": {}},
     ]
     r = trace_stalls.kernels_vs(ref, events)
-    assert r["kernels_ref"] == 4 and r["kernels"] == 5
-    assert r["busy_ref_ms"] == pytest.approx(0.050) and r["busy_ms"] == pytest.approx(0.062)
+    assert r["kernels_ref"] == 5 and r["kernels"] == 5
+    assert r["busy_ref_ms"] == pytest.approx(0.056) and r["busy_ms"] == pytest.approx(0.062)
     assert r["extra_under_copy_ms"] == pytest.approx(0.004) and r["kernels_under_copy"] == 1
     assert r["extra_no_copy_ms"] == pytest.approx(0.003) and r["kernels_no_copy"] == 3
-    assert r["new_names_ms"] == pytest.approx(0.005)
+    assert r["count_changed_ms"] == pytest.approx(0.005 - 0.006)  # copy_strided added, gone dropped
     assert r["rows"][0] == ("fill", 3, pytest.approx(0.030), 3, pytest.approx(0.037))  # the largest difference first
     assert ("copy_strided", 0, 0.0, 1, pytest.approx(0.005)) in r["rows"]

@@ -13,7 +13,8 @@ under `SlotOrder`'s rule (a group's copies between `before` and `after`; one ten
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -23,6 +24,28 @@ from .release import Releases
 from .slot_order import SlotOrder
 from .slots import HostSlots
 from .streams import record, wait
+
+
+_get_fill = getattr(torch._C, "_get_deterministic_fill_uninitialized_memory", None)
+_set_fill = getattr(torch._C, "_set_deterministic_fill_uninitialized_memory", None)
+
+
+@contextlib.contextmanager
+def unfilled() -> Iterator[None]:
+    """Tensors allocated inside are not filled first under deterministic algorithms. There torch
+    fills every new tensor (NaN, or the largest integer) so that a kernel reading memory it never
+    wrote is deterministic: a kernel per page-in on the compute stream (58 fill kernels a step on
+    the GPU-bound Qwen3-MoE, H100, `benches/data/2026-12-05_h100/s11a/kernels.log`). A page-in's
+    tensor is written whole by its copy before anything reads it (its reader waits on the copy);
+    the gaps of a tensor with gaps are never read through it."""
+    if _get_fill is None or not torch.are_deterministic_algorithms_enabled() or not _get_fill():
+        yield
+        return
+    _set_fill(False)
+    try:
+        yield
+    finally:
+        _set_fill(True)
 
 
 def check_group_out(group_out: Any) -> None:
@@ -176,7 +199,7 @@ class HostPool(HostSlots, Releases):
         comp = page = None
         if cuda:
             comp, page = alloc_stream if alloc_stream is not None else self.current_stream(), self.page_in_stream
-        with self._switched(comp if alloc_stream is not None else None):  # allocated on the current stream: no switch
+        with self._switched(comp if alloc_stream is not None else None), unfilled():  # allocated on the current stream: no switch
             outs = [torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=p.device) for p in ps]
         got = []
         after = comp  # the one wait, queued with the first copy
@@ -264,14 +287,14 @@ class HostPool(HostSlots, Releases):
         # on the page stream, it goes back to the page stream's pool, where later work queues
         # behind these copies; otherwise the outputs are views of it and keep it until consumed.
         scratch = all(p.packed for p in ps)
-        with self._switched(page if scratch else comp):
+        with self._switched(page if scratch else comp), unfilled():
             block = torch.empty(host.numel(), dtype=torch.uint8, device=dev)
         storage = block.untyped_storage()
 
         def on_block(p: Paged, stride: tuple) -> torch.Tensor:
             return torch.empty(0, dtype=p.dtype, device=dev).set_(storage, p.offset // p.dtype.itemsize, p.shape, stride)
 
-        with self._switched(comp):
+        with self._switched(comp), unfilled():
             outs = [torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=dev) if p.packed else on_block(p, p.stride) for p in ps]
         ev = None
         if cuda:
