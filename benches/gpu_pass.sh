@@ -30,8 +30,8 @@
 #                                       # one vs two page streams at 65536 tokens (issue 32)
 #   bash benches/gpu_pass.sh calib2 OUT # nvidia-h200-x2: the main job over NCCL, ours vs calibrated
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s11a|s11b|s11c|final OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s11a|s11b|s11c|final OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|final OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|final OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -101,6 +101,16 @@ s11b)
     step kernels 60 "$py" benches/trace_stalls.py --kernels-vs "$out/traces/qwen3_moe_compiled.json" "$out/traces/qwen3_moe_paging.json" \
         "$out/traces/qwen3_moe_paging_gather.json"
     rm -rf "$out/traces"
+    ;;
+s12a)
+    # Issue 27's parity on the GPU with this session's paging (pitched copies, unfilled page-ins):
+    # the tiny Hugging Face matrix on the GPU (every model x experts implementation; our backend,
+    # CUDA graphs, timed and static paging against aot_eager, strict determinism), then the
+    # DeepSeek-V3 463M A/B's parity at 4096 tokens (strict).
+    export PYTHONUNBUFFERED=1
+    step hf_models_cuda 300 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_hf_models.py
+    step hf_ds_strict 200 "$py" benches/hf_paging_ab.py --model deepseek_v3 --seq 4096 --steps 3 --rounds 1 \
+        --arms aot_eager,compiled,cudagraphs,paging --paging '{"paging_budget": 1.0, "paging_slack": 1.05}' --out "$out/hf_ds_strict.json"
     ;;
 s11c)
     # Issue 27: s11b's A/B without the profiled steps (3 rounds of compiled, paging, paging_gather).

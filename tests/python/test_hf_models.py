@@ -74,15 +74,18 @@ def build(name: str, impl):
     return model
 
 
-def train(model, backend, options=None):
+def train(model, backend, options=None, device="cpu", steps=STEPS):
     torch._dynamo.reset()
+    model.to(device)
     run = model if backend is None else torch.compile(model, backend=backend, options=options)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, grads = [], []
     torch.manual_seed(1234)  # every arm draws the same random numbers (PhiMoE's router samples in training)
-    for step in range(STEPS):
+    for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        ids = torch.randint(0, COMMON["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(step))
+        ids = torch.randint(0, COMMON["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(step)).to(device)
+        if (options or {}).get("cudagraphs"):
+            torch.compiler.cudagraph_mark_step_begin()
         loss = run(input_ids=ids, labels=ids).loss
         loss.backward()
         losses.append(loss.detach().clone())
@@ -121,6 +124,38 @@ def test_hf_model_is_bit_exact_under_every_arm(name, impl):
             assert not differences(eager, ours)
         graphs = [h for h in slc.history if h["phase"] == "fwd"]
         assert graphs, "nothing was compiled by our backend"
+        if options.get("paging"):
+            pagers = {id(p): p for h in slc.history if (p := h["module"].sched_lifetime.get("paging")) is not None}.values()
+            moved = sum(p.stats["bytes_out"] for p in pagers)
+            assert moved > 0 and all(p.stats["bytes_out"] == p.stats["bytes_in"] for p in pagers), [p.explain() for p in pagers]
+
+
+#: The GPU arms: CUDA graphs, and paging timed (the CUDA default; `paging_count_host=False`, else a
+#: tiny model's copies are all shorter than their host calls and stay on the device) and static;
+#: GPU_STEPS SGD steps, so that timed paging (two calibration steps on CUDA) pages in two.
+GPU_ARMS = {
+    "sched_lifetime": {},
+    "sched_lifetime+cudagraphs": {"cudagraphs": True},
+    "sched_lifetime+paging": {"paging": True, "paging_min_bytes": 0, "paging_count_host": False},
+    "sched_lifetime+paging_static": {"paging": True, "paging_min_bytes": 0, "paging_timed": False},
+}
+GPU_STEPS = 4
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name,impl", CASES, ids=[f"{m}-{i}" if i else m for m, i in CASES])
+def test_hf_model_on_the_gpu_is_bit_exact_under_every_arm(name, impl):
+    """The same matrix on one GPU under strict determinism (every case: a GPU compiles them
+    fast): our arms, CUDA graphs and paging (timed and static) included, against
+    aot_eager on the GPU, losses, gradients and weights bit for bit over GPU_STEPS SGD steps;
+    paging moved bytes once calibrated."""
+    torch.use_deterministic_algorithms(True)
+    base = build(name, impl)
+    aot = train(copy.deepcopy(base), "aot_eager", device="cuda", steps=GPU_STEPS)
+    for arm, options in GPU_ARMS.items():
+        slc.history.clear()
+        ours = train(copy.deepcopy(base), "sched_lifetime", options, device="cuda", steps=GPU_STEPS)
+        assert not differences(aot, ours), f"{arm} vs aot_eager: {differences(aot, ours)[:5]}"
         if options.get("paging"):
             pagers = {id(p): p for h in slc.history if (p := h["module"].sched_lifetime.get("paging")) is not None}.values()
             moved = sum(p.stats["bytes_out"] for p in pagers)
