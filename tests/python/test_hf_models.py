@@ -35,6 +35,15 @@ from _compile_parity import assert_matches_eager  # noqa: E402
 transformers = pytest.importorskip("transformers", reason="pinned in requirements-dev.txt (scripts/setup.sh installs it)")
 
 STEPS = 3
+
+
+@pytest.fixture(autouse=True)
+def _determinism_restored():
+    """Each test turns strict determinism on; the tests after this file's get the setting back."""
+    was = torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.use_deterministic_algorithms(was)
+
 COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
 MODELS = {

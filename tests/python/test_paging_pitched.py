@@ -29,6 +29,7 @@ def test_pitch_of_names_rows_of_a_dense_block_at_a_constant_pitch_and_nothing_el
     assert pitched.pitch_of(*layout(torch.empty(64, 512)[:, ::2])) is None  # no dense rows at all
     assert pitched.pitch_of(*layout(torch.empty(0, 2 * 256)[:, :256])) is None  # empty
     assert pitched.pitch_of(*layout(torch.ones(3, 1).expand(3, 512))) is None  # elements share memory
+    assert pitched.pitch_of((2, 256), (pitched.MAX_PITCH // 2 + 1, 1), 2) is None  # a pitch past the 2D copy's widest
 
 
 def test_compact_keeps_the_dimension_order_and_drops_the_gaps():
@@ -42,19 +43,29 @@ def test_compact_keeps_the_dimension_order_and_drops_the_gaps():
 
 @pytest.mark.parametrize("make", [
     lambda: torch.arange(64 * 512, dtype=torch.float32).reshape(64, 512).chunk(2, dim=-1)[1],
-    lambda: torch.arange(6 * 40, dtype=torch.float32).reshape(6, 40).t()[:, 1:4],  # gaps, transposed
+    lambda: torch.arange(6 * 40, dtype=torch.float32).reshape(6, 40).t()[:, 1:4],  # transposed rows 1-3: dense
+    lambda: torch.arange(40 * 6, dtype=torch.float32).reshape(40, 6)[:, 1:4].t(),  # gaps, transposed
     lambda: torch.arange(4 * 8 * 512, dtype=torch.float32).reshape(4, 8, 512)[::2, :, :256],  # two levels of gaps
 ])
-def test_a_tensor_with_gaps_sits_dense_on_the_host_and_comes_back_with_its_strides(make):
-    """`HostPool`: the host view of a tensor with gaps is dense in its dimension order
-    (`compact`), and page_out / page_in, alone and in a group, give it back equal, strides
-    kept."""
+@pytest.mark.parametrize("pitched_layout", [False, True])
+def test_a_tensor_with_gaps_comes_back_with_its_strides_from_either_host_layout(make, pitched_layout, monkeypatch):
+    """`HostPool`: a tensor with gaps sits contiguous on the host unless a pitched copy moves it
+    (`pitched.usable`: never on the CPU; forced here), then dense in its own dimension order
+    (`compact`, kept in the handle); page_out / page_in give it back equal, strides kept, either
+    way, and in a group (always contiguous there)."""
     t = make()
+    if pitched_layout:
+        monkeypatch.setattr(pitched, "usable", lambda x: True)
     n = t.numel() * t.element_size()
     pool = sl.HostPool([n])
     p = pool.page_out(t)
     host = pool.view_of(p)
-    assert host.stride() == compact(tuple(t.shape), t.stride()) and torch.equal(host, t)
+    shape = tuple(t.shape)
+    if pitched_layout:
+        want = compact(shape, t.stride())
+    else:  # its own strides when dense (no gaps), else contiguous
+        want = t.stride() if sl.paging._dense(shape, t.stride()) else torch.empty(shape).stride()
+    assert host.stride() == want and torch.equal(host, t) and p.host_stride == (want if pitched_layout else None)
     back = pool.page_in(p)
     assert torch.equal(back, t) and back.stride() == t.stride()
     plan = sl.paging.group_plan([t, torch.randn(5)])
@@ -63,11 +74,18 @@ def test_a_tensor_with_gaps_sits_dense_on_the_host_and_comes_back_with_its_strid
     assert torch.equal(gback[0], t) and gback[0].stride() == t.stride()
 
 
-def test_plan_takes_only_a_device_tensor_with_gaps_and_its_compact_pinned_host_side():
-    """On the CPU (no device tensor) there is nothing to plan: torch's copy applies."""
+def test_usable_and_args_on_the_cpu():
+    """On the CPU no tensor is `usable` (no device side), so every host layout stays
+    contiguous; `args` puts the packed host side and the pitched device side where
+    `cudaMemcpy2DAsync` wants them, for either way."""
     t = torch.empty(64, 512).chunk(2, dim=-1)[0]
+    assert not pitched.usable(t)
     host = torch.empty_strided(tuple(t.shape), compact(tuple(t.shape), t.stride()))
     assert pitched.plan(host, t) is None and pitched.plan(t, host) is None
+    d2h = pitched.args(pitched._D2H, dev_ptr=1000, host_ptr=2000, row=1024, rows=64, pitch=2048)
+    assert d2h == (2000, 1024, 1000, 2048, 1024, 64, pitched._D2H)  # dst (host) packed, src (device) at the pitch
+    h2d = pitched.args(pitched._H2D, dev_ptr=1000, host_ptr=2000, row=1024, rows=64, pitch=2048)
+    assert h2d == (1000, 2048, 2000, 1024, 1024, 64, pitched._H2D)
 
 
 def test_queue_copy_sends_a_pitched_copy_with_the_waits_and_records_around_it(monkeypatch):
@@ -91,7 +109,13 @@ def test_queue_copy_sends_a_pitched_copy_with_the_waits_and_records_around_it(mo
             log.append(("wait", ev.cuda_event, self.name))
 
     monkeypatch.setattr(pitched, "plan", lambda dst, src: ("args",))
-    monkeypatch.setattr(pitched, "queue", lambda args, stream: log.append(("pitched", args, stream.name)))
+    refuse = [False]
+
+    def queue(args, stream):
+        log.append(("pitched", args, stream.name))
+        return not refuse[0]
+
+    monkeypatch.setattr(pitched, "queue", queue)
     monkeypatch.setattr(streams, "record", lambda ev, stream: log.append(("record", ev.cuda_event, stream.name)))
     monkeypatch.setattr(streams, "_page_copy", lambda *a: log.append(("page_copy",)))
     ps = streams.PageStreams("cpu")
@@ -109,6 +133,13 @@ def test_queue_copy_sends_a_pitched_copy_with_the_waits_and_records_around_it(mo
     ps._spare = [Ev(22)]
     ps._queue_copy(inn, comp, dst, src, order, 0)  # slot 0's last copy ran on `out`: its wait first
     assert [x[0] for x in log][:4] == ["after", "wait", "pitched", "record"] and log[1][2] == "in", log
+    log.clear()
+    refuse[0] = True  # the runtime refuses it: torch's copy on the same stream, between the same wait and records
+    ps._spare = [Ev(24)]
+    dst.fill_(0.0)
+    src.copy_(torch.arange(16.0).reshape(4, 4))
+    ps._queue_copy(out, comp, dst, src, order, 0)
+    assert [x[0] for x in log] == ["after", "wait", "pitched", "on", "back", "record", "record"] and torch.equal(dst, src), log
     log.clear()
     monkeypatch.setattr(streams.PageStreams, "pitched_copy", False)
     ps._spare = [Ev(23)]

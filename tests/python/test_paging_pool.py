@@ -393,23 +393,25 @@ def test_a_handle_paged_in_twice_is_refused_even_after_its_buffer_was_taken_agai
         pool.page_in_group(g)
 
 
-def test_a_page_in_under_deterministic_algorithms_allocates_without_a_fill_and_leaves_the_setting():
+def test_a_page_in_under_deterministic_algorithms_allocates_without_a_fill():
     """Under `torch.use_deterministic_algorithms(True)` torch fills each new tensor (a kernel per
     page-in on the compute stream); a page-in's tensor is written whole by its copy, so the
-    pool allocates it unfilled (`pool.unfilled`), alone and in a group, and the setting is as
-    it was after. The control: a plain allocation in the same mode fills."""
-    from sched_lifetime.paging.pool import unfilled
+    pool allocates it unfilled (`pool.empty_unfilled`: a storage of its extent, viewed; no
+    process-wide setting changed), alone and in a group, strides kept. The control: a plain
+    allocation in the same mode fills."""
+    from sched_lifetime.paging.pool import empty_unfilled
 
-    def fills(fn):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    def fills(fn):  # fills of tensors with elements (a zero-element fill_ runs no kernel)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
             out = fn()
-        return out, sum(e.name == "aten::fill_" for e in prof.events())
+        return out, sum(e.name == "aten::fill_" and e.input_shapes and e.input_shapes[0] and all(e.input_shapes[0]) for e in prof.events())
 
     x = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         assert fills(lambda: torch.empty(8))[1] == 1  # the control: torch fills here
+        assert fills(lambda: torch.empty_strided((4, 3), (6, 1)))[1] == 1
         pool = sl.HostPool([4 * 24, 4 * 12])
         back, n = fills(lambda: pool.page_in(pool.page_out(x)))
         assert n == 0 and torch.equal(back, x)
@@ -421,11 +423,9 @@ def test_a_page_in_under_deterministic_algorithms_allocates_without_a_fill_and_l
         handles = gpool.page_out_group(ts)
         (got, _), n = fills(lambda: gpool.page_in_group(handles))
         assert n == 0 and all(torch.equal(g, t) for g, t in zip(got, ts))
-        assert torch.utils.deterministic.fill_uninitialized_memory
-        with pytest.raises(KeyError):
-            with unfilled():
-                assert not torch.utils.deterministic.fill_uninitialized_memory
-                raise KeyError("inside")
-        assert torch.utils.deterministic.fill_uninitialized_memory  # restored on the way out of an error too
+        assert torch.utils.deterministic.fill_uninitialized_memory  # the setting untouched
+        e = empty_unfilled((2, 3), (1, 2), torch.int64, "cpu")
+        assert e.shape == (2, 3) and e.stride() == (1, 2) and e.untyped_storage().nbytes() == 6 * 8
+        assert empty_unfilled((0, 3), (3, 1), torch.float32, "cpu").numel() == 0
     finally:
         torch.use_deterministic_algorithms(was)

@@ -45,7 +45,7 @@ def _contiguous(shape: tuple) -> tuple:
 def compact(shape: tuple, stride: tuple) -> tuple:
     """Dense strides for `shape` in the dimension order of `stride` (innermost = smallest
     stride; ties and size-1 dimensions in their place from the right): the layout a tensor with
-    gaps has on the host, its gaps removed."""
+    gaps has on the host when a pitched copy moves it (`pitched.py`), its gaps removed."""
     order = sorted(range(len(shape)), key=lambda d: (stride[d], -d))
     out = [0] * len(shape)
     step = 1
@@ -80,7 +80,7 @@ def group_plan(ts: Sequence[torch.Tensor]) -> GroupPlan:
     span are copied once when they hold no more than the distinct views do (the same tensor
     saved twice, or q, k and v of one projection, move once, and the page-in rebuilds them as
     views of one storage: they alias as before, strides and all); otherwise each distinct view
-    on its own (one with gaps packed dense: `compact`). Segments are `GROUP_ALIGN`-aligned. Depends
+    on its own (one with gaps packed contiguous). Segments are `GROUP_ALIGN`-aligned. Depends
     only on the tensors' storages, offsets, shapes, strides and dtypes: the same every step of
     a fixed-shape model, so calibration sizes the pool with it."""
     by_storage: dict[int, list[int]] = {}

@@ -66,8 +66,9 @@ class Paged:
     requires_grad: bool
     nbytes: int
     offset: int = 0  # byte offset in the buffer of its element [0, ..., 0] (a group's tensors share one)
-    packed: bool = False  # in a group: held contiguous (a view with gaps), scattered back on the device
+    packed: bool = False  # in a group: a view with gaps held contiguous, scattered back on the device
     gen: int = -1  # which take of the buffer it came from (`HostSlots.check_handle`; -1: not checked)
+    host_stride: Optional[tuple] = None  # its strides in the buffer when not `HostSlots.view`'s (a pitched copy's `compact`)
 
 
 class SavedVersion:

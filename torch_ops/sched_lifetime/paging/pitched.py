@@ -8,13 +8,15 @@ memory beside the compute, on every page copy of it. Its bytes are rows of one d
 constant pitch, which is what `cudaMemcpy2DAsync` moves: the copy engine reads the rows and
 packs them on the host (and back), no kernel, no temporary.
 
-The host side holds the tensor in its own dimension order with the gaps removed (`compact`:
-what `HostSlots.view` gives a tensor with gaps), so the rows land back to back and the page-in
-puts them back at the pitch, into a tensor with the paged-out one's strides. Layouts with more
-than one level of gaps, or rows under `MIN_ROW_BYTES`, keep torch's copy.
+The host side holds such a tensor in its own dimension order with the gaps removed (`compact`,
+the page-out's `Paged.host_stride`), so the rows land back to back and the page-in puts them back
+at the pitch, into a tensor with the paged-out one's strides. Layouts with more than one level
+of gaps, rows under `MIN_ROW_BYTES`, a pitch over `MAX_PITCH` or a conjugate/negative view keep
+torch's copy and a contiguous host layout (`usable` decides at the page-out).
 
 The CUDA runtime's entry is found in the process (the library torch loaded); where it is not
 found, every copy takes torch's path (same bytes, the kernels above): `available()` says which.
+A copy the runtime refuses is made by torch instead (`queue` answers False).
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ import torch
 from .groups import compact
 
 #: Narrower rows keep torch's copy: a copy engine moving rows of a few bytes is slower than the
-#: gather kernel.
+#: gather kernel (a guess: only 2048-byte rows were measured).
 MIN_ROW_BYTES = 512
+#: The widest pitch a 2D copy takes (the devices' `memPitch`, 2^31 - 1 bytes).
+MAX_PITCH = (1 << 31) - 1
 
 _H2D, _D2H = 1, 2  # cudaMemcpyKind
 
@@ -38,8 +42,9 @@ _H2D, _D2H = 1, 2  # cudaMemcpyKind
 @functools.lru_cache(maxsize=4096)
 def pitch_of(shape: tuple, stride: tuple, itemsize: int) -> Optional[tuple]:
     """(row bytes, rows, pitch bytes) when a tensor of `shape` and `stride` is rows of one
-    dense block at a constant pitch wider than the row (one level of gaps) and its rows are at
-    least `MIN_ROW_BYTES`; None otherwise (dense, or another layout)."""
+    dense block at a constant pitch wider than the row (one level of gaps), its rows at least
+    `MIN_ROW_BYTES` and its pitch at most `MAX_PITCH`; None otherwise (dense, or another
+    layout)."""
     dims = sorted((st, n) for st, n in zip(stride, shape) if n != 1)
     if not dims or math.prod(shape) == 0:
         return None
@@ -57,54 +62,75 @@ def pitch_of(shape: tuple, stride: tuple, itemsize: int) -> Optional[tuple]:
         if st != pitch * rows:
             return None  # a second level of gaps
         rows *= n
-    if row * itemsize < MIN_ROW_BYTES:
+    if row * itemsize < MIN_ROW_BYTES or pitch * itemsize > MAX_PITCH:
         return None
     return row * itemsize, rows, pitch * itemsize
 
 
-_fn: Any = None
+_lib: Any = None
 _looked = False
 
 
-def _memcpy2d() -> Any:
-    """`cudaMemcpy2DAsync` of the CUDA runtime this process loaded (torch's), or None."""
-    global _fn, _looked
+def _runtime() -> Any:
+    """The CUDA runtime this process loaded (torch's: the mapped `libcudart` whose version is
+    torch's CUDA major, else any mapped one, else one by name), with `cudaMemcpy2DAsync`; or None."""
+    global _lib, _looked
     if _looked:
-        return _fn
+        return _lib
     _looked = True
     if not torch.cuda.is_available():
         return None
     torch.cuda.init()
-    paths = []
+    paths: list = []
     try:  # the runtime torch loaded (a pip wheel's, by its path)
         with open("/proc/self/maps") as f:
             paths = sorted({w for w in (line.split()[-1] for line in f if "libcudart.so" in line) if w.startswith("/")})
     except OSError:
         pass
-    for name in paths + ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]:
+    major = (torch.version.cuda or "").split(".")[0]
+    paths.sort(key=lambda p: not p.endswith(f"libcudart.so.{major}"))
+    for name in paths + [f"libcudart.so.{major}", "libcudart.so"]:
         try:
             lib = ctypes.CDLL(name)
             fn = lib.cudaMemcpy2DAsync
+            lib.cudaGetLastError.restype = ctypes.c_int
         except (OSError, AttributeError):
             continue
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t,
                        ctypes.c_int, ctypes.c_void_p]
-        _fn = fn
+        _lib = lib
         break
-    return _fn
+    return _lib
 
 
 def available() -> bool:
     """Whether pitched copies run (CUDA, and the runtime's `cudaMemcpy2DAsync` found)."""
-    return _memcpy2d() is not None
+    return _runtime() is not None
+
+
+def usable(t: torch.Tensor) -> bool:
+    """Whether a page copy of `t` goes as one pitched copy: a CUDA tensor with one level of gaps
+    (`pitch_of`), no conjugate or negative bit (a raw copy would drop it), the runtime found.
+    The host buffer then holds it as `compact` lays it out; otherwise contiguous (torch's copy
+    from a host tensor that is not would go through pageable temporaries)."""
+    return (t.is_cuda and not t.is_conj() and not t.is_neg()
+            and pitch_of(tuple(t.shape), t.stride(), t.element_size()) is not None and available())
+
+
+def args(kind: int, dev_ptr: int, host_ptr: int, row: int, rows: int, pitch: int) -> tuple:
+    """`cudaMemcpy2DAsync`'s arguments but the stream, (dst, dpitch, src, spitch, width, height,
+    kind): the host side packed (its pitch the row), the device side at `pitch`."""
+    if kind == _D2H:
+        return (host_ptr, row, dev_ptr, pitch, row, rows, kind)
+    return (dev_ptr, pitch, host_ptr, row, row, rows, kind)
 
 
 def plan(dst: torch.Tensor, src: torch.Tensor) -> Optional[tuple]:
-    """The `cudaMemcpy2DAsync` arguments (all but the stream) that do `dst.copy_(src)` when one
-    side is a CUDA tensor with one level of gaps (`pitch_of`) and the other a pinned host tensor
-    of the same shape and dtype laid out as `compact` gives; None otherwise (torch's copy
-    applies). Checks only: nothing is queued."""
+    """What `queue` needs to do `dst.copy_(src)` as one pitched copy (`args` and the device)
+    when one side is a tensor `usable` takes and the other a pinned host tensor of its shape and
+    dtype laid out as `compact` gives; None otherwise (torch's copy applies). Checks only:
+    nothing is queued."""
     if dst.dtype != src.dtype or dst.shape != src.shape:
         return None
     if dst.is_cuda and not src.is_cuda:
@@ -113,20 +139,22 @@ def plan(dst: torch.Tensor, src: torch.Tensor) -> Optional[tuple]:
         dev, host, kind = src, dst, _D2H
     else:
         return None
-    shape, stride = tuple(dev.shape), dev.stride()
-    got = pitch_of(shape, stride, dev.element_size())
-    if got is None or host.stride() != compact(shape, stride) or not host.is_pinned() or _memcpy2d() is None:
+    if not usable(dev) or host.is_conj() or host.is_neg():
         return None
-    row, rows, pitch = got
-    if kind == _D2H:
-        return (host.data_ptr(), row, dev.data_ptr(), pitch, row, rows, kind, dev.device.index)
-    return (dev.data_ptr(), pitch, host.data_ptr(), row, row, rows, kind, dev.device.index)
+    shape, stride = tuple(dev.shape), dev.stride()
+    if host.stride() != compact(shape, stride) or not host.is_pinned():
+        return None
+    row, rows, pitch = pitch_of(shape, stride, dev.element_size())
+    return args(kind, dev.data_ptr(), host.data_ptr(), row, rows, pitch) + (dev.device.index,)
 
 
-def queue(args: tuple, stream: Any) -> None:
-    """Queue `plan`'s copy on `stream` (a CUDA stream of the tensor's device)."""
-    *call, device = args
+def queue(planned: tuple, stream: Any) -> bool:
+    """Queue `plan`'s copy on `stream` (a CUDA stream of the tensor's device); False when the
+    runtime refused it (the error cleared, nothing queued: the caller copies with torch)."""
+    *call, device = planned
+    lib = _runtime()
     with torch.cuda.device(device):
-        err = _memcpy2d()(*call, stream.cuda_stream)
-    if err != 0:
-        raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {err} (a pitched page copy: {call[4]}-byte rows x {call[5]})")
+        err = lib.cudaMemcpy2DAsync(*call, stream.cuda_stream)
+        if err != 0:
+            lib.cudaGetLastError()  # else the next kernel launch's check would report it
+    return err == 0

@@ -13,39 +13,46 @@ under `SlotOrder`'s rule (a group's copies between `before` and `after`; one ten
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Sequence
+import math
+import weakref
+from typing import Any, Sequence
 
 import torch
 
-from .groups import compact, group_plan
+from . import pitched
+from .groups import _contiguous, compact, group_plan
 from .paged import Paged, _check_restorable
 from .release import Releases
 from .slot_order import SlotOrder
 from .slots import HostSlots
-from .streams import record, wait
+from .streams import capturing, record, wait
 
 
-_get_fill = getattr(torch._C, "_get_deterministic_fill_uninitialized_memory", None)
-_set_fill = getattr(torch._C, "_set_deterministic_fill_uninitialized_memory", None)
+def empty_unfilled(shape: tuple, stride: tuple, dtype: torch.dtype, device: Any) -> torch.Tensor:
+    """`torch.empty_strided(shape, stride)` on the current stream without torch's fill under
+    deterministic algorithms. There torch fills every new tensor (NaN, or the largest integer) so
+    that a kernel reading memory it never wrote is deterministic: a kernel per page-in on the
+    compute stream (58 fill kernels a step on the GPU-bound Qwen3-MoE, H100,
+    `benches/data/2026-12-05_h100/s11a/kernels.log`). A page-in's tensor is written whole by its
+    copy before anything reads it (its reader waits on the copy); the gaps of a tensor with gaps
+    are not filled by torch either. A storage of the tensor's extent is allocated and viewed
+    (no process-wide setting changed: other threads keep their fills)."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    n = 0 if math.prod(shape) == 0 else (1 + sum((k - 1) * st for k, st in zip(shape, stride))) * dtype.itemsize
+    return torch.empty(0, dtype=dtype, device=device).set_(torch.UntypedStorage(n, device=device), 0, shape, stride)
 
 
-@contextlib.contextmanager
-def unfilled() -> Iterator[None]:
-    """Tensors allocated inside are not filled first under deterministic algorithms. There torch
-    fills every new tensor (NaN, or the largest integer) so that a kernel reading memory it never
-    wrote is deterministic: a kernel per page-in on the compute stream (58 fill kernels a step on
-    the GPU-bound Qwen3-MoE, H100, `benches/data/2026-12-05_h100/s11a/kernels.log`). A page-in's
-    tensor is written whole by its copy before anything reads it (its reader waits on the copy);
-    the gaps of a tensor with gaps are never read through it."""
-    if _get_fill is None or not torch.are_deterministic_algorithms_enabled() or not _get_fill():
-        yield
+def _settle(events: list, bufs: list) -> None:
+    """A pool's end (its finalizer): wait for every copy its buffers were in (each buffer's last
+    copy records its slot event) before the buffers go back to torch's pinned-memory cache. A
+    pitched copy, unlike torch's, does not tell that cache the buffer is in use, and the host
+    may be ahead of the GPU. Not during a capture (no host wait is allowed there)."""
+    if capturing():
         return
-    _set_fill(False)
-    try:
-        yield
-    finally:
-        _set_fill(True)
+    for ev in events:
+        ev.synchronize()
+    bufs.clear()
 
 
 def check_group_out(group_out: Any) -> None:
@@ -98,6 +105,8 @@ class HostPool(HostSlots, Releases):
         Releases.__init__(self, device, drain_distance, two_way)
         #: The freelist's rule across the page streams (CUDA; a CPU copy is done when queued).
         self.slot_order: Any = SlotOrder(len(self._bufs)) if device.type == "cuda" else None
+        if self.slot_order is not None:
+            weakref.finalize(self, _settle, list(self.slot_order._events), list(self._bufs)).atexit = False
         # Per-step figures (`take_figures`; the others are `HostSlots`' and `Releases`'): when
         # `measure_waits`, (before, after) timing events around each compute-stream wait on a
         # page-in.
@@ -128,7 +137,9 @@ class HostPool(HostSlots, Releases):
         _check_restorable(t)
         nbytes = t.numel() * t.element_size()
         slot = self.take(nbytes)
-        p = Paged(slot, tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, nbytes, gen=self._gen[slot])
+        shape = tuple(t.shape)
+        host = compact(shape, t.stride()) if self.pitched_copy and pitched.usable(t) else None  # one pitched copy each way
+        p = Paged(slot, shape, t.stride(), t.dtype, t.device, t.requires_grad, nbytes, gen=self._gen[slot], host_stride=host)
         comp = (owner if owner is not None else self.current_stream()) if t.is_cuda else None
         if self._deferred and comp != self._deferred_owner:  # one wait covers one producing stream
             self.flush_out()
@@ -199,8 +210,8 @@ class HostPool(HostSlots, Releases):
         comp = page = None
         if cuda:
             comp, page = alloc_stream if alloc_stream is not None else self.current_stream(), self.page_in_stream
-        with self._switched(comp if alloc_stream is not None else None), unfilled():  # allocated on the current stream: no switch
-            outs = [torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=p.device) for p in ps]
+        with self._switched(comp if alloc_stream is not None else None):  # allocated on the current stream: no switch
+            outs = [empty_unfilled(p.shape, p.stride, p.dtype, p.device) for p in ps]
         got = []
         after = comp  # the one wait, queued with the first copy
         for p, out in zip(ps, outs):
@@ -287,15 +298,15 @@ class HostPool(HostSlots, Releases):
         # on the page stream, it goes back to the page stream's pool, where later work queues
         # behind these copies; otherwise the outputs are views of it and keep it until consumed.
         scratch = all(p.packed for p in ps)
-        with self._switched(page if scratch else comp), unfilled():
-            block = torch.empty(host.numel(), dtype=torch.uint8, device=dev)
+        with self._switched(page if scratch else comp):
+            block = empty_unfilled((host.numel(),), (1,), torch.uint8, dev)
         storage = block.untyped_storage()
 
         def on_block(p: Paged, stride: tuple) -> torch.Tensor:
             return torch.empty(0, dtype=p.dtype, device=dev).set_(storage, p.offset // p.dtype.itemsize, p.shape, stride)
 
-        with self._switched(comp), unfilled():
-            outs = [torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device=dev) if p.packed else on_block(p, p.stride) for p in ps]
+        with self._switched(comp):
+            outs = [empty_unfilled(p.shape, p.stride, p.dtype, dev) if p.packed else on_block(p, p.stride) for p in ps]
         ev = None
         if cuda:
             self._after(page, comp)
@@ -306,7 +317,7 @@ class HostPool(HostSlots, Releases):
                 self.slot_order.after(slot, page)  # the scatters below read the device block only
             for o, p in zip(outs, ps):
                 if p.packed:
-                    o.copy_(on_block(p, compact(p.shape, p.stride)))  # as `view` laid it out
+                    o.copy_(on_block(p, _contiguous(p.shape)))
         if cuda:
             ev = self._event()
             record(ev, page)

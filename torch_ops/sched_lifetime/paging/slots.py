@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .groups import _dense, compact
+from .groups import _dense
 from .paged import Paged
 
 
@@ -74,23 +74,22 @@ class HostSlots:
         self._free[self._bufs[slot].numel()].append(slot)
 
     def view(self, slot: int, shape: tuple, dtype: torch.dtype, stride: Optional[tuple] = None, offset: int = 0) -> torch.Tensor:
-        """Buffer `slot` seen as a tensor of `shape` and `dtype`: contiguous, or with `stride`
+        """Buffer `slot` seen as a tensor of `shape` and `dtype`, contiguous or with `stride`
         when that layout is dense (then a page copy is one block, with no gather kernel and no
-        device temporary), or, a layout with gaps, in `stride`'s dimension order with the gaps
-        removed (`pitched.compact`: a slice's rows back to back, which a pitched copy moves
-        with no kernel either); made once per key: a step pages the same shapes every time."""
+        device temporary); made once per key: a step pages the same shapes every time."""
         key = (slot, tuple(shape), dtype, stride, offset)
         v = self._views.get(key)
         if v is None:
             if stride is not None and not _dense(shape, stride):
-                stride = compact(tuple(shape), tuple(stride))
+                stride = None
             flat = self._bufs[slot][offset : offset + math.prod(shape) * dtype.itemsize].view(dtype)
             v = self._views[key] = flat.view(shape) if stride is None else flat.as_strided(shape, stride)
         return v
 
     def view_of(self, p: Paged) -> torch.Tensor:
-        """The host buffer `p` was paged into, seen as the tensor it holds."""
-        return self.view(p.slot, p.shape, p.dtype, p.stride, p.offset)
+        """The host buffer `p` was paged into, seen as the tensor it holds (with the strides it was
+        written with: `p.host_stride`, a pitched copy's, else `view`'s)."""
+        return self.view(p.slot, p.shape, p.dtype, p.host_stride or p.stride, p.offset)
 
     def in_use(self) -> int:
         """Buffers taken and not given back."""

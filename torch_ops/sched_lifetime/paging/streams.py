@@ -126,7 +126,12 @@ class PageStreams:
             if comp is not None:
                 self._after(page, comp)
             order.queue_wait(w, page)
-            pitched.queue(two_d, page)
+            if not pitched.queue(two_d, page):  # refused by the runtime: torch's copy, on the same stream
+                prev = self._on(page)
+                try:
+                    dst.copy_(src, non_blocking=True)
+                finally:
+                    self._back(prev)
             record(done, page)
             order.after(slot, page)
             return done
