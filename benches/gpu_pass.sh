@@ -92,7 +92,7 @@ s11a)
     ;;
 s11b)
     # Issue 27: s11a's A/B again after page-ins stopped allocating filled tensors under
-    # deterministic algorithms (`paging.pool.unfilled`: s11a's kernels.log showed a fill kernel
+    # deterministic algorithms (`paging.pool.empty_unfilled`: s11a's kernels.log showed a fill kernel
     # per page-in on the compute stream), with the pool's cuda tests first.
     export PYTHONUNBUFFERED=1
     step paging_cuda 60 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_paging_pitched.py tests/python/test_paging_pool.py

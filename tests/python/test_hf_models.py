@@ -40,9 +40,9 @@ STEPS = 3
 @pytest.fixture(autouse=True)
 def _determinism_restored():
     """Each test turns strict determinism on; the tests after this file's get the setting back."""
-    was = torch.are_deterministic_algorithms_enabled()
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     yield
-    torch.use_deterministic_algorithms(was)
+    torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)

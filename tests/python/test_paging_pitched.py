@@ -164,7 +164,7 @@ def test_pitched_page_copies_are_bit_exact_leave_the_gaps_and_run_no_kernel(two_
 
     def counted(args, stream):
         calls.append(args)
-        real(args, stream)
+        return real(args, stream)
 
     def run(use):
         streams.PageStreams.pitched_copy = use
@@ -195,3 +195,59 @@ def test_pitched_page_copies_are_bit_exact_leave_the_gaps_and_run_no_kernel(two_
     assert kernels == [], kernels
     outs, kernels = run(False)
     assert all(torch.equal(o, w) for o, w in zip(outs, want)) and len(kernels) >= 4, kernels  # the control gathers and scatters
+
+
+def test_a_refused_pitched_copy_is_cleared_said_once_and_not_tried_again(monkeypatch):
+    """`pitched.queue` (CPU, a stand-in runtime): an error from `cudaMemcpy2DAsync` is cleared
+    (`cudaGetLastError`, else the next launch would report it), warned about, answered False, and
+    `available()` is False from then on; a copy that goes through answers True."""
+    calls = []
+
+    class Runtime:
+        err = 0
+
+        def cudaMemcpy2DAsync(self, *args):
+            calls.append(("copy", args))
+            return self.err
+
+        def cudaGetLastError(self):
+            calls.append(("clear",))
+            return 0
+
+    class Stream:
+        cuda_stream = 77
+
+    rt = Runtime()
+    monkeypatch.setattr(pitched, "_runtime", lambda: rt)
+    monkeypatch.setattr(pitched, "_refused", [])
+    monkeypatch.setattr(torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
+    planned = pitched.args(pitched._D2H, 1000, 2000, 1024, 64, 2048) + (0,)
+    assert pitched.available() and pitched.queue(planned, Stream()) is True
+    assert calls == [("copy", (2000, 1024, 1000, 2048, 1024, 64, pitched._D2H, 77))]
+    calls.clear()
+    rt.err = 1
+    with pytest.warns(UserWarning, match="refused a pitched page copy"):
+        assert pitched.queue(planned, Stream()) is False
+    assert [c[0] for c in calls] == ["copy", "clear"] and not pitched.available()
+
+
+def test_a_pool_that_queued_pitched_copies_waits_for_its_device_at_its_end(monkeypatch):
+    """`pool._settle`, a CUDA pool's finalizer (CPU, stand-ins): nothing to wait for when no
+    pitched copy was queued; else a device synchronize before the buffers go; during a capture
+    the buffers are parked and released after a synchronize by the next settle outside one."""
+    from sched_lifetime.paging import pool as pool_mod
+
+    synced, cap = [], [False]
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda dev=None: synced.append(dev))
+    monkeypatch.setattr(pool_mod, "capturing", lambda: cap[0])
+    monkeypatch.setattr(pool_mod, "_parked", [])
+    pool_mod._settle("cuda:0", [False], ["buf"])
+    assert synced == [] and pool_mod._parked == []
+    pool_mod._settle("cuda:0", [True], ["buf"])
+    assert synced == ["cuda:0"]
+    cap[0] = True
+    pool_mod._settle("cuda:1", [True], ["b1"])
+    assert synced == ["cuda:0"] and pool_mod._parked == [("cuda:1", ["b1"])]  # held: no host wait in a capture
+    cap[0] = False
+    pool_mod._settle("cuda:0", [True], ["b2"])
+    assert synced == ["cuda:0", "cuda:0", "cuda:1"] and pool_mod._parked == []

@@ -427,5 +427,9 @@ def test_a_page_in_under_deterministic_algorithms_allocates_without_a_fill():
         e = empty_unfilled((2, 3), (1, 2), torch.int64, "cpu")
         assert e.shape == (2, 3) and e.stride() == (1, 2) and e.untyped_storage().nbytes() == 6 * 8
         assert empty_unfilled((0, 3), (3, 1), torch.float32, "cpu").numel() == 0
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode():  # traced (a fake tensor has no storage to set): torch's allocation
+            assert empty_unfilled((2, 3), (1, 2), torch.float32, "cpu").stride() == (1, 2)
     finally:
         torch.use_deterministic_algorithms(was)

@@ -24,6 +24,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
+import re
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -88,7 +91,8 @@ def _runtime() -> Any:
     except OSError:
         pass
     major = (torch.version.cuda or "").split(".")[0]
-    paths.sort(key=lambda p: not p.endswith(f"libcudart.so.{major}"))
+    ours = re.compile(rf"libcudart\.so\.{re.escape(major)}(\.|$)")
+    paths.sort(key=lambda p: not ours.match(os.path.basename(p)))
     for name in paths + [f"libcudart.so.{major}", "libcudart.so"]:
         try:
             lib = ctypes.CDLL(name)
@@ -104,9 +108,13 @@ def _runtime() -> Any:
     return _lib
 
 
+_refused: list = []  # the first error a 2D copy met (then no more are tried)
+
+
 def available() -> bool:
-    """Whether pitched copies run (CUDA, and the runtime's `cudaMemcpy2DAsync` found)."""
-    return _runtime() is not None
+    """Whether pitched copies run (CUDA, the runtime's `cudaMemcpy2DAsync` found, and none
+    refused so far)."""
+    return not _refused and _runtime() is not None
 
 
 def usable(t: torch.Tensor) -> bool:
@@ -150,11 +158,17 @@ def plan(dst: torch.Tensor, src: torch.Tensor) -> Optional[tuple]:
 
 def queue(planned: tuple, stream: Any) -> bool:
     """Queue `plan`'s copy on `stream` (a CUDA stream of the tensor's device); False when the
-    runtime refused it (the error cleared, nothing queued: the caller copies with torch)."""
+    runtime refused it: the error cleared, nothing queued (the caller copies with torch), a
+    warning, and no pitched copy is tried again (`available`: later page-outs take the
+    contiguous host layout)."""
     *call, device = planned
     lib = _runtime()
     with torch.cuda.device(device):
         err = lib.cudaMemcpy2DAsync(*call, stream.cuda_stream)
         if err != 0:
             lib.cudaGetLastError()  # else the next kernel launch's check would report it
+    if err != 0:
+        _refused.append(err)
+        warnings.warn(f"sched_lifetime paging: cudaMemcpy2DAsync refused a pitched page copy (CUDA error {err}, "
+                      f"{call[4]}-byte rows x {call[5]}); this copy and every later one go through torch's copy", stacklevel=3)
     return err == 0

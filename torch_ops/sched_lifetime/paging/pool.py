@@ -37,22 +37,38 @@ def empty_unfilled(shape: tuple, stride: tuple, dtype: torch.dtype, device: Any)
     copy before anything reads it (its reader waits on the copy); the gaps of a tensor with gaps
     are not filled by torch either. A storage of the tensor's extent is allocated and viewed
     (no process-wide setting changed: other threads keep their fills)."""
-    if not torch.are_deterministic_algorithms_enabled():
+    if (not torch.are_deterministic_algorithms_enabled() or torch.device(device).type == "meta"
+            or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None):  # traced: no memory, no fill
         return torch.empty_strided(shape, stride, dtype=dtype, device=device)
     n = 0 if math.prod(shape) == 0 else (1 + sum((k - 1) * st for k, st in zip(shape, stride))) * dtype.itemsize
     return torch.empty(0, dtype=dtype, device=device).set_(torch.UntypedStorage(n, device=device), 0, shape, stride)
 
 
-def _settle(events: list, bufs: list) -> None:
-    """A pool's end (its finalizer): wait for every copy its buffers were in (each buffer's last
-    copy records its slot event) before the buffers go back to torch's pinned-memory cache. A
-    pitched copy, unlike torch's, does not tell that cache the buffer is in use, and the host
-    may be ahead of the GPU. Not during a capture (no host wait is allowed there)."""
-    if capturing():
+#: Pinned buffers of pools that ended during a CUDA graph capture, with their device: released
+#: by the next `_settle` or pool made outside a capture, after a device synchronize.
+_parked: list = []
+
+
+def _release_parked() -> None:
+    if _parked and not capturing():
+        for dev in {d for d, _ in _parked}:
+            torch.cuda.synchronize(dev)
+        _parked.clear()
+
+
+def _settle(device: Any, used: list, bufs: list) -> None:
+    """A pool's end (its finalizer). A pitched copy, unlike torch's, does not tell torch's
+    pinned-memory cache that its buffer is in use, and the host may be ahead of the GPU: a pool
+    that queued one (`used[0]`) waits for its device before its buffers go back to that cache
+    (a device synchronize: it covers copies of graph replays too). During a capture no host wait
+    is allowed: the buffers are parked until the next pool is made or ends outside one."""
+    if not used[0]:
         return
-    for ev in events:
-        ev.synchronize()
-    bufs.clear()
+    if capturing():
+        _parked.append((device, list(bufs)))
+        return
+    torch.cuda.synchronize(device)
+    _release_parked()
 
 
 def check_group_out(group_out: Any) -> None:
@@ -106,7 +122,8 @@ class HostPool(HostSlots, Releases):
         #: The freelist's rule across the page streams (CUDA; a CPU copy is done when queued).
         self.slot_order: Any = SlotOrder(len(self._bufs)) if device.type == "cuda" else None
         if self.slot_order is not None:
-            weakref.finalize(self, _settle, list(self.slot_order._events), list(self._bufs)).atexit = False
+            _release_parked()
+            weakref.finalize(self, _settle, device, self._pitched_used, list(self._bufs)).atexit = False
         # Per-step figures (`take_figures`; the others are `HostSlots`' and `Releases`'): when
         # `measure_waits`, (before, after) timing events around each compute-stream wait on a
         # page-in.

@@ -53,6 +53,8 @@ class PageStreams:
         self._page_in: Any = None
         self._cur: tuple = (None, None)
         self._spare: list = []
+        #: Whether a pitched copy was queued (a list: a pool's finalizer holds it, not the pool).
+        self._pitched_used = [False]
 
     @property
     def page_stream(self) -> Any:
@@ -126,6 +128,7 @@ class PageStreams:
             if comp is not None:
                 self._after(page, comp)
             order.queue_wait(w, page)
+            self._pitched_used[0] = True
             if not pitched.queue(two_d, page):  # refused by the runtime: torch's copy, on the same stream
                 prev = self._on(page)
                 try:
