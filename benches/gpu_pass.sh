@@ -72,6 +72,14 @@ qwen_group4() {  # qwen_group4 SECS [MORE ARGS]: qwen_ab over 2 rounds at budget
     qwen_ab hf_qwen_rounds_g4 "$secs" 2 compiled,paging,paging_b '{"paging_budget": 1.0, "paging_slack": 1.1}' \
         --paging-b '{"paging_group_out": 4}' "$@"
 }
+pitched_ab() {  # pitched_ab NAME: compiled, paging, paging_gather at budget 1.0 / slack 1.1, 3 rounds, a traced step per arm;
+    # the idle split, and the paged traces' kernels against the compiled one's (trace_stalls.py --kernels-vs)
+    qwen_ab "$1" 300 3 compiled,paging,paging_gather '{"paging_budget": 1.0, "paging_slack": 1.1}' --profile --trace "$out/traces"
+    step stalls 60 "$py" benches/trace_stalls.py "$out"/traces/*.json
+    step kernels 60 "$py" benches/trace_stalls.py --kernels-vs "$out/traces/qwen3_moe_compiled.json" "$out/traces/qwen3_moe_paging.json" \
+        "$out/traces/qwen3_moe_paging_gather.json"
+    rm -rf "$out/traces"
+}
 case "$mode" in
 s11a)
     # Issue 27: where the paged step's extra GPU time goes, and the pitched page copy (a saved
@@ -84,11 +92,7 @@ s11a)
     export PYTHONUNBUFFERED=1
     step paging_cuda 120 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_paging_pitched.py tests/python/test_paging_pool.py \
         tests/python/test_paging_pager.py tests/python/test_paging_groups.py tests/python/test_compile.py -k "paging or pool or pager or page or pitched or group"
-    qwen_ab hf_qwen_rounds_s11 300 3 compiled,paging,paging_gather '{"paging_budget": 1.0, "paging_slack": 1.1}' --profile --trace "$out/traces"
-    step stalls 60 "$py" benches/trace_stalls.py "$out"/traces/*.json
-    step kernels 60 "$py" benches/trace_stalls.py --kernels-vs "$out/traces/qwen3_moe_compiled.json" "$out/traces/qwen3_moe_paging.json" \
-        "$out/traces/qwen3_moe_paging_gather.json"
-    rm -rf "$out/traces"
+    pitched_ab hf_qwen_rounds_s11
     ;;
 s11b)
     # Issue 27: s11a's A/B again after page-ins stopped allocating filled tensors under
@@ -96,11 +100,7 @@ s11b)
     # per page-in on the compute stream), with the pool's cuda tests first.
     export PYTHONUNBUFFERED=1
     step paging_cuda 60 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_paging_pitched.py tests/python/test_paging_pool.py
-    qwen_ab hf_qwen_rounds_s11b 300 3 compiled,paging,paging_gather '{"paging_budget": 1.0, "paging_slack": 1.1}' --profile --trace "$out/traces"
-    step stalls 60 "$py" benches/trace_stalls.py "$out"/traces/*.json
-    step kernels 60 "$py" benches/trace_stalls.py --kernels-vs "$out/traces/qwen3_moe_compiled.json" "$out/traces/qwen3_moe_paging.json" \
-        "$out/traces/qwen3_moe_paging_gather.json"
-    rm -rf "$out/traces"
+    pitched_ab hf_qwen_rounds_s11b
     ;;
 s12a)
     # Issue 27's parity on the GPU with this session's paging (pitched copies, unfilled page-ins):

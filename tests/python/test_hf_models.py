@@ -103,6 +103,11 @@ def train(model, backend, options=None, device="cpu", steps=STEPS):
     return losses, grads, {k: p.detach().clone() for k, p in model.named_parameters()}
 
 
+def compiled_pagers() -> list:
+    """The paging pass's pagers of the graphs our backend compiled since `slc.history` was cleared."""
+    return list({id(p): p for h in slc.history if (p := h["module"].sched_lifetime.get("paging")) is not None}.values())
+
+
 def differences(a, b) -> list[str]:
     (la, ga, pa), (lb, gb, pb) = a, b
     out = [f"loss at step {i}" for i, (x, y) in enumerate(zip(la, lb)) if not torch.equal(x, y)]
@@ -134,7 +139,7 @@ def test_hf_model_is_bit_exact_under_every_arm(name, impl):
         graphs = [h for h in slc.history if h["phase"] == "fwd"]
         assert graphs, "nothing was compiled by our backend"
         if options.get("paging"):
-            pagers = {id(p): p for h in slc.history if (p := h["module"].sched_lifetime.get("paging")) is not None}.values()
+            pagers = compiled_pagers()
             moved = sum(p.stats["bytes_out"] for p in pagers)
             assert moved > 0 and all(p.stats["bytes_out"] == p.stats["bytes_in"] for p in pagers), [p.explain() for p in pagers]
 
@@ -166,7 +171,7 @@ def test_hf_model_on_the_gpu_is_bit_exact_under_every_arm(name, impl):
         ours = train(copy.deepcopy(base), "sched_lifetime", options, device="cuda", steps=GPU_STEPS)
         assert not differences(aot, ours), f"{arm} vs aot_eager: {differences(aot, ours)[:5]}"
         if options.get("paging"):
-            pagers = {id(p): p for h in slc.history if (p := h["module"].sched_lifetime.get("paging")) is not None}.values()
+            pagers = compiled_pagers()
             moved = sum(p.stats["bytes_out"] for p in pagers)
             assert moved > 0 and all(p.stats["bytes_out"] == p.stats["bytes_in"] for p in pagers), [p.explain() for p in pagers]
 
@@ -238,7 +243,7 @@ def test_more_causal_lms_are_bit_exact_with_aot_eager(name):
         ours = train(copy.deepcopy(base), "sched_lifetime", options)
         assert not differences(aot, ours), f"{arm} vs aot_eager: {differences(aot, ours)[:5]}"
         if options.get("paging"):
-            pagers = {id(p): p for h in slc.history if (p := h["module"].sched_lifetime.get("paging")) is not None}.values()
+            pagers = compiled_pagers()
             assert sum(p.stats["bytes_out"] for p in pagers) > 0
 
 

@@ -2,7 +2,7 @@
 
 A node often saves several views of one storage (the same tensor twice; q, k and v of one
 projection). `group_plan` lays them out so each storage moves once and the page-in rebuilds
-them as views of one block; the layout helpers (`_dense`, `_contiguous`, `compact`, `_extent`) say how
+them as views of one block; the layout helpers (`_dense`, `_contiguous`, `compact`, `extent`) say how
 a tensor's bytes sit in its storage.
 """
 
@@ -55,11 +55,17 @@ def compact(shape: tuple, stride: tuple) -> tuple:
     return tuple(out)
 
 
+def extent(shape: tuple, stride: tuple, itemsize: int) -> int:
+    """Bytes from the first element of a tensor of `shape` and `stride` to just past its last
+    (0 when empty)."""
+    if 0 in shape:
+        return 0
+    return (1 + sum((n - 1) * st for n, st in zip(shape, stride))) * itemsize
+
+
 def _extent(t: torch.Tensor) -> int:
     """Bytes from `t`'s first element to just past its last (0 when empty)."""
-    if t.numel() == 0:
-        return 0
-    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+    return extent(tuple(t.shape), t.stride(), t.element_size())
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,7 @@ def usable(t: torch.Tensor) -> bool:
     (`pitch_of`), no conjugate or negative bit (a raw copy would drop it), the runtime found.
     The host buffer then holds it as `compact` lays it out; otherwise contiguous (torch's copy
     from a host tensor that is not would go through pageable temporaries)."""
-    return (t.is_cuda and not t.is_conj() and not t.is_neg()
+    return (t.is_cuda and not t.is_contiguous() and not t.is_conj() and not t.is_neg()  # contiguous: dense, no pitch
             and pitch_of(tuple(t.shape), t.stride(), t.element_size()) is not None and available())
 
 

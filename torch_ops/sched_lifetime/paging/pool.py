@@ -13,14 +13,13 @@ under `SlotOrder`'s rule (a group's copies between `before` and `after`; one ten
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any, Sequence
 
 import torch
 
 from . import pitched
-from .groups import _contiguous, compact, group_plan
+from .groups import _contiguous, compact, extent, group_plan
 from .paged import Paged, _check_restorable
 from .release import Releases
 from .slot_order import SlotOrder
@@ -40,8 +39,8 @@ def empty_unfilled(shape: tuple, stride: tuple, dtype: torch.dtype, device: Any)
     if (not torch.are_deterministic_algorithms_enabled() or torch.device(device).type == "meta"
             or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None):  # traced: no memory, no fill
         return torch.empty_strided(shape, stride, dtype=dtype, device=device)
-    n = 0 if math.prod(shape) == 0 else (1 + sum((k - 1) * st for k, st in zip(shape, stride))) * dtype.itemsize
-    return torch.empty(0, dtype=dtype, device=device).set_(torch.UntypedStorage(n, device=device), 0, shape, stride)
+    storage = torch.UntypedStorage(extent(tuple(shape), tuple(stride), dtype.itemsize), device=device)
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, shape, stride)
 
 
 #: Pinned buffers of pools that ended during a CUDA graph capture, with their device: released

@@ -124,36 +124,26 @@ class PageStreams:
         done = self._event()
         w = order.wait_for(slot, page)  # the slot rule, asked once for either way of queueing
         two_d = None if dst.is_contiguous() and src.is_contiguous() or not self.pitched_copy else pitched.plan(dst, src)
-        if two_d is not None:
-            if comp is not None:
-                self._after(page, comp)
-            order.queue_wait(w, page)
-            self._pitched_used[0] = True
-            if not pitched.queue(two_d, page):  # refused by the runtime: torch's copy, on the same stream
-                prev = self._on(page)
-                try:
-                    dst.copy_(src, non_blocking=True)
-                finally:
-                    self._back(prev)
-            record(done, page)
-            order.after(slot, page)
-            return done
         mark = self._mark
-        if self.native_copy and _page_copy is not None and (mark is not None or comp is None):
+        if two_d is None and self.native_copy and _page_copy is not None and (mark is not None or comp is None):
             h_mark, h_done, h_slot = 0 if comp is None else mark.cuda_event, done.cuda_event, order.event(slot).cuda_event
             h_wait = 0 if w is None else w.cuda_event
             if (h_mark or comp is None) and h_done and h_slot and (w is None or h_wait):
                 if _page_copy(dst, src, page, comp, h_mark, h_wait, h_done, h_slot) is not NotImplemented:
                     order.recorded(slot, page)
                     return done
-        if comp is not None:  # not a plain tensor, or an event not created yet: the calls from Python
+        # The calls from Python: a pitched copy, or not a plain tensor, or an event not created yet.
+        if comp is not None:
             self._after(page, comp)
         order.queue_wait(w, page)
-        prev = self._on(page)
-        try:
-            dst.copy_(src, non_blocking=True)
-        finally:
-            self._back(prev)
+        if two_d is not None:
+            self._pitched_used[0] = True
+        if two_d is None or not pitched.queue(two_d, page):  # a pitched copy the runtime refused: torch's, on the same stream
+            prev = self._on(page)
+            try:
+                dst.copy_(src, non_blocking=True)
+            finally:
+                self._back(prev)
         record(done, page)
         order.after(slot, page)
         return done
