@@ -30,8 +30,8 @@
 #                                       # one vs two page streams at 65536 tokens (issue 32)
 #   bash benches/gpu_pass.sh calib2 OUT # nvidia-h200-x2: the main job over NCCL, ours vs calibrated
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|final OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|final OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s13a|s13b|s13c|s13d|final OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s13a|s13b|s13c|s13d|final OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -111,6 +111,48 @@ s12a)
     step hf_models_cuda 300 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_hf_models.py
     step hf_ds_strict 200 "$py" benches/hf_paging_ab.py --model deepseek_v3 --seq 4096 --steps 3 --rounds 1 \
         --arms aot_eager,compiled,cudagraphs,paging --paging '{"paging_budget": 1.0, "paging_slack": 1.05}' --out "$out/hf_ds_strict.json"
+    ;;
+s13a)
+    # Issue 27's last checks, one call: the pool's and pitched copies' cuda tests after the second
+    # review's fixes (packed host layout only where a pitched copy moves it, unfilled page-ins from
+    # a storage of the extent, the pool's end), then s12a (the tiny Hugging Face matrix on the GPU;
+    # DeepSeek-V3 463M's strict parity at 4096 tokens).
+    export PYTHONUNBUFFERED=1
+    step paging_cuda 60 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_paging_pitched.py tests/python/test_paging_pool.py
+    step hf_models_cuda 300 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_hf_models.py
+    step hf_ds_strict 200 "$py" benches/hf_paging_ab.py --model deepseek_v3 --seq 4096 --steps 3 --rounds 1 \
+        --arms aot_eager,compiled,cudagraphs,paging --paging '{"paging_budget": 1.0, "paging_slack": 1.05}' --out "$out/hf_ds_strict.json"
+    ;;
+s13b)
+    # Issue 32's 8192-token A/B with unfilled page-ins and pitched copies (the embedded model's
+    # fused q/k/v and gate/up slices), off / one stream / two streams / save_on_cpu in one run, then
+    # issue 27's Qwen3-MoE A/B (s11c's: compiled, paging, paging_gather) after the reviews' fixes.
+    export PYTHONUNBUFFERED=1
+    step paging_8k 200 "$py" benches/paging_ab.py --config h200 --steps 5 \
+        --arms off,1s-timed:1.0,1s-timed:1.0:1.0,timed:1.0,save_on_cpu --json "$out/paging_8k.json"
+    qwen_ab hf_qwen_rounds_s13b 300 3 compiled,paging,paging_gather '{"paging_budget": 1.0, "paging_slack": 1.05}'
+    ;;
+s13c)
+    # Issue 27's GPU parity after s13a: cudagraphs=True under dynamic shapes (s13a's tiny matrix
+    # failed its cudagraphs arm on every eager-experts case: recordings keyed on compile-time
+    # symbols), then the whole tiny Hugging Face matrix, one process per model at once (s13a ran
+    # them one after another and ran out of time after 6 of 13 cases).
+    export PYTHONUNBUFFERED=1
+    step compile_cudagraphs 120 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_compile.py -k cudagraphs
+    for m in deepseek_v3 granitemoe llama mixtral olmoe qwen2_moe qwen3_moe; do
+        step "hf_cuda_$m" 300 "$py" -m pytest -q -rs -m cuda -p no:logging -p no:cacheprovider tests/python/test_hf_models.py \
+            -k "on_the_gpu and $m" &
+    done
+    wait
+    ;;
+s13d)
+    # Issue 32's 8192-token A/B again after link_rates keeps the fastest of its timed copies: s13b's
+    # calibration measured 28.4 / 31.3 GB/s (the same run's 1 GiB copies: 55.1) and planned with
+    # it; the plan's cuda tests first.
+    export PYTHONUNBUFFERED=1
+    step paging_plan_cuda 60 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_paging_plan.py
+    step paging_8k 200 "$py" benches/paging_ab.py --config h200 --steps 5 \
+        --arms off,1s-timed:1.0,1s-timed:1.0:1.0,timed:1.0,save_on_cpu --json "$out/paging_8k.json"
     ;;
 s11c)
     # Issue 27: s11b's A/B without the profiled steps (3 rounds of compiled, paging, paging_gather).

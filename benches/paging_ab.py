@@ -207,6 +207,10 @@ def main() -> None:
             out[name]["explain"] = text = pager.explain()  # Rust's reasons, one line per candidate
             out[name]["calibration"] = pager.calibration  # Rust's inputs (timed: the timeline too)
             print(f"{name}: {text.splitlines()[0]}")
+            timing = (pager.calibration or {}).get("timing") or {}
+            if timing:  # the rates the plan used: the calibration's own link measurement, beside the line above
+                rates = ", ".join(f"{k.removesuffix('_bytes_per_us')} {timing[k] / 1e3:.1f}" for k in ("d2h_bytes_per_us", "h2d_bytes_per_us", "both_bytes_per_us") if k in timing)
+                print(f"{name}: planned with the link at {rates} GB/s, {timing.get('page_host_us', 0):.1f} us of host per paged tensor")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"config": a.config, "device": str(dev), "arms": out}, f, indent=1)

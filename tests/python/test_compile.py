@@ -483,6 +483,45 @@ def test_cudagraphs_on_cpu_graphs_is_an_error_saying_why():
         run(torch.randn(8, 16))
 
 
+@pytest.mark.cuda
+def test_cudagraphs_under_dynamic_shapes_record_one_graph_per_size():
+    """cudagraphs=True with sizes that change between calls (dynamic=True; transformers' eager
+    experts loop gives graphs whose token counts differ per call): each size gets its own
+    recording, replays of every size bit-exact against eager. Capturing at compile time keyed
+    the recordings on symbols: a graph recorded for 15 rows replayed for 14 and raised."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from torch._inductor import cudagraph_trees
+
+    torch.use_deterministic_algorithms(True)
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)).to(dev)
+    sizes = [15, 14, 15, 14, 13, 15, 13]
+
+    def run(model, compiled):
+        out = []
+        for i, n in enumerate(sizes):
+            x = torch.randn(n, 32, generator=torch.Generator().manual_seed(i)).to(dev)
+            model.zero_grad(set_to_none=True)
+            if compiled is not model:
+                torch.compiler.cudagraph_mark_step_begin()
+            y = compiled(x)
+            y.square().sum().backward()
+            out.append((y.detach().clone(), [p.grad.clone() for p in model.parameters()]))
+        return out
+
+    eager = run(base, base)
+    torch._dynamo.reset()
+    cudagraph_trees.reset_cudagraph_trees()
+    model = copy.deepcopy(base)
+    ours = run(model, torch.compile(model, backend="sched_lifetime", options={"cudagraphs": True}, dynamic=True))
+    for i, ((ye, ge), (yo, go)) in enumerate(zip(eager, ours)):
+        assert torch.equal(ye, yo) and all(torch.equal(a, b) for a, b in zip(ge, go)), f"call {i} ({sizes[i]} rows) differs from eager"
+    assert any(h["module"].sched_lifetime.get("cudagraphs") for h in slc.history[-2:])
+    cudagraph_trees.reset_cudagraph_trees()
+
+
 GPU_MODELS = {
     "mlp": (lambda: torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)), (64, 256)),
     "transformer_block": (lambda: torch.nn.TransformerEncoderLayer(256, 8, 1024, dropout=0.0, batch_first=True), (8, 32, 256)),

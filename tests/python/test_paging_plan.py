@@ -151,3 +151,16 @@ def test_a_machine_measurement_is_made_once_per_device_and_setting_until_forgott
     forget_measurements()
     assert calibrate.measured(("page_host_us", "cpu", None, False), measure(4.0)) == 4.0 and calls == [1.0, 3.0, 4.0]
     forget_measurements()
+
+
+@pytest.mark.parametrize("reps", [0, -1, 1.5, True])
+def test_the_link_and_host_measurements_refuse_a_count_of_rounds_that_is_not_a_positive_int(reps):
+    """`link_rates` and `page_host_us` keep the fastest of `reps` rounds: none would divide by
+    nothing (or time nothing), so they say so before touching a device."""
+    import torch
+
+    from sched_lifetime.paging.plan import link_rates, page_host_us
+
+    for measure in (link_rates, page_host_us):
+        with pytest.raises(ValueError, match="reps must be an int >= 1"):
+            measure(torch.device("cpu"), reps=reps)

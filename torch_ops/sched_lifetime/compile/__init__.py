@@ -208,7 +208,10 @@ class _Capture:
     """Our rewritten graphs under torch's cudagraph trees, as torch's "cudagraphs" backend wraps
     AOTAutograd's graphs (`torch/_dynamo/backends/cudagraphs.py`): the forward's parameters
     (and the backward's saved values and tangents) are static inputs; everything else is
-    copied into the graph's inputs at each replay. A graph that cannot be captured raises."""
+    copied into the graph's inputs at each replay. A graph that cannot be captured raises.
+    Capture waits for the first call, as Inductor's `compile_fx.cudagraphify` does: the tree
+    keys its recordings on the call's int inputs, which at compile time are symbols under
+    dynamic shapes (a graph recorded for 15 tokens would then replay for 14)."""
 
     def __init__(self, n_dynamo_inputs: int) -> None:
         self.n_dynamo_inputs = n_dynamo_inputs
@@ -225,10 +228,10 @@ class _Capture:
         skip = cg.check_for_skip(gm, fixed)
         if skip:
             raise RuntimeError(f"sched_lifetime backend: cudagraphs=True cannot capture the {phase} graph: {skip}")
-        out = cudagraphify_impl(
-            boxed_nop(gm, inputs),
-            inputs,
-            range(fixed),
+        from torch._dynamo.utils import preserve_rng_state
+
+        model = boxed_nop(gm, inputs)
+        settings = dict(
             device_index=cg.get_device_index(gm),
             is_backward=backward,
             is_inference=inference,
@@ -236,9 +239,19 @@ class _Capture:
             placeholders=get_placeholder_info(gm.graph),
             mutated_input_idxs=cg.find_input_mutations(gm.graph),
         )
-        out._boxed_call = True
+        captured = None
+
+        def run(args: list) -> Any:
+            nonlocal captured
+            if captured is None:
+                with preserve_rng_state():
+                    captured = cudagraphify_impl(model, args, range(fixed), **settings)
+            return captured(args)
+
+        run._boxed_call = True  # type: ignore[attr-defined]
+        run.module = gm  # type: ignore[attr-defined]
         gm.sched_lifetime["cudagraphs"] = True
-        return out
+        return run
 
 
 def compile_fx_graph(gm: fx.GraphModule, phase: str, opts: dict, in_place: bool = False) -> fx.GraphModule:
