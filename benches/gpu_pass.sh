@@ -30,8 +30,8 @@
 #                                       # one vs two page streams at 65536 tokens (issue 32)
 #   bash benches/gpu_pass.sh calib2 OUT # nvidia-h200-x2: the main job over NCCL, ours vs calibrated
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s13a|s13b|s13c|s13d|final OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s13a|s13b|s13c|s13d|final OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s13a|s13b|s13c|s13d|s13f|final OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s13a|s13b|s13c|s13d|s13f|final OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -153,6 +153,23 @@ s13d)
     step paging_plan_cuda 60 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_paging_plan.py
     step paging_8k 200 "$py" benches/paging_ab.py --config h200 --steps 5 \
         --arms off,1s-timed:1.0,1s-timed:1.0:1.0,timed:1.0,save_on_cpu --json "$out/paging_8k.json"
+    ;;
+s13f)
+    # After cudagraphs=True reads parameters in place (static_input_indices) and link_rates queues
+    # its both-ways rounds: the cudagraphs and plan cuda tests, the link's rates, the tiny HF matrix
+    # (one pytest per model at once), DeepSeek-V3 463M's aot_eager / compiled / cudagraphs (strict).
+    export PYTHONUNBUFFERED=1
+    step compile_cudagraphs 120 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_compile.py tests/python/test_paging_plan.py \
+        -k "cudagraphs or measure or calibration"
+    step link_rates 60 "$py" -c "import torch, sched_lifetime.paging as p; d = torch.device('cuda')
+for mib in (64, 1024): r = p.link_rates(d, mib=mib); print(mib, 'MiB: d2h %.1f h2d %.1f both %.1f GB/s' % (r.d2h / 1e3, r.h2d / 1e3, r.both / 1e3))"
+    for m in deepseek_v3 granitemoe llama mixtral olmoe qwen2_moe qwen3_moe; do
+        step "hf_cuda_$m" 220 "$py" -m pytest -q -rs -m cuda -p no:logging -p no:cacheprovider tests/python/test_hf_models.py \
+            -k "on_the_gpu and $m" &
+    done
+    wait
+    step hf_ds_cudagraphs 150 "$py" benches/hf_paging_ab.py --model deepseek_v3 --seq 4096 --steps 3 --rounds 1 \
+        --arms aot_eager,compiled,cudagraphs --out "$out/hf_ds_cudagraphs.json"
     ;;
 s11c)
     # Issue 27: s11b's A/B without the profiled steps (3 rounds of compiled, paging, paging_gather).

@@ -497,7 +497,7 @@ def test_cudagraphs_under_dynamic_shapes_record_one_graph_per_size():
     dev = torch.device("cuda")
     torch.manual_seed(0)
     base = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)).to(dev)
-    sizes = [15, 14, 15, 14, 13, 15, 13]
+    sizes = [15, 14, 15, 14, 13, 15, 13, 14, 13]  # every size recorded, then replayed with new inputs
 
     def run(model, compiled):
         out = []
@@ -519,6 +519,53 @@ def test_cudagraphs_under_dynamic_shapes_record_one_graph_per_size():
     for i, ((ye, ge), (yo, go)) in enumerate(zip(eager, ours)):
         assert torch.equal(ye, yo) and all(torch.equal(a, b) for a, b in zip(ge, go)), f"call {i} ({sizes[i]} rows) differs from eager"
     assert any(h["module"].sched_lifetime.get("cudagraphs") for h in slc.history[-2:])
+    manager = cudagraph_trees.get_manager(dev.index or 0, create_if_none_exists=False)
+    assert manager is not None and len(manager.ids_to_funcs) == 6, "one recording per size of the forward and the backward"
+    cudagraph_trees.reset_cudagraph_trees()
+
+
+@pytest.mark.cuda
+def test_cudagraphs_read_parameters_in_place_not_copied_into_the_pool():
+    """The forward's parameters are static inputs of the captured graph (AOTAutograd's
+    static_input_indices, as Inductor passes them): replays read them where they are, bit-exact
+    against eager after SGD updates the trainable ones in place; the graphs' private pool holds
+    no copy of them. A frozen 128 MiB weight (no gradient of its size in the pool) against a few
+    KiB of activations and the cuBLAS workspace: with only the count of Dynamo's fixed arguments
+    (0 when modules are inlined) every replay copied the weight into the pool."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from torch._inductor import cudagraph_trees
+
+    torch.use_deterministic_algorithms(True)
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8192, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 8)).to(dev)
+    base[0].weight.requires_grad_(False)
+    frozen = base[0].weight.numel() * base[0].weight.element_size()
+
+    def batch(step):
+        return (torch.randn(8, 8192, generator=torch.Generator().manual_seed(step)).to(dev),)
+
+    def train(model, run):
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+        out = []
+        for step in range(5):
+            opt.zero_grad(set_to_none=True)
+            if run is not model:
+                torch.compiler.cudagraph_mark_step_begin()
+            y = run(*batch(step))
+            y.square().sum().backward()
+            out += [y.detach().clone()] + [p.grad.clone() for p in model.parameters() if p.requires_grad]
+            opt.step()
+        return out + [p.detach().clone() for p in model.parameters()]
+
+    eager = train(m := copy.deepcopy(base), m)
+    torch._dynamo.reset()
+    cudagraph_trees.reset_cudagraph_trees()
+    ours = train(m := copy.deepcopy(base), torch.compile(m, backend="sched_lifetime", options={"cudagraphs": True}))
+    assert len(eager) == len(ours) and all(torch.equal(a, b) for a, b in zip(eager, ours)), "captured replays differ from eager"
+    pool = _graph_pool_bytes()
+    assert pool < frozen * 3 // 4, f"the graph pool ({pool} bytes) holds a copy of the frozen weight ({frozen} bytes)"
     cudagraph_trees.reset_cudagraph_trees()
 
 

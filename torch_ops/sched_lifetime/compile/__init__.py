@@ -207,8 +207,10 @@ def boxed(gm: fx.GraphModule) -> Callable:
 class _Capture:
     """Our rewritten graphs under torch's cudagraph trees, as torch's "cudagraphs" backend wraps
     AOTAutograd's graphs (`torch/_dynamo/backends/cudagraphs.py`): the forward's parameters
-    (and the backward's saved values and tangents) are static inputs; everything else is
-    copied into the graph's inputs at each replay. A graph that cannot be captured raises.
+    and buffers (AOTAutograd's `static_input_indices`, as Inductor's `get_static_input_idxs`
+    reads them: with modules inlined they are ordinary Dynamo inputs) and the backward's
+    tangents are static inputs, read in place; everything else is copied into the graph's
+    inputs at each replay. A graph that cannot be captured raises.
     Capture waits for the first call, as Inductor's `compile_fx.cudagraphify` does: the tree
     keys its recordings on the call's int inputs, which at compile time are symbols under
     dynamic shapes (a graph recorded for 15 tokens would then replay for 14)."""
@@ -229,7 +231,9 @@ class _Capture:
         if skip:
             raise RuntimeError(f"sched_lifetime backend: cudagraphs=True cannot capture the {phase} graph: {skip}")
         from torch._dynamo.utils import preserve_rng_state
+        from torch._inductor.compile_fx import get_static_input_idxs
 
+        static = list(range(fixed)) if backward else get_static_input_idxs(fixed)
         model = boxed_nop(gm, inputs)
         settings = dict(
             device_index=cg.get_device_index(gm),
@@ -245,7 +249,7 @@ class _Capture:
             nonlocal captured
             if captured is None:
                 with preserve_rng_state():
-                    captured = cudagraphify_impl(model, args, range(fixed), **settings)
+                    captured = cudagraphify_impl(model, args, static, **settings)
             return captured(args)
 
         run._boxed_call = True  # type: ignore[attr-defined]

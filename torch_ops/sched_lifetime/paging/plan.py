@@ -110,43 +110,49 @@ def link_rates(dev: torch.device, mib: int = 64, reps: int = 4) -> LinkRates:
     `mib` MiB buffer: after two warm-up copies, `reps` copies each timed alone with CUDA events,
     the fastest kept; then both directions at once (one copy each way on two streams, two
     buffers per side: no copy reads what the other writes), timed from a common start to the
-    later end, the fastest of `reps` rounds. The fastest, not the total: a pager measures once
-    per process and plans every step with it, and the first copies of a process can run slow
-    (an H100's calibration measured 28 GB/s each way where the same run's 1 GiB copies moved
-    55, and paged half as much)."""
+    later end, the fastest of `reps` rounds queued back to back behind a warm-up round (no host
+    sync between rounds: none includes the time to issue it). The fastest, not the total: a
+    pager measures once per process and plans every step with it, and the first copies of a
+    process can run slow (an H100's calibration measured 28 GB/s each way where the same run's
+    1 GiB copies moved 55, and paged half as much)."""
     if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
         raise ValueError(f"link_rates: reps must be an int >= 1, got {reps!r}")
-    torch.cuda.synchronize(dev)
-    n = mib << 20
-    d, h = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    rates = []
-    for dst, src in ((h, d), (d, h)):
-        for _ in range(2):  # warm
-            dst.copy_(src, non_blocking=True)
-        for a, b in events:
-            a.record()
-            dst.copy_(src, non_blocking=True)
-            b.record()
-        events[-1][1].synchronize()
-        rates.append(n / (min(a.elapsed_time(b) for a, b in events) * 1e3))
-    d2, h2 = torch.empty_like(d), torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    streams = (torch.cuda.Stream(dev), torch.cuda.Stream(dev))
-    best = float("inf")
-    for timed in [False] + [True] * reps:  # a warm-up, then the rounds
-        start = torch.cuda.Event(enable_timing=True)
-        ends = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+    with torch.cuda.device(dev):
         torch.cuda.synchronize(dev)
-        start.record()
-        for s, (dst, src), end in zip(streams, ((h, d), (d2, h2)), ends):
-            s.wait_event(start)
-            with torch.cuda.stream(s):
+        n = mib << 20
+        d, h = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        main = torch.cuda.current_stream(dev)
+        rates = []
+        for dst, src in ((h, d), (d, h)):
+            for _ in range(2):  # warm
                 dst.copy_(src, non_blocking=True)
-            end.record(s)
-        for end in ends:
-            end.synchronize()
-        if timed:
-            best = min(best, max(start.elapsed_time(e) for e in ends))
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+            for a, b in events:
+                a.record(main)
+                dst.copy_(src, non_blocking=True)
+                b.record(main)
+            events[-1][1].synchronize()  # one stream: every earlier event is done too
+            rates.append(n / (min(a.elapsed_time(b) for a, b in events) * 1e3))
+        d2, h2 = torch.empty_like(d), torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        streams = (torch.cuda.Stream(dev), torch.cuda.Stream(dev))
+        rounds = []
+        for _ in range(reps + 1):  # a warm-up round, then the timed ones, each starting when the last ends
+            start = torch.cuda.Event(enable_timing=True)
+            ends = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for e in rounds[-1][1] if rounds else ():
+                main.wait_event(e)
+            start.record(main)
+            for s, (dst, src), end in zip(streams, ((h, d), (d2, h2)), ends):
+                s.wait_event(start)
+                with torch.cuda.stream(s):
+                    dst.copy_(src, non_blocking=True)
+                end.record(s)
+            rounds.append((start, ends))
+        for end in rounds[-1][1]:
+            end.synchronize()  # each round starts after the one before ends: all are done
+        best = min(max(start.elapsed_time(e) for e in ends) for start, ends in rounds[1:])
+        main.wait_stream(streams[0])
+        main.wait_stream(streams[1])
     return LinkRates(rates[0], rates[1], 2 * n / (best * 1e3))  # the copies are done: the buffers may go
 
 
