@@ -483,6 +483,52 @@ def test_cudagraphs_on_cpu_graphs_is_an_error_saying_why():
         run(torch.randn(8, 16))
 
 
+def test_cudagraphs_hands_the_trees_the_first_calls_inputs_and_the_parameters_as_static(monkeypatch):
+    """The wiring of `cudagraphs=True`, on the CPU with cudagraph trees replaced by a recorder
+    (the cuda tests below run the real trees): the trees are called at the graph's first call,
+    with its real inputs (ints, not the compile time's symbols: under dynamic shapes the trees
+    key their recordings on them), and the forward's static inputs are exactly the model's
+    parameters (read in place). Red before either fix: a SymInt, and no static input."""
+    from torch._dynamo.backends import cudagraphs as cg
+    from torch._inductor import cudagraph_trees
+
+    calls = []
+
+    def recorder(model, inputs, static_input_idxs, **kw):
+        static = list(static_input_idxs)
+        calls.append({
+            "backward": kw["is_backward"],
+            "ints": [type(v).__name__ for v in inputs if not isinstance(v, torch.Tensor)],
+            "static": {id(inputs[i]) for i in static},
+            "n_static": len(static),
+        })
+        return model
+
+    monkeypatch.setattr(cg, "check_for_skip", lambda gm, fixed: None)
+    monkeypatch.setattr(cg, "get_device_index", lambda gm: 0)
+    monkeypatch.setattr(cudagraph_trees, "cudagraphify_impl", recorder)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    eager = copy.deepcopy(model)
+    run = torch.compile(model, backend="sched_lifetime", options={"cudagraphs": True}, dynamic=True)
+    for n in (5, 4, 5):
+        x = torch.randn(n, 8, generator=torch.Generator().manual_seed(n))
+        y = run(x)
+        y.square().sum().backward()
+        ye = eager(x)
+        ye.square().sum().backward()
+        assert torch.equal(y, ye)
+    torch._dynamo.reset()
+    fwd = [c for c in calls if not c["backward"]]
+    bwd = [c for c in calls if c["backward"]]
+    assert fwd and bwd, calls
+    # Every call into the trees saw plain ints (the first call's sizes), none a SymInt.
+    assert all(t == "int" for c in calls for t in c["ints"]), calls
+    assert any(c["ints"] for c in fwd), "the dynamic forward takes its size as an int input"
+    assert fwd[0]["static"] == {id(p) for p in model.parameters()}, "the forward's static inputs are its parameters"
+
+
 @pytest.mark.cuda
 def test_cudagraphs_under_dynamic_shapes_record_one_graph_per_size():
     """cudagraphs=True with sizes that change between calls (dynamic=True; transformers' eager
