@@ -479,8 +479,46 @@ def test_cudagraphs_on_cpu_graphs_is_an_error_saying_why():
     torch._dynamo.reset()
     model = _mlp()
     run = torch.compile(model, backend="sched_lifetime", options={"cudagraphs": True})
-    with pytest.raises(Exception, match="cudagraphs=True cannot capture the fwd graph.*cpu"):
+    with pytest.raises(Exception, match="cudagraphs=True cannot capture the fwd graph.*cpu.*needs the model and its inputs on a CUDA device"):
         run(torch.randn(8, 16))
+
+
+def test_an_inductor_mode_is_an_error_that_names_the_option_to_use():
+    """torch.compile hands `mode` to any backend; "reduce-overhead" is how Inductor users ask for
+    CUDA graphs, so the error names `options={'cudagraphs': True}` instead of a TypeError about
+    an unexpected keyword."""
+    torch._dynamo.reset()
+    run = torch.compile(_mlp(), backend="sched_lifetime", mode="reduce-overhead")
+    with pytest.raises(Exception, match="mode='reduce-overhead' is an Inductor mode.*'cudagraphs': True"):
+        run(torch.randn(8, 16))
+    torch._dynamo.reset()
+
+
+def test_paging_that_pages_nothing_under_its_min_bytes_warns_with_the_fix():
+    """A graph whose saved activations are all under `paging_min_bytes` (a small model at the
+    default 64 KiB) pages nothing: a warning says so and names the option, and `explain()`
+    counts them; with `paging_min_bytes=0` the same graph pages and does not warn."""
+    import warnings
+
+    torch._dynamo.reset()
+    model = _mlp()
+    with pytest.warns(UserWarning, match="pages nothing in this graph.*paging_min_bytes=65536"):
+        run = torch.compile(model, backend="sched_lifetime", options={"paging": True})
+        run(torch.randn(8, 16)).sum().backward()
+    pager = compiled_pager()
+    assert "under paging_min_bytes=65536" in pager.explain() and not pager.candidates, pager.explain()
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*pages nothing")  # the warning would fail here
+        run = torch.compile(_mlp(), backend="sched_lifetime", options={"paging": True, "paging_min_bytes": 0, "paging_timed": False})
+        run(torch.randn(8, 16)).sum().backward()
+    assert compiled_pager().candidates
+    torch._dynamo.reset()
+
+
+def compiled_pager():
+    """The paging pass of the last graph our backend compiled."""
+    return next(h["module"].sched_lifetime["paging"] for h in reversed(slc.history) if h["module"].sched_lifetime.get("paging") is not None)
 
 
 def test_cudagraphs_hands_the_trees_the_first_calls_inputs_and_the_parameters_as_static(monkeypatch):

@@ -127,7 +127,7 @@ def check_options(options: Optional[dict]) -> dict:
     return opts
 
 
-def backend(gm: fx.GraphModule, example_inputs: list, options: Optional[dict] = None) -> Callable:
+def backend(gm: fx.GraphModule, example_inputs: list, options: Optional[dict] = None, mode: Optional[str] = None) -> Callable:
     """The torch.compile backend, registered as `backend="sched_lifetime"` (on import, and
     through the package's `torch_dynamo_backends` entry point after `pip install`).
     AOTAutograd's forward and backward graphs (no Inductor) are scheduled by Rust and rebuilt
@@ -148,6 +148,11 @@ def backend(gm: fx.GraphModule, example_inputs: list, options: Optional[dict] = 
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
+    if mode is not None:  # torch.compile passes `mode` through to any backend; its modes are Inductor's
+        raise ValueError(
+            f"sched_lifetime backend: mode={mode!r} is an Inductor mode; this backend takes options instead: "
+            f"options={{'cudagraphs': True}} for CUDA graphs (what 'reduce-overhead' turns on), see sched_lifetime.compile.OPTIONS"
+        )
     opts = check_options(options)
     captured = _Capture(len(example_inputs)) if opts["cudagraphs"] else None
     pager = None
@@ -229,7 +234,8 @@ class _Capture:
         fixed = count_tangents(gm) if backward else num_fw_fixed_arguments(self.n_dynamo_inputs, len(inputs))
         skip = cg.check_for_skip(gm, fixed)
         if skip:
-            raise RuntimeError(f"sched_lifetime backend: cudagraphs=True cannot capture the {phase} graph: {skip}")
+            hint = "; cudagraphs=True needs the model and its inputs on a CUDA device" if "cpu device" in skip else ""
+            raise RuntimeError(f"sched_lifetime backend: cudagraphs=True cannot capture the {phase} graph: {skip}{hint}")
         from torch._dynamo.utils import preserve_rng_state
         from torch._inductor.compile_fx import get_static_input_idxs
 

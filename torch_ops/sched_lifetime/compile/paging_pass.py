@@ -138,6 +138,8 @@ class GraphPager:
         self._mine: dict[tuple, tuple] = {}
         #: Saved values left out of paging and why (name -> reason).
         self.left_out: dict[str, str] = {}
+        #: Saved values (with elements, read by the backward) under `min_bytes`: counted, not listed.
+        self.under_min_bytes = 0
         #: (run, generation) of forwards whose saved values autograd let go before their backward
         #: ran (the loss dropped: a skipped step); their slots are given back at the next forward.
         self._dead: list[tuple[_Run, int]] = []
@@ -209,7 +211,8 @@ class GraphPager:
         """What this graph's paging chose and left out: the candidates, each value left out
         and why, and per run slot its plan (timed: the Pager's `explain`)."""
         kind = "timed: every candidate has page nodes, each run slot's Pager decides" if self.timed else f"static: {len(self.chosen)} paged"
-        lines = [f"{len(self.candidates)} candidate saved values ({kind}), {len(self.runs)} run slot(s)"]
+        small = f", {self.under_min_bytes} under paging_min_bytes={self.min_bytes}" if self.under_min_bytes else ""
+        lines = [f"{len(self.candidates)} candidate saved values ({kind}){small}, {len(self.runs)} run slot(s)"]
         lines += [f"{n}: not paged ({why})" for n, why in self.left_out.items()]
         if not self.timed and self._static_plan is not None:
             from ..paging import explain_plan
@@ -264,12 +267,19 @@ class GraphPager:
             # No elements: nothing to page, and runs cannot tell such values apart (each has
             # address 0: `_saved`). Rust's plan would not page one either.
             if nbytes < max(self.min_bytes, 1) or not users:
+                self.under_min_bytes += bool(users and nbytes)
                 continue
             if not restorable(val):
                 self.left_out[n.name] = f"its elements share memory (shape {tuple(val.shape)}, strides {val.stride()}): it cannot come back with its strides"
                 continue
             cands.append((n, nbytes, min(bw_pos[u] for u in users)))
         self.candidates = [n.name for n, _, _ in sorted(cands, key=lambda c: pos[c[0]])]
+        if not cands and self.under_min_bytes:  # a setting that selects nothing: said, with the fix (as Pager does)
+            warnings.warn(
+                f"sched_lifetime backend: paging=True pages nothing in this graph: every saved activation is under "
+                f"paging_min_bytes={self.min_bytes} bytes; pass a smaller paging_min_bytes to page them",
+                stacklevel=2,
+            )
         if self.timed:  # every candidate gets page nodes; each run's Pager decides
             self.chosen = list(self.candidates)
             return
