@@ -30,8 +30,8 @@
 #                                       # one vs two page streams at 65536 tokens (issue 32)
 #   bash benches/gpu_pass.sh calib2 OUT # nvidia-h200-x2: the main job over NCCL, ours vs calibrated
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s13a|s13b|s13c|s13d|s13f|final OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s13a|s13b|s13c|s13d|s13f|final OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s13a|s13b|s13c|s13d|s13f|s14a|final OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s13a|s13b|s13c|s13d|s13f|s14a|final OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -170,6 +170,17 @@ for mib in (64, 1024): r = p.link_rates(d, mib=mib); print(mib, 'MiB: d2h %.1f h
     wait
     step hf_ds_cudagraphs 150 "$py" benches/hf_paging_ab.py --model deepseek_v3 --seq 4096 --steps 3 --rounds 1 \
         --arms aot_eager,compiled,cudagraphs --out "$out/hf_ds_cudagraphs.json"
+    ;;
+s14a)
+    # Prepared for the next session (not run yet). Issue 31: the family with a second calibrated
+    # arm from the median of 5 timed runs (calibrated_b) beside the one-run arm. Paging defaults:
+    # the eager Pager at 8192 tokens, default slack 1.25 against 1.05 and 1.0 in one run; Qwen3-MoE
+    # 1021M, the compile backend's default paging against budget 1.0 / slack 1.05, 3 rounds.
+    export PYTHONUNBUFFERED=1
+    step family 150 "$py" benches/gpu_schedule_ab.py --family all --ratios 0.5,1.0,2.0 --calibrate-runs-b 5 --json "$out/family.json"
+    step paging_8k_slack 200 "$py" benches/paging_ab.py --config h200 --steps 5 \
+        --arms off,1s-timed:1.0,1s-timed:1.0:1.05,1s-timed:1.0:1.0 --json "$out/paging_8k_slack.json"
+    qwen_ab hf_qwen_defaults 240 3 compiled,paging,paging_b '{}' --paging-b '{"paging_budget": 1.0, "paging_slack": 1.05}'
     ;;
 s11c)
     # Issue 27: s11b's A/B without the profiled steps (3 rounds of compiled, paging, paging_gather).

@@ -142,6 +142,7 @@ def main() -> None:
     p.add_argument("--edge-only-comm", action="store_true", help="the stand-in copy waits only for its schedule's edges, not for all compute"
                    " issued before it (the bench before 2026-12-04; real transports wait for it)")
     p.add_argument("--calibrate-runs", type=int, default=1, help="family: timed runs of ours the calibrated order's costs come from (1: one step, as train_step's default)")
+    p.add_argument("--calibrate-runs-b", type=int, default=0, help="family: a second calibrated arm, `calibrated_b`, from this many timed runs (0: none)")
     p.add_argument(
         "--family",
         default="",
@@ -228,6 +229,10 @@ def family(args, mm_us: float, small_us: float, copy_us: float) -> None:
             cal = sl.Calibration(steps=1)
             cal.end_step(r.measure("ours", ours, runs=args.calibrate_runs))
             arms["calibrated"] = (cal.schedule(graph), False, "")
+            if args.calibrate_runs_b:  # the same from more timed runs (the Calibration takes each node's median)
+                cal_b = sl.Calibration(steps=1)
+                cal_b.end_step(r.measure("ours", ours, runs=args.calibrate_runs_b))
+                arms["calibrated_b"] = (cal_b.schedule(graph), False, "")
             times = {k: [] for k in arms}
             for _ in range(2):
                 for k, a in arms.items():
@@ -240,7 +245,8 @@ def family(args, mm_us: float, small_us: float, copy_us: float) -> None:
             bound = max(med["compute_only"], med["comm_only"])
             rows.append(
                 {"member": m, "ratio": ratio, **med, "bound": bound, "sim_ours": sim["ours"], "sim_search": sim["search"],
-                 "calibrated_same_as_search": arms["calibrated"][0]["order"] == searched["order"], "measured_costs": cal.costs}
+                 "calibrated_same_as_search": arms["calibrated"][0]["order"] == searched["order"], "measured_costs": cal.costs,
+                 **({"calibrated_b_same_as_search": arms["calibrated_b"][0]["order"] == searched["order"]} if "calibrated_b" in arms else {})}
             )
             pair = med.get("pairing")
             print(
@@ -250,6 +256,7 @@ def family(args, mm_us: float, small_us: float, copy_us: float) -> None:
                 + (f"{med['ours'] / pair:>10.3f}" if pair else f"{'-':>10}")
                 + f"{med['search'] / med['ours']:>10.3f}{med['calibrated'] / med['search']:>9.3f}{med['calibrated'] / bound:>8.3f}"
                 + f"{sim['ours']:>9.2f}{sim['search']:>9.2f}"
+                + (f"  calibrated_b {med['calibrated_b']:.2f} ({med['calibrated_b'] / med['search']:.3f} of search)" if "calibrated_b" in med else "")
             )
     if args.json:
         with open(args.json, "w") as f:
