@@ -567,6 +567,26 @@ def test_cudagraphs_hands_the_trees_the_first_calls_inputs_and_the_parameters_as
     assert fwd[0]["static"] == {id(p) for p in model.parameters()}, "the forward's static inputs are its parameters"
 
 
+def _square_sum_steps(model, run, inputs, lr: float = 0.0) -> tuple[list, list]:
+    """Per input: `run(x)`'s output and the trainable parameters' gradients of its
+    `square().sum()`, then (with `lr`) an SGD step; before each call of a compiled `run` (not
+    `model` itself) a new CUDA-graph step begins. Returns (per call [output, *grads], the final
+    weights)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(trainable, lr=lr) if lr else None
+    calls = []
+    for x in inputs:
+        model.zero_grad(set_to_none=True)
+        if run is not model:
+            torch.compiler.cudagraph_mark_step_begin()
+        y = run(x)
+        y.square().sum().backward()
+        calls.append([y.detach().clone()] + [p.grad.clone() for p in trainable])
+        if opt is not None:
+            opt.step()
+    return calls, [p.detach().clone() for p in model.parameters()]
+
+
 @pytest.mark.cuda
 def test_cudagraphs_under_dynamic_shapes_record_one_graph_per_size():
     """cudagraphs=True with sizes that change between calls (dynamic=True; transformers' eager
@@ -582,26 +602,15 @@ def test_cudagraphs_under_dynamic_shapes_record_one_graph_per_size():
     torch.manual_seed(0)
     base = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)).to(dev)
     sizes = [15, 14, 15, 14, 13, 15, 13, 14, 13]  # every size recorded, then replayed with new inputs
+    inputs = [torch.randn(n, 32, generator=torch.Generator().manual_seed(i)).to(dev) for i, n in enumerate(sizes)]
 
-    def run(model, compiled):
-        out = []
-        for i, n in enumerate(sizes):
-            x = torch.randn(n, 32, generator=torch.Generator().manual_seed(i)).to(dev)
-            model.zero_grad(set_to_none=True)
-            if compiled is not model:
-                torch.compiler.cudagraph_mark_step_begin()
-            y = compiled(x)
-            y.square().sum().backward()
-            out.append((y.detach().clone(), [p.grad.clone() for p in model.parameters()]))
-        return out
-
-    eager = run(base, base)
+    eager, _ = _square_sum_steps(base, base, inputs)
     torch._dynamo.reset()
     cudagraph_trees.reset_cudagraph_trees()
     model = copy.deepcopy(base)
-    ours = run(model, torch.compile(model, backend="sched_lifetime", options={"cudagraphs": True}, dynamic=True))
-    for i, ((ye, ge), (yo, go)) in enumerate(zip(eager, ours)):
-        assert torch.equal(ye, yo) and all(torch.equal(a, b) for a, b in zip(ge, go)), f"call {i} ({sizes[i]} rows) differs from eager"
+    ours, _ = _square_sum_steps(model, torch.compile(model, backend="sched_lifetime", options={"cudagraphs": True}, dynamic=True), inputs)
+    for i, (e, o) in enumerate(zip(eager, ours)):
+        assert all(torch.equal(a, b) for a, b in zip(e, o)), f"call {i} ({sizes[i]} rows) differs from eager"
     assert any(h["module"].sched_lifetime.get("cudagraphs") for h in slc.history[-2:])
     manager = cudagraph_trees.get_manager(dev.index or 0, create_if_none_exists=False)
     assert manager is not None and len(manager.ids_to_funcs) == 6, "one recording per size of the forward and the backward"
@@ -627,26 +636,16 @@ def test_cudagraphs_read_parameters_in_place_not_copied_into_the_pool():
     base[0].weight.requires_grad_(False)
     frozen = base[0].weight.numel() * base[0].weight.element_size()
 
-    def batch(step):
-        return (torch.randn(8, 8192, generator=torch.Generator().manual_seed(step)).to(dev),)
+    inputs = [torch.randn(8, 8192, generator=torch.Generator().manual_seed(step)).to(dev) for step in range(5)]
 
-    def train(model, run):
-        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
-        out = []
-        for step in range(5):
-            opt.zero_grad(set_to_none=True)
-            if run is not model:
-                torch.compiler.cudagraph_mark_step_begin()
-            y = run(*batch(step))
-            y.square().sum().backward()
-            out += [y.detach().clone()] + [p.grad.clone() for p in model.parameters() if p.requires_grad]
-            opt.step()
-        return out + [p.detach().clone() for p in model.parameters()]
+    def flat(result):
+        calls, weights = result
+        return [t for c in calls for t in c] + weights
 
-    eager = train(m := copy.deepcopy(base), m)
+    eager = flat(_square_sum_steps(m := copy.deepcopy(base), m, inputs, lr=0.05))
     torch._dynamo.reset()
     cudagraph_trees.reset_cudagraph_trees()
-    ours = train(m := copy.deepcopy(base), torch.compile(m, backend="sched_lifetime", options={"cudagraphs": True}))
+    ours = flat(_square_sum_steps(m := copy.deepcopy(base), torch.compile(m, backend="sched_lifetime", options={"cudagraphs": True}), inputs, lr=0.05))
     assert len(eager) == len(ours) and all(torch.equal(a, b) for a, b in zip(eager, ours)), "captured replays differ from eager"
     pool = _graph_pool_bytes()
     assert pool < frozen * 3 // 4, f"the graph pool ({pool} bytes) holds a copy of the frozen weight ({frozen} bytes)"
