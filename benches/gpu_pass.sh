@@ -80,6 +80,23 @@ pitched_ab() {  # pitched_ab NAME: compiled, paging, paging_gather at budget 1.0
         "$out/traces/qwen3_moe_paging_gather.json"
     rm -rf "$out/traces"
 }
+hf_gpu_matrix() {  # hf_gpu_matrix SECS: test_hf_models.py's GPU matrix, one pytest per model at once
+    local m
+    for m in deepseek_v3 granitemoe llama mixtral olmoe qwen2_moe qwen3_moe; do
+        step "hf_cuda_$m" "$1" "$py" -m pytest -q -rs -m cuda -p no:logging -p no:cacheprovider tests/python/test_hf_models.py \
+            -k "on_the_gpu and $m" &
+    done
+    wait
+}
+hf_gpu_parity() {  # the tiny HF matrix on the GPU one case after another, then DeepSeek-V3 463M's strict parity at 4096 tokens
+    step hf_models_cuda 300 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_hf_models.py
+    step hf_ds_strict 200 "$py" benches/hf_paging_ab.py --model deepseek_v3 --seq 4096 --steps 3 --rounds 1 \
+        --arms aot_eager,compiled,cudagraphs,paging --paging '{"paging_budget": 1.0, "paging_slack": 1.05}' --out "$out/hf_ds_strict.json"
+}
+paging_8k() {  # the eager Pager at 8192 tokens: off, one page stream (slack 1.25, 1.0), two, save_on_cpu
+    step paging_8k 200 "$py" benches/paging_ab.py --config h200 --steps 5 \
+        --arms off,1s-timed:1.0,1s-timed:1.0:1.0,timed:1.0,save_on_cpu --json "$out/paging_8k.json"
+}
 case "$mode" in
 s11a)
     # Issue 27: where the paged step's extra GPU time goes, and the pitched page copy (a saved
@@ -108,9 +125,7 @@ s12a)
     # CUDA graphs, timed and static paging against aot_eager, strict determinism), then the
     # DeepSeek-V3 463M A/B's parity at 4096 tokens (strict).
     export PYTHONUNBUFFERED=1
-    step hf_models_cuda 300 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_hf_models.py
-    step hf_ds_strict 200 "$py" benches/hf_paging_ab.py --model deepseek_v3 --seq 4096 --steps 3 --rounds 1 \
-        --arms aot_eager,compiled,cudagraphs,paging --paging '{"paging_budget": 1.0, "paging_slack": 1.05}' --out "$out/hf_ds_strict.json"
+    hf_gpu_parity
     ;;
 s13a)
     # Issue 27's last checks, one call: the pool's and pitched copies' cuda tests after the second
@@ -119,17 +134,14 @@ s13a)
     # DeepSeek-V3 463M's strict parity at 4096 tokens).
     export PYTHONUNBUFFERED=1
     step paging_cuda 60 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_paging_pitched.py tests/python/test_paging_pool.py
-    step hf_models_cuda 300 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_hf_models.py
-    step hf_ds_strict 200 "$py" benches/hf_paging_ab.py --model deepseek_v3 --seq 4096 --steps 3 --rounds 1 \
-        --arms aot_eager,compiled,cudagraphs,paging --paging '{"paging_budget": 1.0, "paging_slack": 1.05}' --out "$out/hf_ds_strict.json"
+    hf_gpu_parity
     ;;
 s13b)
     # Issue 32's 8192-token A/B with unfilled page-ins and pitched copies (the embedded model's
     # fused q/k/v and gate/up slices), off / one stream / two streams / save_on_cpu in one run, then
     # issue 27's Qwen3-MoE A/B (s11c's: compiled, paging, paging_gather) after the reviews' fixes.
     export PYTHONUNBUFFERED=1
-    step paging_8k 200 "$py" benches/paging_ab.py --config h200 --steps 5 \
-        --arms off,1s-timed:1.0,1s-timed:1.0:1.0,timed:1.0,save_on_cpu --json "$out/paging_8k.json"
+    paging_8k
     qwen_ab hf_qwen_rounds_s13b 300 3 compiled,paging,paging_gather '{"paging_budget": 1.0, "paging_slack": 1.05}'
     ;;
 s13c)
@@ -139,11 +151,7 @@ s13c)
     # them one after another and ran out of time after 6 of 13 cases).
     export PYTHONUNBUFFERED=1
     step compile_cudagraphs 120 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_compile.py -k cudagraphs
-    for m in deepseek_v3 granitemoe llama mixtral olmoe qwen2_moe qwen3_moe; do
-        step "hf_cuda_$m" 300 "$py" -m pytest -q -rs -m cuda -p no:logging -p no:cacheprovider tests/python/test_hf_models.py \
-            -k "on_the_gpu and $m" &
-    done
-    wait
+    hf_gpu_matrix 300
     ;;
 s13d)
     # Issue 32's 8192-token A/B again after link_rates keeps the fastest of its timed copies: s13b's
@@ -151,8 +159,7 @@ s13d)
     # it; the plan's cuda tests first.
     export PYTHONUNBUFFERED=1
     step paging_plan_cuda 60 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_paging_plan.py
-    step paging_8k 200 "$py" benches/paging_ab.py --config h200 --steps 5 \
-        --arms off,1s-timed:1.0,1s-timed:1.0:1.0,timed:1.0,save_on_cpu --json "$out/paging_8k.json"
+    paging_8k
     ;;
 s13f)
     # After cudagraphs=True reads parameters in place (static_input_indices) and link_rates queues
@@ -163,11 +170,7 @@ s13f)
         -k "cudagraphs or measure or calibration"
     step link_rates 60 "$py" -c "import torch, sched_lifetime.paging as p; d = torch.device('cuda')
 for mib in (64, 1024): r = p.link_rates(d, mib=mib); print(mib, 'MiB: d2h %.1f h2d %.1f both %.1f GB/s' % (r.d2h / 1e3, r.h2d / 1e3, r.both / 1e3))"
-    for m in deepseek_v3 granitemoe llama mixtral olmoe qwen2_moe qwen3_moe; do
-        step "hf_cuda_$m" 220 "$py" -m pytest -q -rs -m cuda -p no:logging -p no:cacheprovider tests/python/test_hf_models.py \
-            -k "on_the_gpu and $m" &
-    done
-    wait
+    hf_gpu_matrix 220
     step hf_ds_cudagraphs 150 "$py" benches/hf_paging_ab.py --model deepseek_v3 --seq 4096 --steps 3 --rounds 1 \
         --arms aot_eager,compiled,cudagraphs --out "$out/hf_ds_cudagraphs.json"
     ;;

@@ -226,13 +226,13 @@ def family(args, mm_us: float, small_us: float, copy_us: float) -> None:
                 arms["pairing"] = (sc["orders"]["pairing"], False, "")
             # The calibrated order: one calibration step's node times of ours on these streams
             # (the graph's own costs are not used), agreed (one process) and searched.
-            cal = sl.Calibration(steps=1)
-            cal.end_step(r.measure("ours", ours, runs=args.calibrate_runs))
-            arms["calibrated"] = (cal.schedule(graph), False, "")
-            if args.calibrate_runs_b:  # the same from more timed runs (the Calibration takes each node's median)
-                cal_b = sl.Calibration(steps=1)
-                cal_b.end_step(r.measure("ours", ours, runs=args.calibrate_runs_b))
-                arms["calibrated_b"] = (cal_b.schedule(graph), False, "")
+            # `calibrated_b`: the same from more timed runs (the Calibration takes each node's median).
+            cal_runs = {"calibrated": args.calibrate_runs, **({"calibrated_b": args.calibrate_runs_b} if args.calibrate_runs_b else {})}
+            cals = {}
+            for arm, runs in cal_runs.items():
+                cals[arm] = cal = sl.Calibration(steps=1)
+                cal.end_step(r.measure("ours", ours, runs=runs))
+                arms[arm] = (cal.schedule(graph), False, "")
             times = {k: [] for k in arms}
             for _ in range(2):
                 for k, a in arms.items():
@@ -245,8 +245,7 @@ def family(args, mm_us: float, small_us: float, copy_us: float) -> None:
             bound = max(med["compute_only"], med["comm_only"])
             rows.append(
                 {"member": m, "ratio": ratio, **med, "bound": bound, "sim_ours": sim["ours"], "sim_search": sim["search"],
-                 "calibrated_same_as_search": arms["calibrated"][0]["order"] == searched["order"], "measured_costs": cal.costs,
-                 **({"calibrated_b_same_as_search": arms["calibrated_b"][0]["order"] == searched["order"]} if "calibrated_b" in arms else {})}
+                 "measured_costs": cals["calibrated"].costs, **{f"{arm}_same_as_search": arms[arm][0]["order"] == searched["order"] for arm in cals}}
             )
             pair = med.get("pairing")
             print(
