@@ -226,6 +226,8 @@ class _Capture:
     def __call__(self, gm: fx.GraphModule, inputs: list, phase: str, inference: bool) -> Callable:
         from torch._dynamo.backends import cudagraphs as cg
         from torch._dynamo.backends.debugging import boxed_nop
+        from torch._dynamo.utils import preserve_rng_state
+        from torch._inductor.compile_fx import get_static_input_idxs
         from torch._inductor.cudagraph_trees import cudagraphify_impl
         from torch._inductor.cudagraph_utils import get_placeholder_info
         from torch._inductor.utils import count_tangents, num_fw_fixed_arguments
@@ -236,9 +238,6 @@ class _Capture:
         if skip:
             hint = "; cudagraphs=True needs the model and its inputs on a CUDA device" if "cpu device" in skip else ""
             raise RuntimeError(f"sched_lifetime backend: cudagraphs=True cannot capture the {phase} graph: {skip}{hint}")
-        from torch._dynamo.utils import preserve_rng_state
-        from torch._inductor.compile_fx import get_static_input_idxs
-
         static = list(range(fixed)) if backward else get_static_input_idxs(fixed)
         model = boxed_nop(gm, inputs)
         settings = dict(
