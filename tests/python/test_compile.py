@@ -526,7 +526,9 @@ def test_cudagraphs_hands_the_trees_the_first_calls_inputs_and_the_parameters_as
     (the cuda tests below run the real trees): the trees are called at the graph's first call,
     with its real inputs (ints, not the compile time's symbols: under dynamic shapes the trees
     key their recordings on them), and the forward's static inputs are exactly the model's
-    parameters (read in place). Red before either fix: a SymInt, and no static input."""
+    parameters (read in place). Red before either fix: a SymInt, and no static input. The graph
+    `history` holds keeps its plain positional signature (torch's `boxed_nop` had switched it to
+    the argument-list convention): called with the trees' inputs it gives what the trees run."""
     from torch._dynamo.backends import cudagraphs as cg
     from torch._inductor import cudagraph_trees
 
@@ -534,11 +536,17 @@ def test_cudagraphs_hands_the_trees_the_first_calls_inputs_and_the_parameters_as
 
     def recorder(model, inputs, static_input_idxs, **kw):
         static = list(static_input_idxs)
+        phase = "bwd" if kw["is_backward"] else "fwd"
+        gm = next(h["module"] for h in reversed(slc.history) if h["phase"] == phase and h["module"].sched_lifetime.get("cudagraphs"))
+        plain, ran = gm(*inputs), model(list(inputs))
         calls.append({
             "backward": kw["is_backward"],
             "ints": [type(v).__name__ for v in inputs if not isinstance(v, torch.Tensor)],
             "static": {id(inputs[i]) for i in static},
             "n_static": len(static),
+            "plain_equals_run": len(plain) == len(ran) and all(
+                torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(plain, ran)
+            ),
         })
         return model
 
@@ -565,6 +573,7 @@ def test_cudagraphs_hands_the_trees_the_first_calls_inputs_and_the_parameters_as
     assert all(t == "int" for c in calls for t in c["ints"]), calls
     assert any(c["ints"] for c in fwd), "the dynamic forward takes its size as an int input"
     assert fwd[0]["static"] == {id(p) for p in model.parameters()}, "the forward's static inputs are its parameters"
+    assert all(c["plain_equals_run"] for c in calls), "history's module, called plainly, gives what the trees run"
 
 
 def _square_sum_steps(model, run, inputs, lr: float = 0.0) -> tuple[list, list]:

@@ -215,7 +215,9 @@ class _Capture:
     and buffers (AOTAutograd's `static_input_indices`, as Inductor's `get_static_input_idxs`
     reads them: with modules inlined they are ordinary Dynamo inputs) and the backward's
     tangents are static inputs, read in place; everything else is copied into the graph's
-    inputs at each replay. A graph that cannot be captured raises.
+    inputs at each replay. A graph that cannot be captured raises. The trees run the graph
+    through `boxed` (a copy takes the argument list), so `gm`, the module `history` and
+    `explain` show, keeps its plain positional signature as without capture.
     Capture waits for the first call, as Inductor's `compile_fx.cudagraphify` does: the tree
     keys its recordings on the call's int inputs, which at compile time are symbols under
     dynamic shapes (a graph recorded for 15 tokens would then replay for 14)."""
@@ -225,7 +227,6 @@ class _Capture:
 
     def __call__(self, gm: fx.GraphModule, inputs: list, phase: str, inference: bool) -> Callable:
         from torch._dynamo.backends import cudagraphs as cg
-        from torch._dynamo.backends.debugging import boxed_nop
         from torch._dynamo.utils import preserve_rng_state
         from torch._inductor.compile_fx import get_static_input_idxs
         from torch._inductor.cudagraph_trees import cudagraphify_impl
@@ -239,7 +240,7 @@ class _Capture:
             hint = "; cudagraphs=True needs the model and its inputs on a CUDA device" if "cpu device" in skip else ""
             raise RuntimeError(f"sched_lifetime backend: cudagraphs=True cannot capture the {phase} graph: {skip}{hint}")
         static = list(range(fixed)) if backward else get_static_input_idxs(fixed)
-        model = boxed_nop(gm, inputs)
+        model = boxed(gm)  # not torch's boxed_nop, which switches `gm` itself (history's module) to the list convention
         settings = dict(
             device_index=cg.get_device_index(gm),
             is_backward=backward,
