@@ -176,7 +176,9 @@ for mib in (64, 1024): r = p.link_rates(d, mib=mib); print(mib, 'MiB: d2h %.1f h
     ;;
 s14a)
     # Prepared for the next session (not run yet). Issue 31: the family with a second calibrated
-    # arm from the median of 5 timed runs (calibrated_b) beside the one-run arm. Paging defaults:
+    # arm from the median of 5 timed runs (calibrated_b) beside the one-run arm; the arms now run in
+    # a shuffled order each round (2026-12-05, seventh session: a fixed order measured two arms
+    # with the same schedule up to 6% apart), and the table says where calibrated = search. Paging defaults:
     # the eager Pager at 8192 tokens, default slack 1.25 against 1.05 and 1.0 in one run; Qwen3-MoE
     # 1021M, the compile backend's default paging against budget 1.0 / slack 1.05, 3 rounds.
     export PYTHONUNBUFFERED=1

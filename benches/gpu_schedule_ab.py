@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 
@@ -133,6 +134,25 @@ class Runner:
         return start.elapsed_time(end)
 
 
+def interleaved(arms: dict, r: "Runner", iters: int) -> dict:
+    """Median ms per arm over `iters` rounds after 2 warm-up rounds; every round runs each arm
+    once, in an order shuffled per round (seeded), so drift and what the arm before leaves
+    behind (a copy-only arm idles the SMs, and the next run starts at a lower clock) hit every
+    arm alike: in a fixed order two arms with the same schedule measured up to 6% apart
+    (H200, 2026-12-04, s4g)."""
+    rng = random.Random(0)
+    keys = list(arms)
+    for _ in range(2):
+        for k in keys:
+            r.run(k, *arms[k])
+    times = {k: [] for k in keys}
+    for _ in range(iters):
+        rng.shuffle(keys)
+        for k in keys:
+            times[k].append(r.run(k, *arms[k]))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=4)
@@ -173,14 +193,7 @@ def main() -> None:
             "compute_only": (ours, True, "comm"),
             "comm_only": (ours, False, "compute"),
         }
-        times = {k: [] for k in arms}
-        for _ in range(2):
-            for k, a in arms.items():
-                r.run(k, *a)
-        for _ in range(args.iters):
-            for k, a in arms.items():  # interleaved, so drift hits every arm alike
-                times[k].append(r.run(k, *a))
-        med = {k: statistics.median(v) for k, v in times.items()}
+        med = interleaved(arms, r, args.iters)
         bound = max(med["compute_only"], med["comm_only"])
         rows.append({"layers": args.layers, "ratio": ratio, **med, "bound": bound})
         print(
@@ -202,7 +215,7 @@ def family(args, mm_us: float, small_us: float, copy_us: float) -> None:
     members = FAMILY if args.family == "all" else args.family.split(",")
     print(
         f"{'member':>20}{'ratio':>6}{'bound':>7}{'one str':>8}{'BthenF':>8}{'pairing':>8}{'ours':>7}{'first':>7}{'search':>7}{'calib':>7}"
-        f"{'ours/pair':>10}{'srch/ours':>10}{'cal/srch':>9}{'cal/bnd':>8}{'sim ours':>9}{'sim srch':>9}   (ms, median of {args.iters})"
+        f"{'ours/pair':>10}{'srch/ours':>10}{'cal/srch':>9}{'same':>5}{'cal/bnd':>8}{'sim ours':>9}{'sim srch':>9}   (ms, median of {args.iters})"
     )
     rows = []
     for ratio in [float(r) for r in args.ratios.split(",")]:
@@ -233,14 +246,7 @@ def family(args, mm_us: float, small_us: float, copy_us: float) -> None:
                 cals[arm] = cal = sl.Calibration(steps=1)
                 cal.end_step(r.measure("ours", ours, runs=runs))
                 arms[arm] = (cal.schedule(graph), False, "")
-            times = {k: [] for k in arms}
-            for _ in range(2):
-                for k, a in arms.items():
-                    r.run(k, *a)
-            for _ in range(args.iters):
-                for k, a in arms.items():
-                    times[k].append(r.run(k, *a))
-            med = {k: statistics.median(v) for k, v in times.items()}
+            med = interleaved(arms, r, args.iters)
             sim = {k: sl.simulate_schedule(graph, o["order"])["makespan_us"] / 1e3 for k, o in (("ours", ours), ("search", searched))}
             bound = max(med["compute_only"], med["comm_only"])
             rows.append(
@@ -253,7 +259,7 @@ def family(args, mm_us: float, small_us: float, copy_us: float) -> None:
                 + (f"{pair:>8.2f}" if pair else f"{'-':>8}")
                 + f"{med['ours']:>7.2f}{med['first']:>7.2f}{med['search']:>7.2f}{med['calibrated']:>7.2f}"
                 + (f"{med['ours'] / pair:>10.3f}" if pair else f"{'-':>10}")
-                + f"{med['search'] / med['ours']:>10.3f}{med['calibrated'] / med['search']:>9.3f}{med['calibrated'] / bound:>8.3f}"
+                + f"{med['search'] / med['ours']:>10.3f}{med['calibrated'] / med['search']:>9.3f}{'yes' if rows[-1]['calibrated_same_as_search'] else 'no':>5}{med['calibrated'] / bound:>8.3f}"
                 + f"{sim['ours']:>9.2f}{sim['search']:>9.2f}"
                 + (f"  calibrated_b {med['calibrated_b']:.2f} ({med['calibrated_b'] / med['search']:.3f} of search)" if "calibrated_b" in med else "")
             )
