@@ -163,6 +163,8 @@ def main() -> None:
                    " issued before it (the bench before 2026-12-04; real transports wait for it)")
     p.add_argument("--calibrate-runs", type=int, default=1, help="family: timed runs of ours the calibrated order's costs come from (1: one step, as train_step's default)")
     p.add_argument("--calibrate-runs-b", type=int, default=0, help="family: a second calibrated arm, `calibrated_b`, from this many timed runs (0: none)")
+    p.add_argument("--costs-file-runs", type=int, default=15, help="family: timed runs of ours (a separate measurement, as an earlier run's costs file) "
+                   "whose medians arm `search_file` searches with: the reference issue 31 sets the calibrated order against")
     p.add_argument(
         "--family",
         default="",
@@ -210,8 +212,9 @@ def family(args, mm_us: float, small_us: float, copy_us: float) -> None:
     layer pairing (where the layers pair), ours, ours under rule `launch_first`, ours under rule
     `search` (costs: the graph's),
     the calibrated order (the default of `train_step`: ours timed on these streams, then rule
-    `search` with the measured costs, `sl.Calibration`), and the SIMULATED makespan of ours and
-    search beside the measured ones."""
+    `search` with the measured costs, `sl.Calibration`), rule `search` with a costs file (node
+    times measured apart, `search_file`: issue 31's reference for the calibrated order), and the
+    SIMULATED makespan of ours and search beside the measured ones."""
     members = FAMILY if args.family == "all" else args.family.split(",")
     print(
         f"{'member':>20}{'ratio':>6}{'bound':>7}{'one str':>8}{'BthenF':>8}{'pairing':>8}{'ours':>7}{'first':>7}{'search':>7}{'calib':>7}"
@@ -240,7 +243,12 @@ def family(args, mm_us: float, small_us: float, copy_us: float) -> None:
             # The calibrated order: one calibration step's node times of ours on these streams
             # (the graph's own costs are not used), agreed (one process) and searched.
             # `calibrated_b`: the same from more timed runs (the Calibration takes each node's median).
-            cal_runs = {"calibrated": args.calibrate_runs, **({"calibrated_b": args.calibrate_runs_b} if args.calibrate_runs_b else {})}
+            # `search_file`: rule search with a costs file, i.e. node times measured apart from the
+            # calibration (`--costs-file-runs` runs' medians): the stand-ins do not run the graph's
+            # costs exactly (a compute node is whole matmuls: measured/graph cost 0.4-1.4 in s4g), so
+            # `search` (the graph's costs) rates orders for costs the GPU does not run.
+            cal_runs = {"calibrated": args.calibrate_runs, "search_file": args.costs_file_runs,
+                        **({"calibrated_b": args.calibrate_runs_b} if args.calibrate_runs_b else {})}
             cals = {}
             for arm, runs in cal_runs.items():
                 cals[arm] = cal = sl.Calibration(steps=1)
@@ -251,7 +259,9 @@ def family(args, mm_us: float, small_us: float, copy_us: float) -> None:
             bound = max(med["compute_only"], med["comm_only"])
             rows.append(
                 {"member": m, "ratio": ratio, **med, "bound": bound, "sim_ours": sim["ours"], "sim_search": sim["search"],
-                 "measured_costs": cals["calibrated"].costs, **{f"{arm}_same_as_search": arms[arm][0]["order"] == searched["order"] for arm in cals}}
+                 "measured_costs": cals["calibrated"].costs, "file_costs": cals["search_file"].costs,
+                 **{f"{arm}_same_as_search": arms[arm][0]["order"] == searched["order"] for arm in cals},
+                 "calibrated_same_as_search_file": arms["calibrated"][0]["order"] == arms["search_file"][0]["order"]}
             )
             pair = med.get("pairing")
             print(
@@ -261,7 +271,9 @@ def family(args, mm_us: float, small_us: float, copy_us: float) -> None:
                 + (f"{med['ours'] / pair:>10.3f}" if pair else f"{'-':>10}")
                 + f"{med['search'] / med['ours']:>10.3f}{med['calibrated'] / med['search']:>9.3f}{'yes' if rows[-1]['calibrated_same_as_search'] else 'no':>5}{med['calibrated'] / bound:>8.3f}"
                 + f"{sim['ours']:>9.2f}{sim['search']:>9.2f}"
-                + (f"  calibrated_b {med['calibrated_b']:.2f} ({med['calibrated_b'] / med['search']:.3f} of search)" if "calibrated_b" in med else "")
+                + f"  search_file {med['search_file']:.2f}, calibrated {med['calibrated'] / med['search_file']:.3f} of it"
+                + (" (same order)" if rows[-1]["calibrated_same_as_search_file"] else "")
+                + (f"  calibrated_b {med['calibrated_b']:.2f} ({med['calibrated_b'] / med['search_file']:.3f} of search_file)" if "calibrated_b" in med else "")
             )
     if args.json:
         with open(args.json, "w") as f:
