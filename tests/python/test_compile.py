@@ -798,6 +798,38 @@ def test_contract_errors_name_the_node():
         slc.to_ir(_graph_with(open_dispatch), "fwd")
 
 
+def test_explain_says_what_each_launch_is_the_budget_and_the_rank(capsys, monkeypatch):
+    """explain names each launch's collective and, where annotated, its EP role and layer; the
+    header gives the EP launch budget; under several ranks every line says which rank printed it."""
+    c10d = torch.ops._c10d_functional
+
+    def ep_layer(g, x):
+        h = g.call_function(torch.ops.aten.relu.default, (x,))
+        d = g.call_function(c10d.all_to_all_single.default, (h, [2, 2], [2, 2], "0"))
+        d.meta["custom"] = {"ep": "dispatch", "layer": "3.fwd"}
+        dw = g.call_function(c10d.wait_tensor.default, (d,))
+        e = g.call_function(torch.ops.aten.mul.Tensor, (dw, dw))
+        c = g.call_function(c10d.all_to_all_single.default, (e, [2, 2], [2, 2], "0"))
+        c.meta["custom"] = {"ep": "combine", "layer": "3.fwd"}
+        cw = g.call_function(c10d.wait_tensor.default, (c,))
+        r = g.call_function(c10d.all_reduce.default, (x, "sum", "0"))
+        rw = g.call_function(c10d.wait_tensor.default, (r,))
+        return g.call_function(torch.ops.aten.add.Tensor, (cw, rw))
+
+    opts = slc.check_options({"explain": True, "ep_budget": 2})
+    slc.compile_fx_graph(_graph_with(ep_layer), "fwd", opts)
+    out = capsys.readouterr().out
+    assert out.startswith("[sched_lifetime] fwd graph: ") and "3 comm launches, EP launch budget 2" in out, out
+    assert "all_to_all_single_default (all_to_all_single, EP dispatch, layer 3.fwd) [" in out, out
+    assert "(all_to_all_single, EP combine, layer 3.fwd) [" in out and "(all_reduce) [" in out, out
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    slc.compile_fx_graph(_graph_with(ep_layer), "fwd", opts)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) >= 4 and all(line.startswith("[sched_lifetime rank 1] ") for line in lines), lines
+
+
 def test_views_are_noops_and_in_place_ops_mutate():
     def body(g, x):
         v = g.call_function(torch.ops.aten.view.default, (x, [-1]))
@@ -1478,6 +1510,20 @@ def _joint_step():
             n.meta["autograd_backward"] = True
         after_loss = after_loss or (n.op == "call_function" and n.target is torch.ops.aten.sum.default)
     return gm, args
+
+
+def test_joint_step_paging_explain_counts_its_candidates_and_says_when_min_bytes_leaves_none():
+    """The joint pager's explain counts the values it could page (it said 0 before); a
+    `min_bytes` above every saved value is a warning naming the option, not a silent no-op."""
+    from sched_lifetime.compile import joint_paging_pass as jpp
+
+    gm, _ = _joint_step()
+    jp = jpp.page_step(gm, 1.0, min_bytes=0)
+    assert len(jp.candidates) >= len(jp.chosen) > 0, (jp.candidates, jp.chosen)
+    assert jp.explain().startswith(f"{len(jp.candidates)} candidate saved values (static: {len(jp.chosen)} paged)"), jp.explain()
+    gm, _ = _joint_step()
+    with pytest.warns(UserWarning, match="the step pages nothing: every forward value the backward reads is under paging_min_bytes=1048576"):
+        assert jpp.page_step(gm, 1.0, min_bytes=1 << 20) is None
 
 
 def test_joint_step_paging_is_exact_pages_each_storage_once_and_survives_a_failed_step(monkeypatch):

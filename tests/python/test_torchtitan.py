@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import socket
 from typing import Optional
 
@@ -332,7 +333,64 @@ def test_the_autograd_alias_of_the_all_to_all_is_an_ep_collective_too():
         sched_lifetime_order_pass(_a2a_graph(False, op), [], ep_degree=2)
 
 
-def test_the_documented_recipe_selects_our_pipeline_with_our_options():
+def _recipe_args() -> list:
+    """The arguments after `-m torchtitan.train` of docs/torchtitan.md's first shell block."""
+    import shlex
+
+    text = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "torchtitan.md")).read()
+    block = re.search(r"```sh\n(.*?)```", text, re.S).group(1)
+    words = shlex.split(block.replace("\\\n", " "))
+    return words[words.index("torchtitan.train") + 1 :]
+
+
+def test_the_documented_recipe_parses_as_written_and_selects_our_pipeline():
+    """docs/torchtitan.md's command line, word for word, through torchtitan's own parser."""
+    from torchtitan.config import ConfigManager
+
+    from sched_lifetime.integrations import torchtitan as sltt
+
+    args = _recipe_args()
+    assert "--parallelism.expert_parallel_degree" in args, args
+    c = ConfigManager().parse_args(args)
+    assert isinstance(c, sltt.SchedLifetimeTrainer.Config) and c.compile.pass_pipeline == "sched_lifetime"
+    assert c.parallelism.expert_parallel_degree == 8
+
+
+def test_bad_option_values_fail_at_parse_naming_the_flag(capsys):
+    """A bad value of ours is tyro's error when the command line is parsed (not at start-up,
+    after the model is built), naming our flag; paging_budget is a fraction here."""
+    from torchtitan.config import ConfigManager
+
+    from sched_lifetime.integrations.torchtitan import SchedLifetimeOptions
+
+    base = ["--module", "sched_lifetime.integrations.torchtitan", "--config", "graph_trainer_qwen3_debugmodel_moe"]
+    for flag, value, says in (
+        ("ep_budget", "0", "--compile.sched_lifetime.ep_budget must be an int in 1..=1024"),
+        ("paging_budget", "2.0", "--compile.sched_lifetime.paging_budget must be a fraction in [0, 1], got 2.0"),
+        ("paging_min_bytes", "-1", "--compile.sched_lifetime.paging_min_bytes must be an int >= 0"),
+        ("memory_slack", "-1", "--compile.sched_lifetime.memory_slack must be a finite number >= 0 (a fraction of the peak), got"),
+    ):
+        with pytest.raises(SystemExit):
+            ConfigManager().parse_args([*base, f"--compile.sched_lifetime.{flag}", value])
+        err = " ".join(re.sub(r"[│╭╮╰╯─]", " ", capsys.readouterr().err).split())
+        assert says in err and "or bytes" not in err, (flag, err)
+    c = ConfigManager().parse_args([*base, "--compile.sched_lifetime.memory_slack", "0.5"])
+    assert c.compile.sched_lifetime.to_options()["memory_slack"] == 0.5
+    assert SchedLifetimeOptions().to_options()["memory_slack"] == 0.02  # the backend's guard, on by default
+    assert SchedLifetimeOptions(paging_budget=1).paging_budget == 1.0  # all of it, not 1 byte
+
+
+def test_a_config_name_that_does_not_exist_lists_only_the_configs(capsys):
+    from torchtitan.config import ConfigManager
+
+    with pytest.raises(ValueError, match="Available config functions") as e:
+        ConfigManager().parse_args(["--module", "sched_lifetime.integrations.torchtitan", "--config", "graph_trainer_nope"])
+    listed = re.search(r"Available config functions: \[(.*)\]", str(e.value)).group(1)
+    names = [n.strip(" '") for n in listed.split(",")]
+    assert "graph_trainer_deepseek_v3_debugmodel" in names and all(n.startswith("graph_trainer_") for n in names), names
+
+
+def test_the_documented_options_select_our_pipeline():
     from torchtitan.config import ConfigManager
     from torchtitan.experiments.graph_trainer.registry import PASS_PIPELINE_REGISTRY
 

@@ -102,9 +102,10 @@ def validate(
     )
 
 
-def format_explain(result: dict[str, Any], costs: Optional[dict[str, float]] = None) -> str:
+def format_explain(result: dict[str, Any], costs: Optional[dict[str, float]] = None, labels: Optional[dict[str, str]] = None) -> str:
     """One line per launch: what compute hid it. With `costs` (us by node name, e.g. a
-    calibration's measured `Calibration.costs`), each node's cost beside it."""
+    calibration's measured `Calibration.costs`), each node's cost beside it; with `labels`
+    (text by launch name, e.g. "all_to_all_single, EP dispatch, layer 1.fwd"), what each launch is."""
 
     def name(n: str) -> str:
         if costs is None:
@@ -117,7 +118,8 @@ def format_explain(result: dict[str, Any], costs: Optional[dict[str, float]] = N
     lines = []
     for e in result.get("explain") or []:
         under = ", ".join(name(n) for n in e["hidden_under"]) or "nothing (exposed)"
-        lines.append(f"{name(e['launch'])} [{e['source']}] ran under: {under}")
+        what = f" ({labels[e['launch']]})" if labels and e["launch"] in labels else ""
+        lines.append(f"{name(e['launch'])}{what} [{e['source']}] ran under: {under}")
     return "\n".join(lines)
 
 

@@ -41,6 +41,7 @@ import math
 import numbers
 from typing import Any, Callable, Optional
 
+import torch.distributed as dist
 import torch.fx as fx
 
 from ..schedule import format_explain, schedule
@@ -48,7 +49,7 @@ from .graph_step import GraphStep, capture_graphs, compile_graphs
 from .multiplex_pass import multiplex
 from .order_pass import reorder, rewrite
 from .paging_pass import GraphPager
-from .to_ir import to_ir
+from .to_ir import _is_collective, _is_wait, to_ir
 
 __all__ = ["OPTIONS", "GraphStep", "backend", "boxed", "capture_graphs", "check_options", "compile_fx_graph", "compile_graphs", "history", "multiplex", "reorder", "rewrite", "to_ir"]
 
@@ -281,13 +282,45 @@ def compile_fx_graph(gm: fx.GraphModule, phase: str, opts: dict, in_place: bool 
     history.append({**out.sched_lifetime, "module": out})
     del history[:-64]
     if opts["explain"]:
-        launches = sum(1 for n in table["nodes"] if n["kind"] == "comm_launch")
-        print(f"[sched_lifetime] {phase} graph: {len(table['nodes'])} nodes, {launches} comm launches")
-        if result is not None:
-            text = format_explain(result)
-            print(text if text else "  (no launches)")
-            if result.get("memory"):
-                print(f"  memory: {result['memory']['why']}")
+        print(explain_text(out, table, result, phase))
+    return out
+
+
+def explain_text(gm: fx.GraphModule, table: dict, result: Optional[dict], phase: str) -> str:
+    """What `explain` prints for one graph: its size, the EP launch budget, each launch with what
+    it is (the collective, and its EP role and layer where annotated) and what ran under it, and
+    the memory guard's verdict. Under several ranks each line says which rank printed it."""
+    launches = sum(1 for n in table["nodes"] if n["kind"] == "comm_launch")
+    head = f"{phase} graph: {len(table['nodes'])} nodes, {launches} comm launches"
+    lines = []
+    if result is not None:
+        head += f", EP launch budget {result['budgets']['ep']}"
+        lines.append(format_explain(result, labels=_launch_labels(gm)) or "  (no launches)")
+        if result.get("memory"):
+            lines.append(f"  memory: {result['memory']['why']}")
+    return tagged("\n".join([head, *lines]))
+
+
+def tagged(text: str) -> str:
+    """`text` with each line starting "[sched_lifetime]", or "[sched_lifetime rank N]" under
+    several ranks (each rank prints its own)."""
+    tag = "[sched_lifetime]"
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        tag = f"[sched_lifetime rank {dist.get_rank()}]"
+    return "\n".join(f"{tag} {line}" for line in text.splitlines())
+
+
+def _launch_labels(gm: fx.GraphModule) -> dict[str, str]:
+    """Each collective launch of `gm` by node name: its op, and its EP role and layer
+    (`node.meta["custom"]`'s `ep` and `layer`) where annotated."""
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and _is_collective(n.target) and not _is_wait(n.target):
+            custom = n.meta.get("custom") or {}
+            label = getattr(n.target, "_overloadpacket", n.target).__name__
+            if custom.get("ep") in ("dispatch", "combine"):
+                label += f", EP {custom['ep']}" + (f", layer {custom['layer']}" if custom.get("layer") is not None else "")
+            out[n.name] = label
     return out
 
 

@@ -22,6 +22,7 @@ nodes (refused by the caller)."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -121,9 +122,17 @@ class JointPager(GraphPager):
                 self.left_out[n.name] = "an operator writes its storage in place"
                 continue
             nbytes = numel * val.element_size()
-            if nbytes < self.min_bytes:
+            if nbytes < max(self.min_bytes, 1):  # no elements: nothing to page (as GraphPager)
+                self.under_min_bytes += bool(nbytes)
                 continue
             cands.append((n, nbytes, min(users, key=lambda u: pos[u])))
+        self.candidates = [n.name for n, _, _ in sorted(cands, key=lambda c: pos[c[0]])]
+        if not cands and self.under_min_bytes:  # a setting that selects nothing: said, with the fix (as GraphPager does)
+            warnings.warn(
+                f"sched_lifetime paging: the step pages nothing: every forward value the backward reads is under "
+                f"paging_min_bytes={self.min_bytes} bytes; pass a smaller paging_min_bytes to page them",
+                stacklevel=3,
+            )
         return cands
 
     def _rewrite(self, gm: fx.GraphModule, picked: list, pos: dict) -> None:

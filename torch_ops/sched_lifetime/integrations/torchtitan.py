@@ -9,8 +9,10 @@ pipeline, chosen from torchtitan's own command line, no patch to torchtitan.
 graph_trainer's models (llama3, deepseek_v3, qwen3) is offered under its own name, the same
 config with two changes: `compile.pass_pipeline` is `"sched_lifetime"` (registered here with
 graph_trainer's `register_pass_pipeline`), and `compile.sched_lifetime` holds our options
-(`SchedLifetimeOptions`), so `--compile.sched_lifetime.ep_budget 2` sets them from the CLI or
-a toml like any torchtitan field (an unknown one is tyro's error naming it).
+(`SchedLifetimeOptions`), so `--compile.sched_lifetime.ep_budget 2` sets them on the command
+line like any torchtitan field (an unknown one is tyro's error naming it; a bad value is an
+error naming the flag, when the command line is parsed). torchtitan 0.3.0 reads no toml: its
+configs are Python functions and command-line flags.
 
 The pipeline is graph_trainer's default one with one pass added, `sched_lifetime_order_pass`,
 after torchtitan's own graph passes (cleanup, memory policy, its `cpu_offload`, EP chunking,
@@ -53,7 +55,7 @@ from torchtitan.experiments.graph_trainer.passes import (
 from torchtitan.experiments.graph_trainer.registry import register_pass_pipeline, register_post_init_hook
 from torchtitan.experiments.graph_trainer.trainer import GraphTrainer
 
-from ..compile import check_options, compile_fx_graph
+from ..compile import check_options, compile_fx_graph, tagged
 
 __all__ = [
     "PIPELINE",
@@ -104,6 +106,24 @@ class SchedLifetimeOptions:
 
     paging_min_bytes: int = 1 << 16
     """Smaller values stay on the device."""
+
+    memory_slack: float = 0.02
+    """How much our order may raise the step's estimated peak over torchtitan's order, a
+    fraction >= 0; past it the step keeps torchtitan's compute order with launches early and
+    waits late (`explain` says when). (The backend's `None`, no guard, is not offered here.)"""
+
+    def __post_init__(self) -> None:
+        # A bad value is an error when the command line is parsed, naming the flag.
+        if isinstance(self.paging_budget, int) and not isinstance(self.paging_budget, bool):
+            self.paging_budget = float(self.paging_budget)  # a fraction here (the backend reads an int as bytes)
+        try:
+            self.to_options()
+        except ValueError as e:
+            msg = re.sub(r"^sched_lifetime backend: option '(\w+)'", r"--compile.sched_lifetime.\1", str(e))
+            msg = msg.replace(" or bytes (int >= 0)", "")  # bytes are the backend's; here a fraction
+            if msg.startswith("--compile.sched_lifetime.memory_slack"):
+                msg = msg.replace(" or None", "")
+            raise ValueError(msg) from None
 
     def to_options(self) -> dict:
         """The backend's option dict, checked (ValueError on a bad value); paging here is the
@@ -292,7 +312,7 @@ def sched_lifetime_order_pass(
         pager = page_step(gm, opts["paging_budget"], prefetch=opts["paging_prefetch"], min_bytes=opts["paging_min_bytes"])
         gm.sched_lifetime["paging"] = pager
         if opts["explain"]:
-            print("[sched_lifetime] paging: " + (pager.explain() if pager is not None else "nothing to page"))
+            print(tagged("paging: " + (pager.explain() if pager is not None else "nothing to page")))
     return gm
 
 
@@ -317,7 +337,11 @@ def __getattr__(name: str) -> Callable[[], SchedLifetimeTrainer.Config]:
 
 
 def __dir__() -> list[str]:
-    names = set(globals())
+    """The configs this registry offers, and no other lower-case callable: torchtitan's
+    ConfigManager lists a module's lower-case callables as "Available config functions" when
+    `--config` names none of them."""
+    g = globals()
+    names = {n for n in g if n.startswith("_") or n[0].isupper() or not callable(g[n])}
     for model in _MODELS:
         registry = importlib.import_module(f"torchtitan.experiments.graph_trainer.{model}.config_registry")
         names.update(n for n in dir(registry) if n.startswith("graph_trainer_") and callable(getattr(registry, n)))
