@@ -26,6 +26,21 @@ def test_the_choice_is_reproducible_and_the_furthest_use_goes_first():
         sl.Pager(0.5, slack=0.9)
 
 
+def test_a_plan_short_of_its_target_says_by_how_much_and_where_to_look():
+    from sched_lifetime.paging import explain_plan
+
+    prefix = [
+        {"name": "#0", "bytes": 100, "saved_at": 0, "used_at": 5},
+        {"name": "#1", "bytes": 300, "saved_at": 1, "used_at": 1},
+    ]
+    plan = sl.page_plan(prefix, 1.0, min_distance=2)  # #1 is read too soon to page: 300 bytes short
+    assert plan["short"] and plan["page"] == ["#0"]
+    text = explain_plan(plan)
+    assert text.splitlines()[0] == "paging 1 tensors, 100 of 400 bytes (target 400) SHORT of target by 300 bytes (each kept tensor's line says why)", text
+    assert any(line.startswith("#1: kept") for line in text.splitlines()[1:]), text
+    assert "SHORT" not in explain_plan(sl.page_plan(prefix, 0.25, min_distance=2))
+
+
 def test_a_timed_plan_through_the_op_places_releases_and_page_ins():
     """The measured timeline through the Python entry: #0's copy (100 bytes at 10 bytes/us)
     ends at 10 us, the save at 10 us releases it; #2's ends at 30 (save 3); #1 is read too soon.

@@ -90,7 +90,8 @@ def page_plan(prefix: list[dict], budget: Budget, min_distance: int = 1, timing:
 def explain_plan(plan: dict) -> str:
     """A plan from `page_plan` as text: a head line, then Rust's line per candidate."""
     head = f"paging {len(plan['page'])} tensors, {plan['bytes_paged']} of {plan['bytes_live']} bytes (target {plan['target']})"
-    return "\n".join([head + (" SHORT of target" if plan["short"] else "")] + plan["explain"])
+    short = f" SHORT of target by {plan['target'] - plan['bytes_paged']} bytes (each kept tensor's line says why)" if plan["short"] else ""
+    return "\n".join([head + short] + plan["explain"])
 
 
 class LinkRates(NamedTuple):
