@@ -339,6 +339,64 @@ def test_paging_explain_says_what_the_paging_pass_added(timed, capsys):
     assert len(names) >= 3 and set(names) == {__file__}, names
 
 
+@pytest.mark.parametrize("timed", [False, True])
+def test_paging_steps_aside_inside_activation_checkpointing_and_keeps_nothing_alive(timed, monkeypatch):
+    """Each block compiled with paging, run under torch.utils.checkpoint (non-reentrant, as HF's
+    gradient_checkpointing_enable() with per-layer compile): checkpoint drops the forward's saved
+    values and the backward reads the recompute's, so the graph pages nothing there and every
+    value it would have handed over goes to checkpoint's hooks. Red before: the page nodes'
+    values bypassed checkpoint and stayed alive until the backward (more memory than no
+    checkpoint at all). Gradients bit-exact against aot_eager under the same checkpointing."""
+    import weakref
+
+    from torch.utils.checkpoint import checkpoint
+
+    from sched_lifetime.compile import paging_pass as pp
+
+    alive = []
+    give = pp.GraphPager._give
+
+    def recording_give(self, run, i, out):
+        got = give(self, run, i, out)
+        alive.append(weakref.ref(got))
+        return got
+
+    def train(backend, options, record=False):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        blocks = [
+            torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32))
+            for _ in range(2)
+        ]
+        runs = [torch.compile(b, backend=backend, options=options) for b in blocks]
+        grads = []
+        for step in range(3):
+            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(step))
+            if record:
+                monkeypatch.setattr(pp.GraphPager, "_give", recording_give)
+                alive.clear()
+            for r in runs:
+                x = checkpoint(r, x, use_reentrant=False)
+            loss = x.square().sum()
+            if record:
+                monkeypatch.setattr(pp.GraphPager, "_give", give)
+                gc.collect()
+                assert alive and not [w for w in alive if w() is not None], f"step {step}: values of the forward kept from checkpoint"
+            loss.backward()
+            grads.append([loss.detach()] + [p.grad.clone() for b in blocks for p in b.parameters()])
+            for b in blocks:
+                b.zero_grad(set_to_none=True)
+        return grads, runs
+
+    want, _ = train("aot_eager", None)
+    slc.history.clear()
+    got, runs = train("sched_lifetime", {"paging": True, "paging_min_bytes": 0, "paging_budget": 1.0, "paging_timed": timed}, record=True)
+    assert all(torch.equal(a, b) for w, g in zip(want, got) for a, b in zip(w, g))
+    pagers = list({id(p): p for h in slc.history if (p := h["module"].sched_lifetime.get("paging")) is not None}.values())
+    assert pagers and all(gp.aside_runs > 0 and gp.stats["bytes_out"] == 0 for gp in pagers), [(gp.aside_runs, gp.stats) for gp in pagers]
+    torch._dynamo.reset()  # a later compile of Sequential with other sizes would otherwise recompile it dynamic
+
+
 @pytest.mark.parametrize(
     "timed, device", [(False, "cpu"), (True, "cpu"), pytest.param(False, "cuda", marks=pytest.mark.cuda)], ids=["static", "timed", "static-cuda"]
 )
@@ -513,6 +571,36 @@ def test_paging_that_pages_nothing_under_its_min_bytes_warns_with_the_fix():
         run = torch.compile(_mlp(), backend="sched_lifetime", options={"paging": True, "paging_min_bytes": 0, "paging_timed": False})
         run(torch.randn(8, 16)).sum().backward()
     assert compiled_pager().candidates
+    torch._dynamo.reset()
+
+
+def test_paging_that_pages_nothing_under_dynamic_shapes_warns_with_the_fix():
+    """Sizes that change between calls make torch.compile's automatic dynamic recompile the graph
+    with symbolic sizes, which paging cannot plan for: a warning says the graph pages nothing and
+    names dynamic=False (found by a new user's trial: HF sequence lengths 8, 11, 8 paged 0 bytes
+    silently); with dynamic=False each size's graph pages, bit-exact against aot_eager."""
+    import warnings
+
+    torch._dynamo.reset()
+    options = {"paging": True, "paging_min_bytes": 0, "paging_budget": 1.0, "paging_timed": False}
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16))
+    run = torch.compile(model, backend="sched_lifetime", options=options, dynamic=True)  # as automatic dynamic, sizes 8 then 11
+    with pytest.warns(UserWarning, match=r"pages nothing in this graph: its \d+ saved activation\(s\) have symbolic sizes.*dynamic=False"):
+        run(torch.randn(11, 16)).sum().backward()
+    assert "its size is symbolic" in " ".join(compiled_pager().left_out.values())
+    torch._dynamo.reset()
+    model.zero_grad(set_to_none=True)
+    ref_model = copy.deepcopy(model)
+    ref = torch.compile(ref_model, backend="aot_eager", dynamic=False)
+    run = torch.compile(model, backend="sched_lifetime", options=options, dynamic=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*pages nothing")
+        for n in (8, 11, 8):
+            x = torch.randn(n, 16, generator=torch.Generator().manual_seed(n))
+            run(x).sum().backward()
+            ref(x).sum().backward()
+            assert compiled_pager().stats["bytes_out"] > 0
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref_model.parameters()))
     torch._dynamo.reset()
 
 

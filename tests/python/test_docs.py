@@ -82,6 +82,7 @@ def _leave_no_trace():
 def test_python_blocks_run(page, tmp_path, monkeypatch):
     blocks = python_blocks(os.path.join(ROOT, page))
     monkeypatch.chdir(tmp_path)
+    torch._dynamo.reset()  # as a fresh process: an earlier test's compile of the same module code at other sizes would make these recompile dynamic
     namespace: dict = {"__name__": "__docs__"}
     ran = 0
     try:

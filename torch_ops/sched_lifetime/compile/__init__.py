@@ -172,8 +172,8 @@ def backend(gm: fx.GraphModule, example_inputs: list, options: Optional[dict] = 
             if pager is not None and not inference:
                 out = pager.forward(out) if phase == "fwd" else pager.backward(out)
                 out.sched_lifetime["paging"] = pager
-                if opts["explain"]:
-                    print(f"  paging (its nodes go in after the order above): {pager.summary(phase)}")
+                if opts["explain"] and pager.candidates:
+                    print(tagged(f"  paging (its nodes go in after the order above): {pager.summary(phase)}"))
             if captured is not None:
                 return captured(out, inputs, phase, inference)
             return boxed(out)
@@ -296,8 +296,11 @@ def explain_text(gm: fx.GraphModule, table: dict, result: Optional[dict], phase:
     if result is not None:
         head += f", EP launch budget {result['budgets']['ep']}"
         lines.append(format_explain(result, labels=_launch_labels(gm)) or "  (no launches)")
-        if result.get("memory"):
-            lines.append(f"  memory: {result['memory']['why']}")
+        why = (result.get("memory") or {}).get("why")
+        if why and why.startswith("nothing to overlap"):  # the paging pass's copies come after this order
+            lines.append("  order: the graph's own (no collective to overlap; paging's nodes, if on, are placed into it after)")
+        elif why:
+            lines.append(f"  memory: {why}")
     return tagged("\n".join([head, *lines]))
 
 

@@ -63,6 +63,7 @@ import torch
 import torch.fx as fx
 
 from ..paging import Budget, HostPool, Pager, page_plan
+from ..paging.pager import outside_dynamo
 from ..paging.paged import SavedVersion, plain, restorable
 
 #: Live pagers by key (the graphs' page nodes carry the key, an int, as their first argument).
@@ -90,6 +91,7 @@ class _Run:
         self.versions: dict[int, SavedVersion] = {}  # save index of a paged value -> its device tensor's version
         self.kept: set = set()  # static: save indices kept on the device at run time (unlike their trace)
         self.gen = 0  # forwards this slot has started (a dead forward's finalizer names the one it watched)
+        self.aside = False  # this forward ran inside torch.utils.checkpoint: it pages nothing (`GraphPager.beside_outer_hooks`)
 
     def close(self) -> None:
         """Its backward is over (finished, or refused): the slot's per-run state is dropped."""
@@ -145,6 +147,10 @@ class GraphPager:
         self._dead: list[tuple[_Run, int]] = []
         #: Run slots given back that way (their page-outs count in `stats()["bytes_out"]`, with no page-in).
         self.dropped_runs = 0
+        #: > 0 while the graph runs inside torch.utils.checkpoint (`beside_outer_hooks`): its runs page nothing.
+        self._aside = 0
+        #: Forwards that ran inside torch.utils.checkpoint and paged nothing.
+        self.aside_runs = 0
 
     @property
     def pager(self) -> Optional[Pager]:
@@ -174,7 +180,7 @@ class GraphPager:
         for r in self.runs:
             for k, v in r.pager.stats().items():
                 total[k] = max(total.get(k, 0), v) if k == "max_prefetched" else total.get(k, 0) + v
-        return total or {"steps": 0, "bytes_out": 0, "bytes_in": 0, "bytes_abandoned": 0, "host_bytes": 0, "max_prefetched": 0}
+        return total or {"steps": 0, "bytes_out": 0, "bytes_in": 0, "bytes_abandoned": 0, "host_bytes": 0, "max_prefetched": 0, "kept_unlike_calibration": 0}
 
     @property
     def host_pool(self) -> Optional[HostPool]:
@@ -274,7 +280,16 @@ class GraphPager:
                 continue
             cands.append((n, nbytes, min(bw_pos[u] for u in users)))
         self.candidates = [n.name for n, _, _ in sorted(cands, key=lambda c: pos[c[0]])]
-        if not cands and self.under_min_bytes:  # a setting that selects nothing: said, with the fix (as Pager does)
+        symbolic = sum("its size is symbolic" in why for why in self.left_out.values())
+        if not cands and symbolic:  # dynamic shapes select nothing: said, with the fix
+            warnings.warn(
+                f"sched_lifetime backend: paging=True pages nothing in this graph: its {symbolic} saved activation(s) have "
+                "symbolic sizes (dynamic shapes: dynamic=True, or torch.compile's automatic dynamic once an input's size "
+                "changed between calls), and a plan and its host buffers are made for one size; pass dynamic=False to "
+                "torch.compile (a graph per size, each paged) or pad inputs to a few fixed sizes",
+                stacklevel=2,
+            )
+        elif not cands and self.under_min_bytes:  # a setting that selects nothing: said, with the fix (as Pager does)
             warnings.warn(
                 f"sched_lifetime backend: paging=True pages nothing in this graph: every saved activation is under "
                 f"paging_min_bytes={self.min_bytes} bytes; pass a smaller paging_min_bytes to page them",
@@ -329,7 +344,9 @@ class GraphPager:
             self.runs.append(run)
         run.open = True
         run.gen += 1
-        if self.timed:
+        run.aside = self._aside > 0
+        self.aside_runs += run.aside
+        if self.timed and not run.aside:
             run.pager.begin()
         self._fwd = run
         return run
@@ -399,7 +416,14 @@ class GraphPager:
         `torch.autograd.graph.save_on_cpu`, an `sl.Pager`, activation offloading) still apply
         to every value the graph saves except this pager's own: the backward finds those by
         their address, which an outer hook's copy would change (it read "a backward read saved
-        value #1, which no forward of this graph saved"). Nothing is added with no hooks on."""
+        value #1, which no forward of this graph saved"). Nothing is added with no hooks on.
+
+        Inside `torch.utils.checkpoint` (non-reentrant: its hooks are the outer ones, at the
+        forward and at the recompute) the graph steps aside: that run pages nothing and every
+        value goes to checkpoint's hooks, which drop the forward's and hand the backward the
+        recompute's. Kept from checkpoint, the values the page nodes hand over would stay alive
+        until the backward: more memory than with no checkpoint at all (found by a new user's
+        trial: HF `gradient_checkpointing_enable()` with each layer compiled)."""
         top, enabled = torch._C._autograd._top_saved_tensors_default_hooks, torch._C._autograd._saved_tensors_hooks_is_enabled
 
         @functools.wraps(fn)
@@ -408,6 +432,12 @@ class GraphPager:
             if outer is None or not enabled():
                 return fn(*args)
             pack0, unpack0 = outer
+            if _is_checkpoints(pack0):
+                self._aside += 1
+                try:
+                    return fn(*args)
+                finally:
+                    self._aside -= 1
 
             def pack(t: torch.Tensor) -> tuple:
                 return (True, t) if self.owns(t) else (False, pack0(t))
@@ -415,7 +445,7 @@ class GraphPager:
             def unpack(p: tuple) -> torch.Tensor:
                 return p[1] if p[0] else unpack0(p[1])
 
-            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            with torch.autograd.graph.saved_tensors_hooks(*outside_dynamo(pack, unpack)):
                 return fn(*args)
 
         return run
@@ -443,9 +473,11 @@ class GraphPager:
         for key in [k for k, r in self._owner.items() if r is run]:
             del self._owner[key]
         self._forget_read()
+        aside = run.aside
         run.close()
         if self.timed:
-            run.pager.end(False)
+            if not aside:
+                run.pager.end(False)
             return
         for addr in [a for a, h in self._held.items() if h[1] is run]:
             del self._held[addr]
@@ -471,9 +503,11 @@ class GraphPager:
         for key in run.owed:  # saved values this backward did not read (none expected)
             self._owner.pop(key, None)
         self._forget_read()
+        aside = run.aside
         run.close()
         if self.timed:
-            run.pager.end(True)
+            if not aside:
+                run.pager.end(True)
         else:
             run.pool.drain()
 
@@ -543,6 +577,14 @@ class GraphPager:
         return gm
 
 
+def _is_checkpoints(pack: Any) -> bool:
+    """Whether saved-tensor pack hook `pack` is torch.utils.checkpoint's (non-reentrant: the
+    forward's, which drops what it is given, or the recompute's)."""
+    return getattr(pack, "__module__", None) == "torch.utils.checkpoint" and getattr(pack, "__qualname__", "").split(".")[0] in (
+        "_checkpoint_hook", "_recomputation_hook"
+    )
+
+
 def _layout(t: torch.Tensor) -> tuple:
     """What tells a saved value from another tensor at its address (`GraphPager.owns`)."""
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
@@ -562,7 +604,11 @@ def _page_out(key: int, i: int, t: torch.Tensor) -> torch.Tensor:
     gp = _pager(key)
     run = gp.begin_forward() if i == 0 else gp._fwd
     want = gp._expect[i]
-    if t.shape != want[0] or t.dtype != want[1] or not restorable(t):
+    if run.aside:  # inside torch.utils.checkpoint: it discards the value, the recompute saves it again
+        run.kept.add(i)
+        gp._saved(run, i, t)
+        out = t
+    elif t.shape != want[0] or t.dtype != want[1] or not restorable(t):
         gp._keep_unlike_trace(run, i, t)
         out = t
     else:
@@ -625,6 +671,9 @@ def _page_save(key: int, i: int, t: torch.Tensor) -> torch.Tensor:
     what the forward saves: `t`, or the host tensor it was paged into."""
     gp = _pager(key)
     run = gp.begin_forward() if i == 0 else gp._fwd
+    if run.aside:  # inside torch.utils.checkpoint: kept as it is, the run's Pager not involved
+        gp._saved(run, i, t)
+        return gp._give(run, i, t)
     pg = run.pager
     if pg._index != i:
         raise RuntimeError(f"sched_lifetime paging: saved value #{i} came as save #{pg._index} of this run")
@@ -643,6 +692,8 @@ def _page_use(key: int, i: int, x: torch.Tensor) -> torch.Tensor:
     run that saved `x`."""
     gp = _pager(key)
     run = gp._reader(i, x)
+    if run.aside:
+        return x
     pg = run.pager
     version = run.versions.pop(i, None)
     if version is not None:

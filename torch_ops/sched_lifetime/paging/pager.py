@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import warnings
 from typing import Any, Iterator, Optional
 
 import torch
@@ -69,6 +70,15 @@ def _check_settings(
         raise ValueError(f"slack must be a number >= 1, got {slack!r}")
     check_group_out(group_out)
 
+
+
+def outside_dynamo(*hooks: Any) -> list:
+    """Saved-tensor hooks that torch.compile never traces. Autograd calls them from whatever
+    frame saves a tensor; in a compiled model a graph break (transformers' eager experts loop)
+    runs that frame eagerly with Dynamo's frame callback on, and Dynamo then compiled the hook
+    itself as user code (a new user's trial: `BackendCompilerFailed: 'NoneType' object has no
+    attribute 'is_leaf'` in `is_weight`, under aot_eager as under our backend)."""
+    return [torch._dynamo.disable(h, recursive=True) for h in hooks]
 
 
 class Pager:
@@ -160,7 +170,8 @@ class Pager:
         self._page: set[int] = set()
         self._index = 0
         self._unpacks = 0
-        self._stats = {"steps": 0, "bytes_out": 0, "bytes_in": 0, "bytes_abandoned": 0, "host_bytes": 0, "max_prefetched": 0}
+        self._stats = {"steps": 0, "bytes_out": 0, "bytes_in": 0, "bytes_abandoned": 0, "host_bytes": 0, "max_prefetched": 0, "kept_unlike_calibration": 0}
+        self._warned_unlike = False
         self._shapes: list = []
         self._step_start = (0, 0)
         self._paging_step = False
@@ -189,12 +200,20 @@ class Pager:
             self._calib.save(i, t)
             return ("keep", i, t, SavedVersion(t, held=True))
         shapes = self._shapes
-        if i >= len(shapes) or t.shape != shapes[i][0] or t.dtype != shapes[i][1]:
-            raise RuntimeError(
-                f"paging: saved tensor #{i} is {tuple(t.shape)} {t.dtype}, calibration saw "
-                f"{shapes[i] if i < len(shapes) else 'nothing'}; make a new Pager for a new shape"
-            )
-        if i not in self._page or not pageable(t):
+        unlike = i >= len(shapes) or t.shape != shapes[i][0] or t.dtype != shapes[i][1]
+        if unlike and i in self._page:  # its host buffer was sized at calibration: it stays on the device
+            self._stats["kept_unlike_calibration"] += 1
+            if not self._warned_unlike:
+                self._warned_unlike = True
+                warnings.warn(
+                    f"Pager: saved tensor #{i} is {tuple(t.shape)} {t.dtype}, calibration saw "
+                    f"{shapes[i] if i < len(shapes) else 'nothing'}: kept on the device (its host buffer was sized at "
+                    "calibration; said once, counted in stats()['kept_unlike_calibration']). The plan matches saved "
+                    "tensors by save index: for a new input shape make a new Pager; where shapes follow the data (an "
+                    "MoE's eager experts loop) it pages what still matches",
+                    stacklevel=2,
+                )
+        if unlike or i not in self._page or not pageable(t):
             packed: Any = ("keep", i, t, SavedVersion(t, held=True))
         else:
             p = pool.page_out(t)
@@ -261,7 +280,7 @@ class Pager:
         self.begin()
         ok = False
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with torch.autograd.graph.saved_tensors_hooks(*outside_dynamo(self._pack, self._unpack)):
                 yield self
             ok = True
         finally:
