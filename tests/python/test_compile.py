@@ -1313,6 +1313,36 @@ def test_graph_step_takes_a_model_with_buffers_and_refuses_one_that_updates_them
     slc.GraphStep(Loss().eval(), (torch.randn(4, 6),))  # frozen statistics: fine
 
 
+def test_graph_step_refuses_parameters_replaced_after_it_was_built():
+    """Its graphs read the tensors they were captured with: a parameter or buffer replaced since
+    (a checkpoint loaded with assign=True) is an error naming it, not a step on the old tensors
+    (a new user's trial: the losses used the old weights, the new ones got no gradient). In-place
+    changes are seen."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    mbs = [(torch.randn(4, 8),) for _ in range(2)]
+
+    class Loss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, x):
+            return self.m(x).square().mean()
+
+    wrapped = Loss()
+    step = sl.GraphStep(wrapped, mbs[0], order="ours")
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)  # in place: seen
+    ref = copy.deepcopy(wrapped)
+    got = step.step(mbs)
+    want = [ref(*mb) / 1 for mb in mbs]
+    assert all(torch.equal(g, w.detach()) for g, w in zip(got, want))
+    wrapped.load_state_dict({k: v.clone() for k, v in wrapped.state_dict().items()}, assign=True)
+    with pytest.raises(RuntimeError, match=r"GraphStep: the model's parameters or buffers were replaced since it was built \(\['m.0.weight'"):
+        step.step(mbs)
+
+
 def test_graph_step_takes_tensor_constants_and_checks_each_microbatchs_shapes():
     """A tensor literal in forward (HF's empty cache, a scale) is a constant of the captured
     graphs: the multiplexed module carries it, bit-exact with eager. A microbatch whose shape or

@@ -90,7 +90,13 @@ def test_train_says_it_is_starting_the_ranks_before_spawning_them(monkeypatch, c
 
 
 def test_train_costs_must_be_a_json_object_of_node_costs(tmp_path, no_spawn, capsys):
-    for text, message in (("not json", "not a JSON file of node costs"), ("[1, 2]", "expected a JSON object")):
+    for text, message in (
+        ("not json", "not a JSON file of node costs"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"F.L0.attn": -5}', "a node's cost is microseconds, finite and >= 0; 1 are not, e.g. ['F.L0.attn']"),
+        ('{"F.L0.attn": NaN}', "finite and >= 0"),
+        ('{"F.L0.atn": 10.0}', "1 name(s) are not nodes of config 'tiny''s step graph, e.g. ['F.L0.atn']"),  # before any rank starts
+    ):
         path = tmp_path / "costs.json"
         path.write_text(text)
         with pytest.raises(SystemExit) as info:

@@ -255,6 +255,22 @@ class GraphStep:
             raise ValueError(f"GraphStep: order must be one of {ORDERS}, got {order!r}")
         self._order = order
 
+    def _check_state(self) -> None:
+        """The model's parameters and buffers are still the tensors the graphs were captured
+        with (each step reads them, and accumulates into their `.grad`): one replaced since
+        (`load_state_dict(..., assign=True)`, `module.w = nn.Parameter(...)`, a buffer
+        registered again) is an error, not a step on the old tensors. Changes in place are
+        seen (`p.copy_`, an optimizer's step)."""
+        now = [t for _, t in self.model.named_parameters()] + [t for _, t in self.model.named_buffers()]
+        if len(now) != len(self.params) or any(a is not b for a, b in zip(now, self.params)):
+            names = [n for n, _ in self.model.named_parameters()] + [n for n, _ in self.model.named_buffers()]
+            changed = [n for n, a, b in zip(names, now, self.params) if a is not b] or names[len(self.params) :] or self.names[len(now) :]
+            raise RuntimeError(
+                f"GraphStep: the model's parameters or buffers were replaced since it was built ({changed[:3]}"
+                f"{' ...' if len(changed) > 3 else ''}): its graphs read the tensors they were captured with; change them in place "
+                "(load_state_dict without assign=True, p.data.copy_(...)) or build a new GraphStep"
+            )
+
     def _forward(self, inputs: tuple) -> tuple:
         with torch.no_grad():
             out = self._fwd([*self.params, *inputs])
@@ -286,6 +302,7 @@ class GraphStep:
         if paired_ends and not multiplexed:
             raise ValueError("GraphStep.step: paired_ends needs multiplexed=True")
         self._check_inputs(microbatches)
+        self._check_state()
         if self.order == CALIBRATED:  # a background search's module takes over (the same step on every rank)
             self._apply(self.calibration.take_plans(wait=False))
         if paired_ends and len(microbatches) == 1:  # a setting that selects nothing: say so

@@ -11,13 +11,13 @@ its function and its transpose. Paged nodes also get their page-out/page-in call
 from __future__ import annotations
 
 import contextlib
-
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
 from .grads import _WeightSplit, accumulate_grads, grad_ids
-from .graph import NodeDef
+from .graph import NodeDef, sum_partials
 from .state import MicrobatchState
 
 if TYPE_CHECKING:
@@ -40,6 +40,71 @@ def _unpack_checked(packed: tuple) -> torch.Tensor:
 def _storage_id(t: torch.Tensor) -> int:
     """The address of a tensor's storage (0 for none): what a saved tensor shares with a value."""
     return t.untyped_storage().data_ptr() if t.layout == torch.strided else 0
+
+
+def _reads(outs: Sequence[Any]) -> dict[int, tuple[torch.Tensor, int]]:
+    """The leaf tensors that `outs`' autograd graph reads (by id: the tensor and how many of
+    the graph's edges read it): a node's detached inputs and the parameters its function used."""
+    out: dict[int, tuple[torch.Tensor, int]] = {}
+    stack = [o.grad_fn for o in outs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    seen: dict[int, Any] = {}  # the wrappers kept alive: torch makes one per graph node while it lives, else ids recur
+    while stack:
+        fn = stack.pop()
+        if id(fn) in seen:
+            continue
+        seen[id(fn)] = fn
+        for nxt, _ in fn.next_functions:
+            if nxt is None:
+                continue
+            v = getattr(nxt, "variable", None)
+            if isinstance(v, torch.Tensor):  # AccumulateGrad: a leaf
+                t, k = out.get(id(v), (v, 0))
+                out[id(v)] = (t, k + 1)
+            else:
+                stack.append(nxt)
+    return out
+
+
+def check_node_graph(chunk: Chunk, n: NodeDef, args: Sequence[Any], grad_ix: Sequence[int], outs: Sequence[Any]) -> None:
+    """On a node's first forward, what its autograd graph reads: a parameter (a leaf that
+    requires grad) missing from `n.params` is an error (its gradient would never reach `.grad`,
+    where plain autograd puts it); an input read more than once by a node that is not the last
+    to read it is a warning (its gradient is summed node by node, autograd's use by use: the last
+    bits may differ from `loss.backward()`; `graph.sum_partials`)."""
+    reads = _reads(outs)
+    leaves = {n.inputs[i]: args[i] for i in grad_ix}
+    listed = {id(p) for p in n.params} | {id(a) for a in args}  # (an input that requires grad but takes none is not a parameter)
+    stray = [t for i, (t, _) in reads.items() if i not in listed and t.requires_grad]
+    if stray:
+        t = stray[0]
+        raise ValueError(
+            f"node '{n.name}': its function used a tensor that requires grad ({tuple(t.shape)} {t.dtype}"
+            f"{', a Parameter' if isinstance(t, torch.nn.Parameter) else ''}) that is not in its params ({len(stray)} such): "
+            "its gradient would be lost; list every parameter the function uses in NodeDef.params"
+        )
+    for v, leaf in leaves.items():
+        uses = reads.get(id(leaf), (leaf, 0))[1]
+        consumers = chunk._grad_consumers.get(v, [])
+        if uses > 1 and consumers and consumers[-1] != n.name:
+            warnings.warn(
+                f"node '{n.name}' reads '{v}' {uses} times and node '{consumers[-1]}' reads it after: autograd sums a "
+                f"value's gradient use by use, this step node by node, so the gradient of '{v}' (and of what comes "
+                f"before it) may differ from loss.backward() in the last bits; for bit-exact parity read '{v}' once in "
+                f"'{n.name}' or put its uses in one node",
+                stacklevel=3,
+            )
+
+
+def _grad(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> tuple:
+    """`torch.autograd.grad` over `inputs` (unused ones None), and None for those that do not
+    require grad: a frozen parameter gets no gradient, as under `loss.backward()` (autograd.grad
+    would raise)."""
+    live = [i for i, t in enumerate(inputs) if t.requires_grad]
+    got = torch.autograd.grad(outs, [inputs[i] for i in live], grads, allow_unused=True) if live else ()
+    res: list[Optional[torch.Tensor]] = [None] * len(inputs)
+    for i, r in zip(live, got):
+        res[i] = r
+    return tuple(res)
 
 
 def forward_fn(chunk: Chunk, n: NodeDef, release_points: bool) -> Callable[..., Any]:
@@ -91,10 +156,15 @@ def forward_fn(chunk: Chunk, n: NodeDef, release_points: bool) -> Callable[..., 
             for v, t in [*zip(n.inputs, args), *zip(n.outputs, outs)]:
                 if isinstance(t, torch.Tensor) and _storage_id(t) in saved - {0}:
                     chunk.autograd_saved.add(v)
+        if n.name not in chunk._checked:
+            chunk._checked.add(n.name)
+            check_node_graph(chunk, n, args, grad_ix, outs)
         if keep:
             ctx.fwd.saved[n.name] = (leaves, [outs[i] for i in out_ix])
-        if n.outputs and n.outputs[-1] == chunk.loss_output and len(n.outputs) == 1:
-            ctx.fwd.loss = outs[0].detach()
+        if chunk.loss_output in n.outputs:  # (a pipeline stage's output, or the loss: `run._loss_grad` checks)
+            k = n.outputs.index(chunk.loss_output)
+            if k < len(outs) and isinstance(outs[k], torch.Tensor):
+                ctx.fwd.loss = outs[k].detach()
         return tuple(o.detach() if isinstance(o, torch.Tensor) and o.requires_grad else o for o in outs)
 
     return compute
@@ -108,11 +178,16 @@ def backward_fns(chunk: Chunk, n: NodeDef) -> dict[str, Callable[..., Any]]:
         (1 if v == chunk.loss_output else 0) + len(chunk._grad_consumers.get(v, ())) for v in chunk._flowing(n)
     ]
 
+    seeded = [v == chunk.loss_output for v in chunk._flowing(n)]
+
     def summed(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Per flowing output, its gradient: the loss's seed, or its consumers' partials added
+        as autograd adds them (`sum_partials`)."""
         out, k = [], 0
-        for count in per_output:
-            g = grads[k]
-            for extra in grads[k + 1 : k + count]:
+        for count, seed in zip(per_output, seeded):
+            parts = list(grads[k : k + count])
+            g = parts[0] if seed else sum_partials(parts)
+            for extra in reversed(parts[1:]) if seed else ():
                 g = g + extra
             out.append(g)
             k += count
@@ -133,7 +208,24 @@ def backward_fns(chunk: Chunk, n: NodeDef) -> dict[str, Callable[..., Any]]:
 
     paged = n.name in chunk._paged
 
+    tied = chunk._tied_params()
+
     def accumulate(st: MicrobatchState, grads: Sequence[Optional[torch.Tensor]], keep: set) -> None:
+        if tied:  # a tied weight's gradient waits for this microbatch's other nodes, then goes in once
+            grads, keep = list(grads), set(keep)
+            for k, p in enumerate(params):
+                if id(p) not in tied:
+                    continue
+                total, left = st.tied_grads.pop(id(p), (None, tied[id(p)]))
+                g = grads[k]
+                total = g if total is None else total if g is None else total + g
+                if left > 1:
+                    st.tied_grads[id(p)] = (total, left - 1)
+                    grads[k] = None
+                else:
+                    grads[k] = total
+                    if total is not None:
+                        keep.add(id(total))  # may be another node's tensor: `.grad` gets a copy
         accumulate_grads(params, grads, keep)
         if st.last and chunk.grad_reduce is not None:  # this node's gradients are final
             chunk.grad_reduce.launch(params)
@@ -146,7 +238,7 @@ def backward_fns(chunk: Chunk, n: NodeDef) -> dict[str, Callable[..., Any]]:
         leaves, outs = st.saved[n.name] if has_dw and not fused else st.saved.pop(n.name)
         g = summed(grads)
         if fused:
-            res = torch.autograd.grad(outs, [*leaves, *params], g, allow_unused=True)
+            res = _grad(outs, [*leaves, *params], g)
             st.paged_in.pop(n.name, None)
             accumulate(st, res[len(leaves) :], grad_ids(res[: len(leaves)], grads, [g]))  # (x + p: p's gradient is x's)
             res = res[: len(leaves)]
@@ -168,7 +260,7 @@ def backward_fns(chunk: Chunk, n: NodeDef) -> dict[str, Callable[..., Any]]:
             res, keep = saved.weight_grads(), saved.passed_on | grad_ids(grads)
         else:  # no dI part (no input takes a gradient): the whole backward is dW
             g = summed(grads)
-            res, keep = torch.autograd.grad(saved[1], params, g, allow_unused=True), grad_ids(grads, [g])
+            res, keep = _grad(saved[1], params, g), grad_ids(grads, [g])
         st.paged_in.pop(n.name, None)
         accumulate(st, res, keep)
 

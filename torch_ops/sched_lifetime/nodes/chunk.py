@@ -74,6 +74,7 @@ class Chunk(ChunkGraph):
         #: first forward (`callables.forward_fn`); the executors read this same set.
         self.autograd_saved: set[str] = set()
         self._probed: set[str] = set()
+        self._checked: set[str] = set()  # nodes whose autograd graph was checked (`callables.check_node_graph`)
         #: The second microbatch's Chunk of a `run_two` pair (same nodes, own context).
         self._twin_chunk: Optional[Chunk] = None
         #: Data-parallel gradient averaging in the step (`enable_grad_reduce`), or None.

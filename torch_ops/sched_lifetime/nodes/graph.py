@@ -85,6 +85,18 @@ def _grad_name(v: str, consumer: str) -> str:
     return f"B.g.{v}@{consumer}"
 
 
+def sum_partials(parts: Sequence[Any]) -> Any:
+    """One value's gradient from its consumers' partials (in table order, the forward's), added
+    as autograd's engine accumulates them: the last consumer's first (its backward runs first),
+    then each earlier one's. With three or more consumers the grouping decides the last bits;
+    this is `loss.backward()`'s when each consumer but the last reads the value once (a node
+    that reads it more often sums its uses first: `callables.check_node_graph` warns)."""
+    g = parts[-1] if parts else None
+    for p in reversed(parts[:-1]):
+        g = g + p
+    return g
+
+
 class ChunkGraph:
     """A chunk's nodes, checked, and the graph tables derived from them.
 
@@ -163,6 +175,16 @@ class ChunkGraph:
         """The grad outputs of `n` a gradient actually reaches: the loss, or a value some later
         node takes a gradient of (a declared grad output nobody differentiates gets none)."""
         return [v for v in n.grad_outputs if v == self.loss_output or v in self._grad_consumers]
+
+    def _tied_params(self) -> dict[int, int]:
+        """Parameters whose gradient several nodes' backwards add (tied weights), by id: how
+        many nodes (each adds once per microbatch)."""
+        counts: dict[int, int] = {}
+        for n in self.nodes:
+            if n.kind == "compute" and n.params and self._has_backward(n):
+                for i in {id(p) for p in n.params}:
+                    counts[i] = counts.get(i, 0) + 1
+        return {i: k for i, k in counts.items() if k > 1}
 
     def _has_dw_node(self, n: NodeDef) -> bool:
         """Whether `n`'s backward has a separate dW node: it has weights, and either dW nodes

@@ -167,6 +167,11 @@ def _compute_stream(c: Chunk) -> Optional[torch.Stream]:
 
 def _loss_grad(c: Chunk, st: MicrobatchState, scale: float) -> torch.Tensor:
     """The gradient a microbatch's backward starts from: its loss scale (1/n when accumulating)."""
+    if st.loss.numel() != 1:
+        raise ValueError(
+            f"the loss output '{c.loss_output}' of microbatch {st.index} is a {tuple(st.loss.shape)} tensor: the loss must be "
+            "a scalar tensor (reduce it, e.g. .mean())"
+        )
     return torch.full((), scale, device=c.device, dtype=st.loss.dtype)
 
 
@@ -218,6 +223,7 @@ def _twin(chunk: Chunk) -> Chunk:
         chunk._twin_chunk = type(chunk)(chunk.nodes, chunk.inputs, chunk.loss_output, chunk.device, chunk.dw_nodes)
         # Same nodes: what one saves for autograd, the other does (found once, shared).
         chunk._twin_chunk.autograd_saved, chunk._twin_chunk._probed = chunk.autograd_saved, chunk._probed
+        chunk._twin_chunk._checked = chunk._checked
     return chunk._twin_chunk
 
 

@@ -39,6 +39,10 @@ class MicrobatchState:
     page_marks: dict[str, int] = field(default_factory=dict)
     #: Per paged node, the host pool's `mark()` right after its page-out was queued.
     page_out_end: dict[str, int] = field(default_factory=dict)
+    #: Tied weights (a parameter in several nodes' params): per parameter id, this microbatch's
+    #: gradient summed over those nodes so far and how many are still to add; it goes into
+    #: `.grad` once, as autograd sums a parameter's uses before its AccumulateGrad adds them.
+    tied_grads: dict[int, tuple] = field(default_factory=dict)
     #: The step's last backward: each node's data-parallel gradients are final after its
     #: weight gradients here, and their all-reduce starts then (`Chunk.enable_grad_reduce`).
     last: bool = False

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..nodes import Chunk, MicrobatchState, NodeDef, run_pair
+from ..nodes.graph import sum_partials
 from .arming import _DualPipeHook, _take_armed, _take_ready
 
 
@@ -173,11 +174,7 @@ class NodeStage(_DualPipeHook, nn.Module):
     def _input_grads(self, out: dict[str, Any]) -> list[Optional[torch.Tensor]]:
         grads: list[Optional[torch.Tensor]] = []
         for v in self.chunk.inputs:
-            parts = [out[f"B.g.{v}@{c}"] for c in self.chunk._grad_consumers.get(v, ())]
-            g = parts[0] if parts else None
-            for p in parts[1:]:
-                g = g + p
-            grads.append(g)
+            grads.append(sum_partials([out[f"B.g.{v}@{c}"] for c in self.chunk._grad_consumers.get(v, ())]))
         return grads
 
 

@@ -139,11 +139,29 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--costs {args.costs!r}: not a JSON file of node costs ({e})")
         if not isinstance(costs, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in costs.values()):
             p.error(f"--costs {args.costs!r}: expected a JSON object {{\"node\": us, ...}} (a run's durations.json)")
+        bad = sorted(k for k, v in costs.items() if not math.isfinite(v) or v < 0)
+        if bad:
+            p.error(f"--costs {args.costs!r}: a node's cost is microseconds, finite and >= 0; {len(bad)} are not, e.g. {bad[:3]}")
+        unknown, known = costs_unknown_to(args, costs)
+        if unknown:  # a typo or another config's file would leave those nodes at cost 0, silently
+            p.error(f"--costs {args.costs!r}: {len(unknown)} name(s) are not nodes of config {args.config!r}'s step graph, "
+                    f"e.g. {unknown[:5]}; its nodes are named like {known[:3]} (a durations.json of a run of the same config)")
     if args.out:
         try:
             os.makedirs(args.out, exist_ok=True)
         except OSError as e:
             p.error(f"--out {args.out!r}: cannot make that directory ({e.strerror})")
+
+
+def costs_unknown_to(args: argparse.Namespace, costs: dict) -> tuple[list[str], list[str]]:
+    """(the names of `costs` that are no node of `--config`'s step graph, the graph's node
+    names): the model built on the meta device, as `pageable_nodes_of`."""
+    from ..calibrate import fold_name
+    from ..models import MoEModel
+
+    with torch.device("meta"):
+        known = sorted(n["name"] for n in MoEModel(config_of(args), device="meta").chunk().graph(True, True)["nodes"])
+    return sorted(k for k in costs if fold_name(str(k)) not in set(known)), known
 
 
 def pageable_nodes_of(args: argparse.Namespace) -> list[str]:

@@ -243,12 +243,13 @@ def format_table(rows: dict, cfg: Any, args: argparse.Namespace, use_cuda: bool,
             else f"{'(GPU only)':>15}{'':>14}{'':>13}"
         )
         comm = f"{r['exposed_comm_us'] / 1e3:>17.2f}{r['comm_us'] / 1e3:>9.2f}" if "comm_us" in r else f"{'(GPU only)':>17}{'':>9}"
-        parity = "base" if a == first else "equal" if r["parity"] else "DIFFER"
+        parity = "base" if a == first else ("equal" if r.get("parity_exact", True) else "~equal") if r["parity"] else "DIFFER"
         lines.append(f"{a:<13}{parity:>8}{r.get('ref', '-'):>8}{r['step_ms']:>10.2f}{base / r['step_ms']:>8.3f}{comm}{mem}")
     if any("comm_us" in r for r in rows.values()):
         lines.append(f"exposed comm: the median of {args.profile_steps} profiled steps (each profiled alone); comm ms: that step's")
     lines.append(
-        f"parity: torch.equal with the first arm, {first} (base: every loss, every gradient after every step, the weights); vs ref: the same "
+        f"parity: torch.equal with the first arm, {first} (base: every loss, every gradient after every step, the weights; ~equal: within "
+        "tolerance, over more than two ranks, where the arms' gradient all-reduces sum the ranks in another order); vs ref: the same "
         "against plain autograd (loss.backward() per microbatch, no node API): exact, the worst deviation within tolerance, or DIFFER"
     )
     for a, r in rows.items():
