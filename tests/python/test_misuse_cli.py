@@ -96,12 +96,18 @@ def test_train_costs_must_be_a_json_object_of_node_costs(tmp_path, no_spawn, cap
         ('{"F.L0.attn": -5}', "a node's cost is microseconds, finite and >= 0; 1 are not, e.g. ['F.L0.attn']"),
         ('{"F.L0.attn": NaN}', "finite and >= 0"),
         ('{"F.L0.atn": 10.0}', "1 name(s) are not nodes of config 'tiny''s step graph, e.g. ['F.L0.atn']"),  # before any rank starts
+        ("{}", "names no node (an empty object)"),
     ):
         path = tmp_path / "costs.json"
         path.write_text(text)
         with pytest.raises(SystemExit) as info:
             cli.main(["--cpu", "--costs", str(path)])
         assert info.value.code == 2 and message in capsys.readouterr().err
+    # A file that times only some nodes passes (the ranks would start), saying what rule search takes as free.
+    path.write_text('{"F.L0.attn": 10.0}')
+    with pytest.raises(AssertionError, match="a rank was started"):
+        cli.main(["--cpu", "--costs", str(path)])
+    assert "has no cost for " in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -146,6 +146,8 @@ def _apply_plans(chunk: Chunk, cal: Calibration, plans: Optional[dict]) -> None:
 def _feed_forward(c: Chunk, source: str, fwd: tuple[MicrobatchState, dict[str, Any]], inputs: dict[str, Any]) -> None:
     """Source `source` runs the forward of `fwd` (its state, its chunk inputs) on `c`: the
     graph inputs `<source>.<name>` and `c`'s context."""
+    if not isinstance(fwd[1], dict):
+        raise TypeError(f"a microbatch is a dict of the chunk's inputs by name ({c.inputs}), got {type(fwd[1]).__name__}")
     missing = sorted(set(c.inputs) - set(fwd[1]))
     if missing:
         raise ValueError(f"chunk inputs missing: {missing}")

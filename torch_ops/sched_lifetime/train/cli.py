@@ -146,6 +146,15 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if unknown:  # a typo or another config's file would leave those nodes at cost 0, silently
             p.error(f"--costs {args.costs!r}: {len(unknown)} name(s) are not nodes of config {args.config!r}'s step graph, "
                     f"e.g. {unknown[:5]}; its nodes are named like {known[:3]} (a durations.json of a run of the same config)")
+        from ..calibrate import fold_name
+
+        covered = {fold_name(str(k)) for k in costs}
+        left = [k for k in known if k not in covered and fold_name(k) == k]
+        if not costs:
+            p.error(f"--costs {args.costs!r}: names no node (an empty object); a run's durations.json has every node's time")
+        if left:  # rule search would take them as free: said, not refused (a file may time only some nodes on purpose)
+            print(f"note: --costs {args.costs!r} has no cost for {len(left)} of config {args.config!r}'s {len(known)} nodes "
+                  f"(e.g. {left[:3]}); rule search takes them as free", file=sys.stderr)
     if args.out:
         try:
             os.makedirs(args.out, exist_ok=True)

@@ -230,12 +230,13 @@ def format_table(rows: dict, cfg: Any, args: argparse.Namespace, use_cuda: bool,
     nccl = f", NCCL channels {args.nccl_channels}" if args.nccl_channels and link is None else ""
     ep = f"EP={world}" if link is None else link
     where = f"{'CUDA' if use_cuda else 'CPU'}, {ep}, config {args.config}, {args.microbatches} microbatches, {args.steps} timed steps{nccl}"
-    lines = [f"MEASURED ({where})", f"{'arm':<13}{'parity':>8}{'vs ref':>8}{'step ms':>10}{'vs seq':>8}{'exposed comm ms':>17}{'comm ms':>9}{'max alloc MiB':>15}{'max resv MiB':>14}{'pending MiB':>13}"]
+    w = max(13, *(len(a) + 1 for a in rows))  # the arm column fits the longest name (ours+reduce_after)
+    lines = [f"MEASURED ({where})", f"{'arm':<{w}}{'parity':>8}{'vs ref':>8}{'step ms':>10}{'vs seq':>8}{'exposed comm ms':>17}{'comm ms':>9}{'max alloc MiB':>15}{'max resv MiB':>14}{'pending MiB':>13}"]
     base = rows.get("sequential", next(iter(rows.values())))["step_ms"]
     first = next(iter(rows), None)  # the arm the others' parity is taken against
     for a, r in rows.items():
         if "failed" in r:
-            lines.append(f"{a:<13}  FAILED: {r['failed']}")
+            lines.append(f"{a:<{w}}  FAILED: {r['failed']}")
             continue
         mem = (
             f"{r['max_allocated'] / mib:>15.0f}{r['max_reserved'] / mib:>14.0f}{r['pending_free_peak'] / mib:>13.0f}"
@@ -244,7 +245,7 @@ def format_table(rows: dict, cfg: Any, args: argparse.Namespace, use_cuda: bool,
         )
         comm = f"{r['exposed_comm_us'] / 1e3:>17.2f}{r['comm_us'] / 1e3:>9.2f}" if "comm_us" in r else f"{'(GPU only)':>17}{'':>9}"
         parity = "base" if a == first else ("equal" if r.get("parity_exact", True) else "~equal") if r["parity"] else "DIFFER"
-        lines.append(f"{a:<13}{parity:>8}{r.get('ref', '-'):>8}{r['step_ms']:>10.2f}{base / r['step_ms']:>8.3f}{comm}{mem}")
+        lines.append(f"{a:<{w}}{parity:>8}{r.get('ref', '-'):>8}{r['step_ms']:>10.2f}{base / r['step_ms']:>8.3f}{comm}{mem}")
     if any("comm_us" in r for r in rows.values()):
         lines.append(f"exposed comm: the median of {args.profile_steps} profiled steps (each profiled alone); comm ms: that step's")
     lines.append(
