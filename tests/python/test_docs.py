@@ -34,7 +34,7 @@ PAGES = [README] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
 TROUBLESHOOTING = os.path.join(ROOT, "docs", "troubleshooting.md")
 
 #: `pytest.raises(match=...)` patterns of errors a test injects on purpose (not met in use).
-INJECTED = {"node 'F.mlp': injected", "(?s)injected.*in node 'F.mlp'", "boom", "boom in the backward", "bad batch", "panic in sched_lifetime.*deliberate 7"}
+INJECTED = {"a rank was started", "node 'F.mlp': injected", "(?s)injected.*in node 'F.mlp'", "boom", "boom in the backward", "bad batch", "panic in sched_lifetime.*deliberate 7"}
 
 
 def _rel(path: str) -> str:
