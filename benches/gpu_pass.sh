@@ -30,8 +30,8 @@
 #                                       # one vs two page streams at 65536 tokens (issue 32)
 #   bash benches/gpu_pass.sh calib2 OUT # nvidia-h200-x2: the main job over NCCL, ours vs calibrated
 set -uo pipefail
-mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s13a|s13b|s13c|s13d|s13f|s14a|s14b|final OUT}
-out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s13a|s13b|s13c|s13d|s13f|s14a|s14b|final OUT}
+mode=${1:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s13a|s13b|s13c|s13d|s13f|s14a|s14b|s14c|final OUT}
+out=${2:?usage: benches/gpu_pass.sh one|one2|two|two2|cuda2|explain|capture|four|twopage|link|link2|page2|page3|calib|calibl|calib2|hf|hfdet|hftrace|hftrace2|hfmin|hfpy|gscal|s4|s4b|s4c|s4d|s4e|s4f|s4g|s4h|s5a|s5b|s5c|s5d|s5e|s6a|s6b|s6c|s6d|s7a|s7b|s7c|s7d|s7e|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s13a|s13b|s13c|s13d|s13f|s14a|s14b|s14c|final OUT}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$here/torch_ops${PYTHONPATH:+:$PYTHONPATH}"
@@ -187,6 +187,18 @@ s14a)
     step family 200 "$py" benches/gpu_schedule_ab.py --family all --ratios 0.5,1.0,2.0 --calibrate-runs-b 5 --json "$out/family.json"
     step paging_8k_slack 200 "$py" benches/paging_ab.py --config h200 --steps 5 \
         --arms off,1s-timed:1.0,1s-timed:1.0:1.05,1s-timed:1.0:1.0 --json "$out/paging_8k_slack.json"
+    ;;
+s14c)
+    # Prepared (not run): the seventh session's changes that touch the GPU path, none run on a GPU
+    # (no device was lent): cudagraphs=True through our boxed runner (not torch's boxed_nop); the
+    # Pager's hooks outside Dynamo and its keep-on-device of saves unlike calibration; compile paging
+    # stepping aside inside torch.utils.checkpoint; the node path's reverse-order partial sums and
+    # tied-weight buffers. The cuda tests of those files, the HF GPU matrix, the 8192-token Pager A/B.
+    export PYTHONUNBUFFERED=1
+    step cuda_tests 240 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_compile.py tests/python/test_paging_pager.py \
+        tests/python/test_nodes_run.py tests/python/test_train_cuda.py tests/python/test_paging_nodes.py
+    hf_gpu_matrix 150
+    paging_8k
     ;;
 s14b)
     # Prepared (not run): s14a's third part, in a call of its own (the three took more than one call's 600 s).
