@@ -197,7 +197,7 @@ s14c)
     export PYTHONUNBUFFERED=1
     step cuda_tests 240 "$py" -m pytest -q -rs -m cuda -p no:logging tests/python/test_compile.py tests/python/test_paging_pager.py \
         tests/python/test_nodes_run.py tests/python/test_train_cuda.py tests/python/test_paging_nodes.py
-    hf_gpu_matrix 150
+    hf_gpu_matrix 120
     paging_8k
     ;;
 s14b)
