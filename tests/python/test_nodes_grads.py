@@ -144,7 +144,9 @@ def test_tied_weights_frozen_weights_and_a_loss_beside_other_outputs_are_as_auto
     """A parameter in two nodes' params (tied weights) gets each microbatch's two uses added
     before they go into `.grad`, as autograd does (added one node at a time, 2+ microbatches
     differed in the last bits); a frozen parameter in `params` gets no gradient (autograd.grad
-    raised); the loss may be one of its node's outputs (it had to be the only one)."""
+    raised); the loss may be one of its node's outputs (it had to be the only one). A parameter
+    listed twice in one node counts once (it took two gradients and used up the tied count:
+    found in review)."""
     from sched_lifetime.nodes import NodeDef
 
     mods = {}
@@ -157,7 +159,7 @@ def test_tied_weights_frozen_weights_and_a_loss_beside_other_outputs_are_as_auto
             NodeDef("in", "compute", ["x"], ["h"], lambda x: emb(x), list(emb.parameters()), grad_outputs=["h"]),
             NodeDef("mid", "compute", ["h"], ["u"], lambda h: torch.tanh(frozen(mid(h))), [*mid.parameters(), *frozen.parameters()], grad_inputs=["h"], grad_outputs=["u"]),
             NodeDef("out", "compute", ["u"], ["logits", "loss"],
-                    lambda u: (lo := u @ emb.weight, lo.square().mean()), [emb.weight], grad_inputs=["u"], grad_outputs=["loss"]),
+                    lambda u: (lo := u @ emb.weight, lo.square().mean()), [emb.weight, emb.weight], grad_inputs=["u"], grad_outputs=["loss"]),
         ]
         return nodes, [*emb.parameters(), *mid.parameters(), *frozen.parameters()]
 
@@ -177,6 +179,9 @@ def test_a_parameter_missing_from_params_and_a_non_scalar_loss_are_errors_naming
     unlisted = [NodeDef("a", "compute", ["x"], ["loss"], lambda x: lin(x).sum(), [lin.weight], grad_outputs=["loss"])]
     with pytest.raises(ValueError, match=r"node 'a': its function used a tensor that requires grad \(\(8,\) torch.float32, a Parameter\) that is not in its params"):
         train_step(Chunk(unlisted, ["x"], "loss", torch.device("cpu")), [{"x": torch.randn(2, 8)}], "sequential")
+    # A leaf made inside the function (a helper's tensor that requires grad) is no parameter: it runs.
+    scratch = [NodeDef("a", "compute", ["x"], ["loss"], lambda x: (lin(x) * torch.ones(8, requires_grad=True)).sum(), list(lin.parameters()), grad_outputs=["loss"])]
+    train_step(Chunk(scratch, ["x"], "loss", torch.device("cpu")), [{"x": torch.randn(2, 8)}], "sequential")
     vector = [NodeDef("a", "compute", ["x"], ["loss"], lambda x: lin(x).sum(1), list(lin.parameters()), grad_outputs=["loss"])]
     with pytest.raises(ValueError, match=r"the loss output 'loss' of microbatch 0 is a \(2,\) tensor: the loss must be a scalar tensor"):
         train_step(Chunk(vector, ["x"], "loss", torch.device("cpu")), [{"x": torch.randn(2, 8)}], "sequential")

@@ -366,6 +366,12 @@ class GraphPager:
         dead, self._dead = self._dead, []
         for run, gen in dead:
             if run.open and run.gen == gen and run is not self._bwd:
+                if run.aside:  # checkpoint dropped its values (its recompute saves them again): no copy to wait for, not a dropped step
+                    for key in [k for k, r in self._owner.items() if r is run]:
+                        del self._owner[key]
+                    self._forget_read()
+                    run.close()
+                    continue
                 self.abandon(run)
                 self.dropped_runs += 1
 

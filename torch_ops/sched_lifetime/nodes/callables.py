@@ -42,12 +42,14 @@ def _storage_id(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr() if t.layout == torch.strided else 0
 
 
-def _reads(outs: Sequence[Any]) -> dict[int, tuple[torch.Tensor, int]]:
+def _reads(outs: Sequence[Any], args: Sequence[Any] = ()) -> dict[int, tuple[torch.Tensor, int]]:
     """The leaf tensors that `outs`' autograd graph reads (by id: the tensor and how many of
-    the graph's edges read it): a node's detached inputs and the parameters its function used."""
+    the graph's edges read it): a node's detached inputs and the parameters its function used.
+    The walk stops at `args`' own history (an input with a grad_fn: what made it is not the node's)."""
     out: dict[int, tuple[torch.Tensor, int]] = {}
     stack = [o.grad_fn for o in outs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
-    seen: dict[int, Any] = {}  # the wrappers kept alive: torch makes one per graph node while it lives, else ids recur
+    # The wrappers kept alive: torch makes one per graph node while it lives, else ids recur.
+    seen: dict[int, Any] = {id(a.grad_fn): a.grad_fn for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
     while stack:
         fn = stack.pop()
         if id(fn) in seen:
@@ -71,15 +73,15 @@ def check_node_graph(chunk: Chunk, n: NodeDef, args: Sequence[Any], grad_ix: Seq
     where plain autograd puts it); an input read more than once by a node that is not the last
     to read it is a warning (its gradient is summed node by node, autograd's use by use: the last
     bits may differ from `loss.backward()`; `graph.sum_partials`)."""
-    reads = _reads(outs)
+    reads = _reads(outs, args)
     leaves = {n.inputs[i]: args[i] for i in grad_ix}
     listed = {id(p) for p in n.params} | {id(a) for a in args}  # (an input that requires grad but takes none is not a parameter)
-    stray = [t for i, (t, _) in reads.items() if i not in listed and t.requires_grad]
+    stray = [t for i, (t, _) in reads.items() if i not in listed and isinstance(t, torch.nn.Parameter) and t.requires_grad]
     if stray:
         t = stray[0]
         raise ValueError(
-            f"node '{n.name}': its function used a tensor that requires grad ({tuple(t.shape)} {t.dtype}"
-            f"{', a Parameter' if isinstance(t, torch.nn.Parameter) else ''}) that is not in its params ({len(stray)} such): "
+            f"node '{n.name}': its function used a tensor that requires grad ({tuple(t.shape)} {t.dtype}, a Parameter) "
+            f"that is not in its params ({len(stray)} such): "
             "its gradient would be lost; list every parameter the function uses in NodeDef.params"
         )
     for v, leaf in leaves.items():
@@ -203,12 +205,13 @@ def backward_fns(chunk: Chunk, n: NodeDef) -> dict[str, Callable[..., Any]]:
         fns[f"B.{n.name}"] = comm_b
         return fns
     has_dw = bool(n.params)
-    params = list(n.params)
+    params = list({id(p): p for p in n.params}.values())  # one listed twice (tied embedding and head) counts once
     fused = has_dw and not chunk.dw_nodes  # dI computes dW in the same call
 
     paged = n.name in chunk._paged
 
     tied = chunk._tied_params()
+    position = chunk.nodes.index(n)
 
     def accumulate(st: MicrobatchState, grads: Sequence[Optional[torch.Tensor]], keep: set) -> None:
         if tied:  # a tied weight's gradient waits for this microbatch's other nodes, then goes in once
@@ -216,13 +219,12 @@ def backward_fns(chunk: Chunk, n: NodeDef) -> dict[str, Callable[..., Any]]:
             for k, p in enumerate(params):
                 if id(p) not in tied:
                     continue
-                total, left = st.tied_grads.pop(id(p), (None, tied[id(p)]))
-                g = grads[k]
-                total = g if total is None else total if g is None else total + g
-                if left > 1:
-                    st.tied_grads[id(p)] = (total, left - 1)
-                    grads[k] = None
-                else:
+                parts = st.tied_grads.setdefault(id(p), {})
+                parts[position] = grads[k]
+                grads[k] = None
+                if len(parts) == tied[id(p)]:  # every node's part: added last use first, as autograd adds them
+                    del st.tied_grads[id(p)]
+                    total = sum_partials([g for _, g in sorted(parts.items()) if g is not None])
                     grads[k] = total
                     if total is not None:
                         keep.add(id(total))  # may be another node's tensor: `.grad` gets a copy

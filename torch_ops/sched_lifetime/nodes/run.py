@@ -154,6 +154,7 @@ def _feed_forward(c: Chunk, source: str, fwd: tuple[MicrobatchState, dict[str, A
     inputs.update({f"{source}.{k}": v for k, v in fwd[1].items()})
     c.ctx.compute = _compute_stream(c)
     c.ctx.fwd = fwd[0]
+    fwd[0].tied_grads.clear()  # a state reused after a step that raised keeps no partial
 
 
 def _feed_backward(c: Chunk, source: str, bwd: MicrobatchState, out_grad: torch.Tensor, inputs: dict[str, Any]) -> None:
