@@ -334,6 +334,41 @@ def test_refusals_name_what_is_wrong():
         NodeStage(torch.nn.Linear(2, 2), nodes=stage.chunk.nodes, order="fastest")
 
 
+def test_describe_takes_a_first_layer_that_reads_token_ids():
+    """A first stage starting with an Embedding: its input is token ids, which take no gradient
+    (it raised "only Tensors of floating point dtype can require gradients": a new user's
+    trial). Bit-exact against the plain modules, dI/dW split and fused."""
+    import copy
+
+    for dw_nodes in (True, False):
+        torch.manual_seed(0)
+        emb, lin = torch.nn.Embedding(11, 16), torch.nn.Linear(16, 16)
+        ref = copy.deepcopy(torch.nn.Sequential(emb, lin))
+        stage = NodeStage(torch.nn.Sequential(emb, lin), nodes=describe([emb, lin]), dw_nodes=dw_nodes)
+        ids = torch.randint(0, 11, (4, 3), generator=torch.Generator().manual_seed(1))
+        stage(ids).square().sum().backward()
+        ref(ids).square().sum().backward()
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip([emb.weight, lin.weight, lin.bias], ref.parameters())), dw_nodes
+
+
+def test_enable_overlap_refuses_what_is_not_a_schedule_and_a_rank_of_two_stage_kinds():
+    from types import SimpleNamespace
+
+    with pytest.raises(TypeError, match="enable_overlap takes a torch.distributed.pipelining schedule .*got NodeStage"):
+        enable_overlap(NodeStage(torch.nn.Linear(2, 2), nodes=describe([torch.nn.Linear(2, 2)])))
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+    node = NodeStage(torch.nn.Linear(2, 2), nodes=describe([torch.nn.Linear(2, 2)]))
+    graph = GraphStage(torch.nn.Linear(2, 2), (torch.zeros(1, 2),))
+    action = SimpleNamespace(computation_type=OVERLAP_F_B)
+    sched = SimpleNamespace(
+        _stages=[SimpleNamespace(submod=node, stage_index=0, _sl_split_wrapped=True), SimpleNamespace(submod=graph, stage_index=1)],
+        pipeline_order={0: [action]}, register_custom_function=lambda *a: None,
+    )
+    with pytest.raises(ValueError, match=r"the stages of this rank are of two kinds \(\['GraphStage', 'NodeStage'\]\)"):
+        enable_overlap(sched)
+
+
 def test_describe_takes_an_moe_layers_own_nodes():
     """A layer that says where its dispatch and combine are (`sched_nodes`) is described by
     its own nodes; a middle stage built with `describe` matches the plain stage."""

@@ -82,7 +82,8 @@ def capture_graphs(model: torch.nn.Module, example_inputs: tuple) -> tuple:
             "track_running_stats=False) or train this module eagerly"
         )
     if not isinstance(out, torch.Tensor):
-        raise ValueError(f"the module must return one tensor, got {type(out).__name__}")
+        what = f"{len(out)} outputs (a tuple or list)" if isinstance(out, (tuple, list)) else type(out).__name__
+        raise ValueError(f"the module must return one tensor (a GraphStep's loss, a GraphStage's activation), got {what}")
     before = [p.grad for p in state]
     out.backward(torch.zeros_like(out))  # the backward graph is compiled on first use
     for p, g in zip(state, before):

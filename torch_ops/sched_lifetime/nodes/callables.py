@@ -135,7 +135,10 @@ def forward_fn(chunk: Chunk, n: NodeDef, release_points: bool) -> Callable[..., 
         args = list(args)
         leaves = []
         for i in grad_ix:
-            args[i] = args[i].detach().requires_grad_(True)
+            if args[i].is_floating_point() or args[i].is_complex():
+                args[i] = args[i].detach().requires_grad_(True)
+            # else (token ids into a first layer that `pipelining.describe` marks as taking a
+            # gradient): no gradient, as under autograd; its backward hands back zeros
             leaves.append(args[i])
         hooks = pages.saved_tensors_hooks(n.name, n.name in chunk._paged, ctx.fwd)
         probe = n.name not in chunk._probed and isinstance(hooks, contextlib.nullcontext)
@@ -245,13 +248,15 @@ def backward_fns(chunk: Chunk, n: NodeDef) -> dict[str, Callable[..., Any]]:
             accumulate(st, res[len(leaves) :], grad_ids(res[: len(leaves)], grads, [g]))  # (x + p: p's gradient is x's)
             res = res[: len(leaves)]
         elif not has_dw:
-            res = torch.autograd.grad(outs, leaves, g, allow_unused=True)
+            res = _grad(outs, leaves, g)
             st.paged_in.pop(n.name, None)
         else:
             # dW follows (a control edge orders it): split where the weights join the
             # input's graph, so dW reuses the gradients computed here instead of redoing them.
-            split = _WeightSplit(outs, leaves, params)
-            res = split.input_grads(g)
+            live = [leaf for leaf in leaves if leaf.requires_grad]
+            split = _WeightSplit(outs, live, params)
+            got = iter(split.input_grads(g))
+            res = [next(got) if leaf.requires_grad else None for leaf in leaves]
             split.passed_on = grad_ids(res, grads, [g])  # dW's gradients may be these very tensors
             st.saved[n.name] = split
         return tuple(torch.zeros_like(leaf) if r is None else r for r, leaf in zip(res, leaves))

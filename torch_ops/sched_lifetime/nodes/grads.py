@@ -92,6 +92,9 @@ class _WeightSplit:
         self.grads: Optional[list[torch.Tensor]] = None
 
     def input_grads(self, grads: list[torch.Tensor]) -> tuple:
+        if not self.leaves:  # no input takes a gradient here (token ids): dW does it all
+            self.grads = grads
+            return ()
         handles = []
         for grp in self.groups:
             grp["intermediates"] = list(grp["intermediates"])

@@ -33,7 +33,12 @@ def enable_overlap(schedule: Any) -> bool:
     """
     from torch.distributed.pipelining.schedules import OVERLAP_F_B
 
-    stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
+    stages = list(getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)] or [])
+    if not stages or any(getattr(st, "submod", None) is None for st in stages):
+        raise TypeError(
+            f"enable_overlap takes a torch.distributed.pipelining schedule (e.g. ScheduleDualPipeV(stages, ...)), "
+            f"got {type(schedule).__name__}"
+        )
     for st in stages:
         if isinstance(st.submod, NodeStage):
             # dI at BACKWARD_INPUT, dW at BACKWARD_WEIGHT: the runtime calls the stage's
@@ -58,6 +63,12 @@ def enable_overlap(schedule: Any) -> bool:
             f"stages {plain} are neither NodeStage nor GraphStage modules: wrap each stage's module as "
             "sl.pipelining.NodeStage(module, nodes) (eager) or GraphStage(module, example_inputs) "
             "(compiled) so its forward and backward can be multiplexed"
+        )
+    kinds = {type(s.submod).__name__ for s in stages}
+    if len(kinds) > 1:
+        raise ValueError(
+            f"the stages of this rank are of two kinds ({sorted(kinds)}): OVERLAP_F_B multiplexes two stages of one "
+            "kind (their graphs run as one schedule), so nothing would overlap; wrap every stage of a rank the same way"
         )
     schedule.register_custom_function(OVERLAP_F_B, _overlap_f_b)
     return True
