@@ -277,10 +277,11 @@ class Pager:
     def step(self) -> Iterator["Pager"]:
         """One forward + backward with the hooks on; the first one calibrates (the first two
         when timed on CUDA)."""
+        hooks = outside_dynamo(self._pack, self._unpack)  # before the step starts (the first call imports torch._dynamo)
         self.begin()
         ok = False
         try:
-            with torch.autograd.graph.saved_tensors_hooks(*outside_dynamo(self._pack, self._unpack)):
+            with torch.autograd.graph.saved_tensors_hooks(*hooks):
                 yield self
             ok = True
         finally:
