@@ -68,9 +68,9 @@ def _reads(outs: Sequence[Any], args: Sequence[Any] = ()) -> dict[int, tuple[tor
 
 
 def check_node_graph(chunk: Chunk, n: NodeDef, args: Sequence[Any], grad_ix: Sequence[int], outs: Sequence[Any]) -> None:
-    """On a node's first forward, what its autograd graph reads: a parameter (a leaf that
-    requires grad) missing from `n.params` is an error (its gradient would never reach `.grad`,
-    where plain autograd puts it); an input read more than once by a node that is not the last
+    """On a node's first forward, what its autograd graph reads: an `nn.Parameter` that requires
+    grad and is missing from `n.params` is an error (its gradient would never reach `.grad`,
+    where plain autograd puts it; a leaf the function makes itself is no parameter); an input read more than once by a node that is not the last
     to read it is a warning (its gradient is summed node by node, autograd's use by use: the last
     bits may differ from `loss.backward()`; `graph.sum_partials`)."""
     reads = _reads(outs, args)
