@@ -686,19 +686,25 @@ def _square_sum_steps(model, run, inputs, lr: float = 0.0) -> tuple[list, list]:
     return calls, [p.detach().clone() for p in model.parameters()]
 
 
+def _cudagraphs_cuda_setup() -> tuple:
+    """The cudagraphs cuda tests' start: skipped without CUDA, strict determinism, seed 0;
+    (torch's cudagraph_trees module, the CUDA device)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from torch._inductor import cudagraph_trees
+
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(0)
+    return cudagraph_trees, torch.device("cuda")
+
+
 @pytest.mark.cuda
 def test_cudagraphs_under_dynamic_shapes_record_one_graph_per_size():
     """cudagraphs=True with sizes that change between calls (dynamic=True; transformers' eager
     experts loop gives graphs whose token counts differ per call): each size gets its own
     recording, replays of every size bit-exact against eager. Capturing at compile time keyed
     the recordings on symbols: a graph recorded for 15 rows replayed for 14 and raised."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from torch._inductor import cudagraph_trees
-
-    torch.use_deterministic_algorithms(True)
-    dev = torch.device("cuda")
-    torch.manual_seed(0)
+    cudagraph_trees, dev = _cudagraphs_cuda_setup()
     base = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)).to(dev)
     sizes = [15, 14, 15, 14, 13, 15, 13, 14, 13]  # every size recorded, then replayed with new inputs
     inputs = [torch.randn(n, 32, generator=torch.Generator().manual_seed(i)).to(dev) for i, n in enumerate(sizes)]
@@ -724,13 +730,7 @@ def test_cudagraphs_read_parameters_in_place_not_copied_into_the_pool():
     no copy of them. A frozen 128 MiB weight (no gradient of its size in the pool) against a few
     KiB of activations and the cuBLAS workspace: with only the count of Dynamo's fixed arguments
     (0 when modules are inlined) every replay copied the weight into the pool."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from torch._inductor import cudagraph_trees
-
-    torch.use_deterministic_algorithms(True)
-    dev = torch.device("cuda")
-    torch.manual_seed(0)
+    cudagraph_trees, dev = _cudagraphs_cuda_setup()
     base = torch.nn.Sequential(torch.nn.Linear(8192, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 8)).to(dev)
     base[0].weight.requires_grad_(False)
     frozen = base[0].weight.numel() * base[0].weight.element_size()

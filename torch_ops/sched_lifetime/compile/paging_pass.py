@@ -367,10 +367,7 @@ class GraphPager:
         for run, gen in dead:
             if run.open and run.gen == gen and run is not self._bwd:
                 if run.aside:  # checkpoint dropped its values (its recompute saves them again): no copy to wait for, not a dropped step
-                    for key in [k for k, r in self._owner.items() if r is run]:
-                        del self._owner[key]
-                    self._forget_read()
-                    run.close()
+                    self._close(run)
                     continue
                 self.abandon(run)
                 self.dropped_runs += 1
@@ -476,11 +473,8 @@ class GraphPager:
         stay taken: at `MAX_RUNS` such slots every forward fails)."""
         if self._bwd is run:
             self._bwd = None
-        for key in [k for k, r in self._owner.items() if r is run]:
-            del self._owner[key]
-        self._forget_read()
         aside = run.aside
-        run.close()
+        self._close(run)
         if self.timed:
             if not aside:
                 run.pager.end(False)
@@ -491,6 +485,13 @@ class GraphPager:
         run.pool.abandon()  # before the unwaited page-ins' events are reused
         for ev in launched:
             run.pool.recycle(ev)
+
+    def _close(self, run: _Run) -> None:
+        """`run`'s saved values forgotten (`owns`, the backward's lookup) and its slot closed."""
+        for key in [k for k, r in self._owner.items() if r is run]:
+            del self._owner[key]
+        self._forget_read()
+        run.close()
 
     def check_version(self, run: _Run, i: int, version: SavedVersion) -> None:
         """Autograd's in-place check for paged value `i` of `run` at its page-in; a refused

@@ -179,22 +179,16 @@ def backward_fns(chunk: Chunk, n: NodeDef) -> dict[str, Callable[..., Any]]:
     """The callables of `n`'s backward nodes: `B.<node>` (dI, or a comm's transpose) and
     `B.<node>.dw` (dW), those its graph has."""
     ctx, pages = chunk.ctx, chunk.pages
-    per_output = [
-        (1 if v == chunk.loss_output else 0) + len(chunk._grad_consumers.get(v, ())) for v in chunk._flowing(n)
-    ]
-
-    seeded = [v == chunk.loss_output for v in chunk._flowing(n)]
+    # Per flowing output: whether the loss's seed comes first among its gradients, and how many.
+    per_output = [(v == chunk.loss_output, (v == chunk.loss_output) + len(chunk._grad_consumers.get(v, ()))) for v in chunk._flowing(n)]
 
     def summed(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Per flowing output, its gradient: the loss's seed, or its consumers' partials added
-        as autograd adds them (`sum_partials`)."""
+        """Per flowing output, its gradient: its consumers' partials added as autograd adds them
+        (`sum_partials`), after the loss's seed where there is one."""
         out, k = [], 0
-        for count, seed in zip(per_output, seeded):
+        for seed, count in per_output:
             parts = list(grads[k : k + count])
-            g = parts[0] if seed else sum_partials(parts)
-            for extra in reversed(parts[1:]) if seed else ():
-                g = g + extra
-            out.append(g)
+            out.append(sum_partials(parts[1:] + parts[:1] if seed else parts))
             k += count
         return out
 

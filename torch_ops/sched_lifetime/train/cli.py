@@ -11,12 +11,13 @@ import os
 import socket
 import sys
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
+from ..calibrate import fold_name
 from .arms import arms_help, check_arms, default_arms
-from .loop import config_of, say, worker
+from .loop import config_of, costs_refusal, say, unknown_costs, worker
 
 
 def _free_port() -> int:
@@ -142,16 +143,14 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         bad = sorted(k for k, v in costs.items() if not math.isfinite(v) or v < 0)
         if bad:
             p.error(f"--costs {args.costs!r}: a node's cost is microseconds, finite and >= 0; {len(bad)} are not, e.g. {bad[:3]}")
-        unknown, known = costs_unknown_to(args, costs)
-        if unknown:  # a typo or another config's file would leave those nodes at cost 0, silently
-            p.error(f"--costs {args.costs!r}: {len(unknown)} name(s) are not nodes of config {args.config!r}'s step graph, "
-                    f"e.g. {unknown[:5]}; its nodes are named like {known[:3]} (a durations.json of a run of the same config)")
-        from ..calibrate import fold_name
-
-        covered = {fold_name(str(k)) for k in costs}
-        left = [k for k in known if k not in covered and fold_name(k) == k]
         if not costs:
             p.error(f"--costs {args.costs!r}: names no node (an empty object); a run's durations.json has every node's time")
+        known = sorted(n["name"] for n in meta_chunk(args).graph(True, True)["nodes"])
+        unknown = unknown_costs(costs, known)
+        if unknown:  # a typo or another config's file would leave those nodes at cost 0, silently
+            p.error(costs_refusal(args, unknown, known))
+        covered = {fold_name(str(k)) for k in costs}
+        left = [k for k in known if k not in covered and fold_name(k) == k]
         if left:  # rule search would take them as free: said, not refused (a file may time only some nodes on purpose)
             print(f"note: --costs {args.costs!r} has no cost for {len(left)} of config {args.config!r}'s {len(known)} nodes "
                   f"(e.g. {left[:3]}); rule search takes them as free", file=sys.stderr)
@@ -162,25 +161,20 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--out {args.out!r}: cannot make that directory ({e.strerror})")
 
 
-def costs_unknown_to(args: argparse.Namespace, costs: dict) -> tuple[list[str], list[str]]:
-    """(the names of `costs` that are no node of `--config`'s step graph, the graph's node
-    names): the model built on the meta device, as `pageable_nodes_of`."""
-    from ..calibrate import fold_name
+def meta_chunk(args: argparse.Namespace) -> Any:
+    """`--config`'s (and `--layers`') model as a chunk, built on the meta device (no memory, no
+    ranks): what the options that name its nodes are checked against."""
     from ..models import MoEModel
 
     with torch.device("meta"):
-        known = sorted(n["name"] for n in MoEModel(config_of(args), device="meta").chunk().graph(True, True)["nodes"])
-    return sorted(k for k in costs if fold_name(str(k)) not in set(known)), known
+        return MoEModel(config_of(args), device="meta").chunk()
 
 
 def pageable_nodes_of(args: argparse.Namespace) -> list[str]:
-    """The nodes `--page-nodes` may name for `--config` (and `--layers`): the model built on the
-    meta device (no memory, no ranks), its chunk asked (`nodes.page_hooks.pageable_nodes`)."""
-    from ..models import MoEModel
+    """The nodes `--page-nodes` may name (`nodes.page_hooks.pageable_nodes` of `meta_chunk`)."""
     from ..nodes.page_hooks import pageable_nodes
 
-    with torch.device("meta"):
-        return pageable_nodes(MoEModel(config_of(args), device="meta").chunk())
+    return pageable_nodes(meta_chunk(args))
 
 
 def check_world(p: argparse.ArgumentParser, args: argparse.Namespace, use_cuda: bool) -> None:

@@ -148,6 +148,23 @@ def _link_spec(args: argparse.Namespace) -> Optional[str]:
     return spec if spec not in (None, "nccl") else None
 
 
+def unknown_costs(costs: dict, known: list[str]) -> list[str]:
+    """The names of `costs` (a second microbatch's, `F2.`, as the first's) that are no node of
+    the step graph whose node names are `known`."""
+    from ..calibrate import fold_name
+
+    names = set(known)
+    return sorted(k for k in costs if fold_name(str(k)) not in names)
+
+
+def costs_refusal(args: argparse.Namespace, unknown: list[str], known: list[str]) -> str:
+    """Why `--costs` is refused when it names nodes the config's step graph lacks."""
+    return (
+        f"--costs {args.costs!r}: {len(unknown)} name(s) are not nodes of config {args.config!r}'s step graph, "
+        f"e.g. {unknown[:5]}; its nodes are named like {known[:3]} (a durations.json of a run of the same config)"
+    )
+
+
 def build_arms(args: argparse.Namespace, cfg: Any, transport: Any, device: torch.device, rank0: bool) -> dict[str, Arm]:
     """The arms of `args.arms`, same weights, with `--costs` and the paged arms' page plans."""
     from ..calibrate import Calibration
@@ -158,17 +175,12 @@ def build_arms(args: argparse.Namespace, cfg: Any, transport: Any, device: torch
     # calibrated order (train_step's default searches in the background, a step later).
     arms = {a: Arm(a, cfg, transport, device, args.lr, Calibration(steps, smoothing, background=False)) for a in names}
     if args.costs:
-        from ..calibrate import fold_name
-
         with open(args.costs) as f:
             costs = {str(k): float(v) for k, v in json.load(f).items()}
-        known = {n["name"] for n in next(iter(arms.values())).chunk.graph(True, True)["nodes"]}
-        unknown = sorted(k for k in costs if fold_name(k) not in known)
+        known = sorted(n["name"] for n in next(iter(arms.values())).chunk.graph(True, True)["nodes"])
+        unknown = unknown_costs(costs, known)
         if unknown:  # a typo or another config's file would leave those nodes at cost 0, silently
-            raise SystemExit(
-                f"--costs {args.costs!r}: {len(unknown)} name(s) are not nodes of config {args.config!r}'s step graph, "
-                f"e.g. {unknown[:5]}; its nodes are named like {sorted(known)[:3]} (a durations.json of a run of the same config)"
-            )
+            raise SystemExit(costs_refusal(args, unknown, known))
         for arm in arms.values():
             arm.chunk.costs = costs
     for a, arm in arms.items():
